@@ -1,0 +1,91 @@
+"""The errors a %%horovod cell can end with.
+
+Each renders itself for IPython through ``_render_traceback_`` (as ipyparallel's
+CompositeError does), so the user sees the remote traceback of their own cell,
+not the launcher's frames or a page of Java.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+class HvdmagicError(Exception):
+    """Base class; the message is complete and the launcher's stack is noise."""
+
+    def _render_traceback_(self) -> list[str]:
+        return [f"{type(self).__name__}: {self}"]
+
+
+class LaunchError(HvdmagicError):
+    """The job could not start: bad set-up, not enough slots, no Spark, no horovod."""
+
+
+class CaptureError(HvdmagicError):
+    """The cell could not be turned into something the ranks can run."""
+
+
+class CellSyntaxError(CaptureError):
+    def __init__(self, formatted: str):
+        super().__init__(formatted)
+        self.formatted = formatted
+
+    def _render_traceback_(self) -> list[str]:
+        return ["%%horovod cell has a syntax error:", *self.formatted.rstrip("\n").splitlines()]
+
+
+@dataclass
+class RankFailure:
+    rank: int
+    summary: str  # "ValueError: boom" or "exited with code 3"
+    traceback: str = ""
+    host: str = ""
+
+
+class JobFailed(HvdmagicError):
+    """One or more ranks failed; the others were stopped."""
+
+    MAX_TRACEBACKS = 3
+
+    def __init__(self, failures: list[RankFailure], stopped: list[int], note: str = ""):
+        self.failures = failures
+        self.stopped = stopped
+        self.note = note
+        super().__init__(self._headline())
+
+    def _headline(self) -> str:
+        parts = []
+        first = self.failures[0] if self.failures else None
+        if first is not None:
+            where = f" on {first.host}" if first.host else ""
+            parts.append(f"rank {first.rank}{where} failed: {first.summary}")
+        others = sorted({f.rank for f in self.failures[1:]})
+        if others:
+            parts.append(f"rank(s) {', '.join(map(str, others))} failed too")
+        if self.stopped:
+            parts.append(f"rank(s) {', '.join(map(str, self.stopped))} were stopped")
+        if self.note:
+            parts.append(self.note)
+        return "; ".join(parts) + "."
+
+    def _render_traceback_(self) -> list[str]:
+        lines = [f"JobFailed: {self}"]
+        shown: dict[str, list[int]] = {}
+        for failure in self.failures:
+            shown.setdefault(failure.traceback or failure.summary, []).append(failure.rank)
+        for i, (text, ranks) in enumerate(shown.items()):
+            if i == self.MAX_TRACEBACKS:
+                lines.append(f"... and {len(shown) - i} more distinct failure(s)")
+                break
+            lines.append("")
+            lines.append(f"--- rank {', '.join(map(str, ranks))} ---")
+            lines.extend(text.rstrip("\n").splitlines())
+        return lines
+
+
+class JobTimeout(JobFailed):
+    pass
+
+
+class JobInterrupted(HvdmagicError):
+    """The user interrupted the kernel; the ranks were stopped."""

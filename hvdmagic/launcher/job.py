@@ -1,0 +1,172 @@
+"""The launcher core shared by the magic, the Python API and local mode.
+
+A job starts the per-job services on the driver (the event channel and
+horovod's rendezvous), hands a TaskSpec to a backend (Spark barrier stage or
+local threads), then reads events until every rank has exited, one has failed,
+the time is up or the user interrupts. Whatever happens, ``_stop`` aborts the
+ranks, cancels the backend and closes the services.
+"""
+
+from __future__ import annotations
+
+import base64
+import queue
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from hvdmagic import channel
+from hvdmagic.errors import JobFailed, JobInterrupted, JobTimeout, LaunchError, RankFailure
+from hvdmagic.launcher.layout import Slot, horovod_plan
+from hvdmagic.launcher.rendezvous import Rendezvous
+from hvdmagic.launcher.supervisor import TaskSpec
+
+ABORT_GRACE = 5.0  # seconds the other ranks get to report after the first failure
+POLL = 0.1
+
+
+@dataclass
+class JobResult:
+    results: list[Any]  # one per rank, in rank order
+    slots: list[Slot]
+    duration: float
+
+    @property
+    def value(self) -> Any:
+        return self.results[0]
+
+
+@dataclass
+class _State:
+    np: int
+    slots: dict[int, Slot] = field(default_factory=dict)  # by task index
+    hosts: dict[int, str] = field(default_factory=dict)  # by rank, for messages
+    results: dict[int, Any] = field(default_factory=dict)
+    exits: dict[int, int] = field(default_factory=dict)
+    failures: list[RankFailure] = field(default_factory=list)
+    go_sent: bool = False
+
+
+class Job:
+    def __init__(self, backend, payload: bytes, *, timeout: float | None = None,
+                 on_event: Callable[[dict], None] | None = None):
+        self.backend = backend
+        self.np = backend.np
+        self.payload = payload
+        self.timeout = timeout
+        self.on_event = on_event or (lambda event: None)
+        self.job_id = uuid.uuid4().hex[:12]
+
+    def run(self) -> JobResult:
+        started = time.monotonic()
+        secret = channel.new_secret()
+        server = channel.ChannelServer(self.backend.bind_host, secret)
+        rendezvous = Rendezvous(self.backend.bind_host)
+        state = _State(self.np)
+        try:
+            spec = TaskSpec(
+                job_id=self.job_id, driver_host=self.backend.bind_host, channel_port=server.address[1],
+                rendezvous_port=rendezvous.port, secret=secret, payload=self.payload,
+            )
+            self.backend.start(spec)
+            self._loop(server, rendezvous, state, started)
+        except KeyboardInterrupt:
+            self._shutdown(server, rendezvous, state)
+            raise JobInterrupted("interrupted: every rank was stopped and the Spark job cancelled.") from None
+        finally:
+            self._shutdown(server, rendezvous, state)
+        return JobResult(
+            results=[state.results.get(rank) for rank in range(self.np)],
+            slots=sorted(state.slots.values(), key=lambda s: s.rank),
+            duration=time.monotonic() - started,
+        )
+
+    def _loop(self, server: channel.ChannelServer, rendezvous: Rendezvous, state: _State, started: float) -> None:
+        deadline = started + self.timeout if self.timeout else None
+        aborted_at = None
+        timed_out = False
+        while len(state.exits) < self.np:
+            now = time.monotonic()
+            if aborted_at is None:
+                timed_out = deadline is not None and now > deadline
+                if state.failures or timed_out:
+                    # Fail fast: stop the others now, then give them a moment to report.
+                    server.broadcast({"type": "abort"})
+                    aborted_at = now
+                elif error := self.backend.failure():
+                    raise LaunchError(error)
+            elif now - aborted_at > ABORT_GRACE:
+                break
+            try:
+                link, event = server.events.get(timeout=POLL)
+            except queue.Empty:
+                continue
+            self._handle(event, state, server, rendezvous)
+
+        if state.failures or timed_out:
+            failed = {f.rank for f in state.failures}
+            stopped = sorted(r for r in range(self.np) if r not in failed and state.exits.get(r) != 0)
+            if timed_out:
+                raise JobTimeout(state.failures, stopped, note=f"the run exceeded --timeout {self.timeout:g} s")
+            raise JobFailed(state.failures, stopped)
+
+    def _handle(self, event: dict, state: _State, server, rendezvous: Rendezvous) -> None:
+        kind = event.get("type")
+        if kind == "hello":
+            slot = Slot(**event["slot"])
+            state.slots[int(event["task"])] = slot
+            state.hosts[slot.rank] = event.get("hostname", slot.host)
+            if len(state.slots) == self.np and not state.go_sent:
+                # Horovod's rendezvous must know the plan before any rank joins it.
+                rendezvous.init(horovod_plan(list(state.slots.values())))
+                server.broadcast({"type": "go"})
+                state.go_sent = True
+            self.on_event({"type": "placed", "rank": slot.rank, "host": state.hosts[slot.rank]})
+            return
+        rank = event.get("rank")
+        if not isinstance(rank, int) or not 0 <= rank < self.np:
+            return
+        if kind == "result":
+            import cloudpickle
+
+            # Safe to unpickle: the frame passed the per-job HMAC check in the channel.
+            state.results[rank] = cloudpickle.loads(base64.b64decode(event["data"]))
+        elif kind == "error":
+            state.failures.append(RankFailure(rank, f"{event.get('exc_type')}: {event.get('message')}",
+                                              event.get("traceback", ""), state.hosts.get(rank, "")))
+        elif kind == "exit":
+            code = int(event.get("code", -1))
+            state.exits[rank] = code
+            if code != 0 and not event.get("aborted") and not any(f.rank == rank for f in state.failures):
+                state.failures.append(RankFailure(rank, _describe_exit(code), "", state.hosts.get(rank, "")))
+        self.on_event(event)
+
+    def _shutdown(self, server: channel.ChannelServer, rendezvous: Rendezvous, state: _State) -> None:
+        """Idempotent: abort whatever still runs, cancel the backend, close the services."""
+        if len(state.exits) < self.np:
+            server.broadcast({"type": "abort"})
+            grace_end = time.monotonic() + ABORT_GRACE
+            while len(state.exits) < len(state.slots) and time.monotonic() < grace_end:
+                try:
+                    _, event = server.events.get(timeout=POLL)
+                except queue.Empty:
+                    continue
+                if event.get("type") == "exit" and isinstance(event.get("rank"), int):
+                    state.exits[event["rank"]] = int(event.get("code", -1))
+            self.backend.cancel()
+        self.backend.join(timeout=30)
+        rendezvous.stop()
+        server.close()
+
+
+def _describe_exit(code: int) -> str:
+    if code < 0:
+        import signal
+
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return f"killed by {name}"
+    return f"exited with code {code}"

@@ -1,0 +1,91 @@
+"""Where each rank sits, and the Horovod environment that tells it so.
+
+Ranks are numbered host by host in the order the hosts first appear among the
+barrier tasks, so ranks sharing a host are contiguous, as Horovod expects.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass
+
+
+@dataclass(frozen=True)
+class Slot:
+    rank: int
+    size: int
+    local_rank: int
+    local_size: int
+    cross_rank: int
+    cross_size: int
+    host: str
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def compute_layout(task_hosts: list[str]) -> list[Slot]:
+    """One Slot per task, indexed by task (partition) number.
+
+    ``task_hosts[i]`` is the host key of barrier task i. The result is the same
+    on every task and on the driver, because it depends only on that list.
+    """
+    if not task_hosts:
+        raise ValueError("a layout needs at least one task")
+    hosts: dict[str, list[int]] = {}
+    for task, host in enumerate(task_hosts):
+        hosts.setdefault(host, []).append(task)
+    host_order = list(hosts)
+    size = len(task_hosts)
+    slots: list[Slot | None] = [None] * size
+    rank = 0
+    for host in host_order:
+        tasks = hosts[host]
+        for local_rank, task in enumerate(tasks):
+            peers = [h for h in host_order if len(hosts[h]) > local_rank]
+            slots[task] = Slot(
+                rank=rank,
+                size=size,
+                local_rank=local_rank,
+                local_size=len(tasks),
+                cross_rank=peers.index(host),
+                cross_size=len(peers),
+                host=host,
+            )
+            rank += 1
+    return slots  # type: ignore[return-value]
+
+
+def horovod_plan(slots: list[Slot]):
+    """The same layout as horovod's SlotInfo list, for its RendezvousServer."""
+    from horovod.runner.common.util.hosts import SlotInfo
+
+    return [
+        SlotInfo(hostname=s.host, rank=s.rank, local_rank=s.local_rank, cross_rank=s.cross_rank,
+                 size=s.size, local_size=s.local_size, cross_size=s.cross_size)
+        for s in sorted(slots, key=lambda s: s.rank)
+    ]
+
+
+def rank_environment(slot: Slot, rendezvous: tuple[str, int], iface: str) -> dict[str, str]:
+    """Horovod's Gloo variables for one rank process."""
+    env = {
+        "HOROVOD_RANK": str(slot.rank),
+        "HOROVOD_SIZE": str(slot.size),
+        "HOROVOD_LOCAL_RANK": str(slot.local_rank),
+        "HOROVOD_LOCAL_SIZE": str(slot.local_size),
+        "HOROVOD_CROSS_RANK": str(slot.cross_rank),
+        "HOROVOD_CROSS_SIZE": str(slot.cross_size),
+        "HOROVOD_HOSTNAME": slot.host,
+        "HOROVOD_GLOO_RENDEZVOUS_ADDR": rendezvous[0],
+        "HOROVOD_GLOO_RENDEZVOUS_PORT": str(rendezvous[1]),
+        "HOROVOD_GLOO_IFACE": iface,
+        "HOROVOD_CONTROLLER": "gloo",
+        "HOROVOD_CPU_OPERATIONS": "gloo",
+        "PYTHONUNBUFFERED": "1",
+    }
+    if "OMP_NUM_THREADS" not in os.environ:
+        # Without this every rank's torch starts one thread per core, and ranks
+        # sharing a host fight over the same cores.
+        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // slot.local_size))
+    return env

@@ -1,0 +1,31 @@
+"""Horovod's own Gloo RendezvousServer, bound to the one address the ranks use.
+
+RendezvousServer.start() listens on every interface of the driver. We keep
+horovod's class (its init/stop and its HTTP handler) and override only start()
+so the key-value store is reachable on the driver address alone.
+"""
+
+from __future__ import annotations
+
+from horovod.runner.http.http_server import RendezvousHandler, RendezvousHTTPServer, RendezvousServer
+from horovod.runner.util.threads import in_thread
+
+
+class Rendezvous(RendezvousServer):
+    def __init__(self, host: str, verbose: int = 0):
+        super().__init__(verbose)
+        self._host = host
+        self._stopped = False
+        self.port = self.start()
+
+    def start(self, handler_cls=RendezvousHandler) -> int:
+        self._httpd = RendezvousHTTPServer((self._host, 0), handler_cls, self._verbose)
+        self._listen_thread = in_thread(target=self._httpd.serve_forever)
+        return self._httpd.server_address[1]
+
+    def stop(self) -> None:
+        if self._stopped:
+            return
+        self._stopped = True
+        super().stop()
+        self._httpd.server_close()

@@ -1,0 +1,219 @@
+"""One task's side of a job: start a rank process and relay everything it says.
+
+The same code runs inside a Spark barrier task and, in local mode, in a thread
+on the driver. It connects to the driver's channel, learns the layout, waits
+for the driver's go (the rendezvous must be initialised before any rank
+touches it), spawns a fresh interpreter for the rank in its own session, and
+forwards its output and events until it exits or the driver says abort.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from hvdmagic import channel
+from hvdmagic.launcher.layout import Slot, compute_layout, rank_environment
+from hvdmagic.launcher.network import interface_for
+
+TRANSIENT_INTERVAL = 1.0  # seconds between forwarded \r progress updates per stream
+MAX_LINE = 10_000
+KILL_GRACE = 3.0
+_LINE_END = re.compile(r"\r\n|\n|\r")
+
+
+@dataclass(frozen=True)
+class TaskSpec:
+    """Everything a task needs, shipped in the Spark closure (or handed to a thread)."""
+
+    job_id: str
+    driver_host: str
+    channel_port: int
+    rendezvous_port: int
+    secret: bytes
+    payload: bytes
+
+
+class LineSplitter:
+    """Turns a byte stream into complete lines plus the latest \\r-terminated update.
+
+    A tqdm-style bar rewrites its line with \\r many times a second; only the
+    newest state matters, so transient updates are rate-limited and superseded.
+    """
+
+    def __init__(self, interval: float = TRANSIENT_INTERVAL):
+        self._buffer = ""
+        self._interval = interval
+        self._last_transient = float("-inf")
+        self.pending_transient: str | None = None
+
+    def feed(self, text: str, now: float) -> tuple[list[str], str | None]:
+        """Returns (complete lines, transient to show now or None)."""
+        self._buffer += text
+        lines: list[str] = []
+        pos = 0
+        for match in _LINE_END.finditer(self._buffer):
+            segment = self._buffer[pos:match.start()][:MAX_LINE]
+            pos = match.end()
+            if match.group() == "\r":
+                self.pending_transient = segment
+            else:
+                lines.append(segment)
+                self.pending_transient = None
+        self._buffer = self._buffer[pos:]
+        if len(self._buffer) > MAX_LINE:  # a runaway line with no end
+            lines.append(self._buffer[:MAX_LINE])
+            self._buffer = ""
+        if lines:
+            self._last_transient = float("-inf")
+        transient = None
+        if self.pending_transient is not None and now - self._last_transient >= self._interval:
+            transient, self.pending_transient = self.pending_transient, None
+            self._last_transient = now
+        return lines, transient
+
+    def finish(self) -> list[str]:
+        tail = [t for t in (self.pending_transient, self._buffer) if t]
+        self.pending_transient, self._buffer = None, ""
+        return tail
+
+
+class Supervisor:
+    def __init__(self, spec: TaskSpec, task_index: int, gather: Callable[[str], list[str]]):
+        self.spec = spec
+        self.task_index = task_index
+        self.gather = gather
+        self.proc: subprocess.Popen | None = None
+        self.slot: Slot | None = None
+        self._aborted = threading.Event()
+
+    def run(self) -> int:
+        link = channel.connect(self.spec.driver_host, self.spec.channel_port, self.spec.secret)
+        try:
+            return self._run(link)
+        finally:
+            link.close()
+
+    def _run(self, link: channel.Link) -> int:
+        # The address this host uses to reach the driver names the host, and its
+        # interface is the one the ranks can reach each other on.
+        host_ip = link.sock.getsockname()[0]
+        layout = compute_layout(self.gather(host_ip))
+        self.slot = slot = layout[self.task_index]
+        link.send({"type": "hello", "task": self.task_index, "slot": slot.to_dict(),
+                   "hostname": socket.gethostname(), "pid": os.getpid()})
+        reply = link.recv()
+        if reply.get("type") != "go":
+            return -1
+        threading.Thread(target=self._listen, args=(link,), name="hvdmagic-abort-listener", daemon=True).start()
+
+        events_r, events_w = os.pipe()
+        env = dict(os.environ)
+        env.update(rank_environment(slot, (self.spec.driver_host, self.spec.rendezvous_port), interface_for(host_ip)))
+        env["HVDMAGIC_EVENT_FD"] = str(events_w)
+        env["HVDMAGIC_JOB_ID"] = self.spec.job_id
+        try:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "hvdmagic.rank"],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                pass_fds=(events_w,), env=env,
+                start_new_session=True,  # its own process group, so cleanup takes the whole tree
+            )
+        finally:
+            os.close(events_w)
+        if self._aborted.is_set():
+            self.kill()
+        relays = [
+            threading.Thread(target=self._relay_stream, args=(link, self.proc.stdout, "stdout"), daemon=True),
+            threading.Thread(target=self._relay_stream, args=(link, self.proc.stderr, "stderr"), daemon=True),
+            threading.Thread(target=self._relay_events, args=(link, os.fdopen(events_r, "r", encoding="utf-8")), daemon=True),
+        ]
+        for thread in relays:
+            thread.start()
+        try:
+            self.proc.stdin.write(pickle.dumps({"payload": self.spec.payload, "rank": slot.rank}))
+            self.proc.stdin.flush()
+        except (BrokenPipeError, OSError):
+            pass  # the rank died before reading; its exit code tells why
+        code = self.proc.wait()
+        for thread in relays:
+            thread.join(timeout=10)
+        try:
+            self.proc.stdin.close()
+        except OSError:
+            pass
+        self._send(link, {"type": "exit", "rank": slot.rank, "code": code, "aborted": self._aborted.is_set()})
+        return code
+
+    def _send(self, link: channel.Link, event: dict) -> None:
+        try:
+            link.send(event)
+        except OSError:
+            # The driver is gone: nobody will read our output, so stop the rank.
+            self.abort()
+
+    def _listen(self, link: channel.Link) -> None:
+        try:
+            while link.recv().get("type") != "abort":
+                pass
+        except (channel.ChannelError, OSError):
+            pass  # a lost driver means the same as abort
+        self.abort()
+
+    def abort(self) -> None:
+        self._aborted.set()
+        self.kill()
+
+    def kill(self) -> None:
+        """Stop the rank's whole process group: TERM, then KILL after a grace period."""
+        proc = self.proc
+        if proc is None or proc.poll() is not None:
+            return
+        for sig, wait in ((signal.SIGTERM, KILL_GRACE), (signal.SIGKILL, None)):
+            try:
+                os.killpg(proc.pid, sig)
+            except ProcessLookupError:
+                return
+            try:
+                proc.wait(timeout=wait)
+                return
+            except subprocess.TimeoutExpired:
+                continue
+
+    def _relay_stream(self, link: channel.Link, pipe, stream: str) -> None:
+        splitter = LineSplitter()
+        rank = self.slot.rank
+        while True:
+            chunk = pipe.read1(65536)
+            if not chunk:
+                break
+            lines, transient = splitter.feed(chunk.decode("utf-8", "replace"), time.monotonic())
+            if lines or transient is not None:
+                self._send(link, {"type": "output", "rank": rank, "stream": stream, "lines": lines, "transient": transient})
+        tail = splitter.finish()
+        if tail:
+            self._send(link, {"type": "output", "rank": rank, "stream": stream, "lines": tail, "transient": None})
+
+    def _relay_events(self, link: channel.Link, events) -> None:
+        rank = self.slot.rank
+        for line in events:
+            try:
+                event = json.loads(line)
+            except ValueError:
+                continue
+            event["rank"] = rank
+            self._send(link, event)
+
+
+def run_task(spec: TaskSpec, task_index: int, gather: Callable[[str], list[str]]) -> int:
+    return Supervisor(spec, task_index, gather).run()

@@ -1,0 +1,46 @@
+"""The %%horovod cell magic: arguments, capture, and handing off to the launcher."""
+
+from __future__ import annotations
+
+from IPython.core.error import UsageError
+from IPython.core.magic import Magics, cell_magic, magics_class
+from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
+
+from hvdmagic.capture import capture_cell
+from hvdmagic.launcher import launch
+from hvdmagic.ui.text import TextOutput
+
+
+@magics_class
+class HorovodMagics(Magics):
+    @magic_arguments()
+    @argument("--np", type=int, required=True, metavar="N",
+              help="Number of Horovod ranks. N > 0 runs them as one Spark barrier stage; "
+                   "N < 0 runs |N| processes on the driver without Spark (local mode).")
+    @argument("--out", metavar="NAME", help="Store rank 0's result in the notebook variable NAME.")
+    @argument("--timeout", type=float, metavar="SECONDS", help="Stop every rank and fail after SECONDS.")
+    @cell_magic
+    def horovod(self, line: str, cell: str):
+        """Run the cell on Horovod ranks and return rank 0's result.
+
+        The cell's body is PyTorch + Horovod code (call ``hvd.init()`` in it).
+        The notebook variables it reads are shipped with cloudpickle; the value
+        of its last expression on rank 0 is the cell's result. ``{var}`` on the
+        magic line is expanded, e.g. ``%%horovod --np {n}``.
+        """
+        args = parse_argstring(self.horovod, line)
+        if args.np == 0:
+            raise UsageError("--np must be a positive number of Spark ranks, or negative for local mode (e.g. --np -2).")
+        if args.out is not None and not args.out.isidentifier():
+            raise UsageError(f"--out needs a valid Python variable name, not {args.out!r}.")
+        if args.timeout is not None and args.timeout <= 0:
+            raise UsageError("--timeout must be a positive number of seconds.")
+        if not cell.strip():
+            raise UsageError("%%horovod needs a cell body: the training code to run on every rank.")
+
+        capture = capture_cell(self.shell.transform_cell(cell), self.shell.user_ns, set(self.shell.user_ns_hidden))
+        print(capture.summary(), flush=True)
+        result = launch(capture.payload, args.np, timeout=args.timeout, on_event=TextOutput())
+        if args.out:
+            self.shell.user_ns[args.out] = result.value
+        return result.value

@@ -1,0 +1,88 @@
+"""Entry point of one rank process: ``python -m hvdmagic.rank``.
+
+The supervisor that started us writes a pickled bootstrap on stdin (a local pipe
+from our own parent, so it is trusted) and keeps stdin open: EOF means the
+supervisor is gone, and the rank exits rather than live on as an orphan holding
+a GPU. Structured events (result, error) go to the supervisor as JSON lines on
+the file descriptor named by ``HVDMAGIC_EVENT_FD``; stdout and stderr are
+forwarded by the supervisor as they are.
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+import pickle
+import sys
+import threading
+import traceback
+from pathlib import Path
+
+from hvdmagic.report import emit, open_events
+
+_PACKAGE_DIR = str(Path(__file__).resolve().parent)
+
+
+def _exit_when_supervisor_dies() -> None:
+    # Raw reads on fd 0: a daemon thread blocked in the buffered reader would
+    # abort the interpreter at shutdown while holding its lock.
+    while os.read(0, 4096):
+        pass
+    os._exit(137)
+
+
+def _user_traceback(exc: BaseException) -> str:
+    """The traceback from the first frame of user code on, without our own frames."""
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_frame.f_code.co_filename.startswith(_PACKAGE_DIR):
+        tb = tb.tb_next
+    return "".join(traceback.format_exception(type(exc), exc, tb))
+
+
+def _report_result(value) -> None:
+    import cloudpickle
+
+    try:
+        data = cloudpickle.dumps(value)
+    except Exception as exc:
+        raise TypeError(
+            f"the result ({type(value).__module__}.{type(value).__qualname__}) cannot be pickled "
+            f"to send it back to the notebook: {exc}"
+        ) from None
+    emit({"type": "result", "data": base64.b64encode(data).decode("ascii")})
+
+
+def main() -> int:
+    boot = pickle.load(sys.stdin.buffer)
+    threading.Thread(target=_exit_when_supervisor_dies, name="hvdmagic-parent-watch", daemon=True).start()
+    open_events()
+    try:
+        import cloudpickle
+
+        fn, args, kwargs = cloudpickle.loads(boot["payload"])
+        try:
+            value = fn(*args, **kwargs)
+        except SystemExit as exc:
+            # sys.exit() inside the cell ends this rank; a zero code is a normal, result-less end.
+            if exc.code in (None, 0):
+                value = None
+            else:
+                raise
+        _report_result(value)
+    except BaseException as exc:
+        emit({
+            "type": "error",
+            "exc_type": type(exc).__name__,
+            "message": str(exc),
+            "traceback": _user_traceback(exc),
+        })
+        sys.stdout.flush()
+        sys.stderr.flush()
+        return 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

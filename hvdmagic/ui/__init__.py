@@ -1,0 +1,1 @@
+"""How a run is shown in the cell."""

@@ -1,0 +1,75 @@
+#!/usr/bin/env bash
+# One idempotent set-up for a fresh machine: Java check, virtualenv, torch, the
+# cached horovod build, and hvdmagic itself. `make demo` and `make test` call it.
+set -euo pipefail
+
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+venv="${HVDMAGIC_VENV:-$here/.venv}"
+python="${PYTHON:-python3}"
+torch_spec="${HVDMAGIC_TORCH:-torch==2.13.0}"
+horovod_version="0.28.1"
+extras="${HVDMAGIC_EXTRAS:-dev}"
+
+say() { printf '[setup] %s\n' "$*"; }
+
+check_java() {
+    local version major
+    if ! command -v java >/dev/null 2>&1; then
+        say "Java was not found. Spark needs Java 17 or newer."
+        say "Install it with 'apt-get install -y openjdk-17-jre-headless' (Debian/Ubuntu),"
+        say "'brew install openjdk@17' (macOS), or point JAVA_HOME at an existing JDK."
+        exit 1
+    fi
+    version="$(java -version 2>&1 | awk -F'"' '/version/ {print $2; exit}')"
+    major="${version%%.*}"
+    if [ "$major" = "1" ]; then major="$(echo "$version" | cut -d. -f2)"; fi
+    if [ "${major:-0}" -lt 17 ]; then
+        say "Java $version was found, but Spark 4 needs Java 17 or newer."
+        say "Install a newer JDK (e.g. 'apt-get install -y openjdk-17-jre-headless') and put it first on PATH."
+        exit 1
+    fi
+}
+
+make_venv() {
+    if [ ! -x "$venv/bin/python" ]; then
+        say "creating virtualenv $venv"
+        "$python" -m venv "$venv"
+    fi
+    "$venv/bin/python" -m pip install -q --upgrade pip wheel setuptools >/dev/null
+}
+
+# The build prerequisites from DESIGN.md; horovod builds without isolation against them.
+install_build_deps() {
+    "$venv/bin/python" -m pip install -q "$torch_spec" numpy cloudpickle psutil pyyaml packaging cffi
+}
+
+horovod_installed() {
+    "$venv/bin/python" - "$horovod_version" <<'PY' 2>/dev/null
+import sys, importlib.metadata as md
+sys.exit(0 if md.version("horovod") == sys.argv[1] else 1)
+PY
+}
+
+install_horovod() {
+    if horovod_installed; then
+        say "horovod $horovod_version already installed"
+        return
+    fi
+    local wheel
+    wheel="$("$venv/bin/python" "$here/scripts/build_horovod.py" --version "$horovod_version")"
+    say "installing $wheel"
+    "$venv/bin/python" -m pip install -q --no-deps "$wheel"
+    "$venv/bin/python" -m pip install -q cloudpickle psutil pyyaml packaging cffi
+}
+
+install_project() {
+    say "installing hvdmagic[$extras] (editable)"
+    "$venv/bin/python" -m pip install -q -e "$here[$extras]"
+}
+
+check_java
+make_venv
+install_build_deps
+install_horovod
+install_project
+say "ready: $venv"
