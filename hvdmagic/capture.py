@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import ast
 import builtins
+import io
 import linecache
 import re
+import socket
 import traceback
 from dataclasses import dataclass, field
 
@@ -126,6 +128,11 @@ def capture_cell(source: str, user_ns: dict, hidden: set[str] | frozenset[str] =
     failures = []
     for name in wanted:
         value = user_ns[name]
+        if isinstance(value, (io.IOBase, socket.socket)):
+            # cloudpickle would ship a read-mode file's current contents, which is
+            # never what a rank on another machine wants; refuse open handles outright.
+            failures.append(f"'{name}' ({_type_name(value)}): an open file or socket belongs to this process")
+            continue
         try:
             pickled[name] = cloudpickle.dumps(value)
         except Exception as exc:  # pickling raises almost anything: TypeError, PicklingError, ...

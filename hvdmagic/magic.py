@@ -38,9 +38,24 @@ class HorovodMagics(Magics):
         if not cell.strip():
             raise UsageError("%%horovod needs a cell body: the training code to run on every rank.")
 
-        capture = capture_cell(self.shell.transform_cell(cell), self.shell.user_ns, set(self.shell.user_ns_hidden))
+        capture = capture_cell(cell_source(self.shell, cell), self.shell.user_ns, set(self.shell.user_ns_hidden))
         print(capture.summary(), flush=True)
         result = launch(capture.payload, args.np, timeout=args.timeout, on_event=TextOutput())
         if args.out:
             self.shell.user_ns[args.out] = result.value
         return result.value
+
+
+def cell_source(shell, cell: str) -> str:
+    """The cell as plain Python, padded so line numbers match the cell as the user sees it.
+
+    Line 1 is the %%horovod line itself. IPython's transforms drop leading blank
+    lines, which would shift every later line, so they are put back.
+    """
+    transformed = shell.transform_cell(cell)
+
+    def leading_blank(text: str) -> int:
+        lines = text.splitlines()
+        return next((i for i, line in enumerate(lines) if line.strip()), len(lines))
+
+    return "\n" * (1 + leading_blank(cell) - leading_blank(transformed)) + transformed

@@ -12,12 +12,22 @@ extras="${HVDMAGIC_EXTRAS:-dev}"
 
 say() { printf '[setup] %s\n' "$*"; }
 
+install_java() {
+    # Only where we are allowed to: root on a Debian/Ubuntu machine.
+    if [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then
+        say "installing Java 17 for Spark (apt-get install openjdk-17-jre-headless)"
+        apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openjdk-17-jre-headless >/dev/null
+    fi
+}
+
 check_java() {
     local version major
+    command -v java >/dev/null 2>&1 || install_java
     if ! command -v java >/dev/null 2>&1; then
         say "Java was not found. Spark needs Java 17 or newer."
         say "Install it with 'apt-get install -y openjdk-17-jre-headless' (Debian/Ubuntu),"
         say "'brew install openjdk@17' (macOS), or point JAVA_HOME at an existing JDK."
+        say "Local mode (%%horovod --np -N) works without Java."
         exit 1
     fi
     version="$(java -version 2>&1 | awk -F'"' '/version/ {print $2; exit}')"

@@ -7,10 +7,12 @@ import re
 import sys
 import threading
 import uuid
+from pathlib import Path
 
 from hvdmagic.errors import LaunchError
 from hvdmagic.launcher.supervisor import TaskSpec, run_task
 
+_LOG4J = Path(__file__).with_name("log4j2.properties")
 _embedded = None  # the session hvdmagic started itself, which it may resize
 
 
@@ -40,6 +42,7 @@ def _start_embedded(slots: int):
             .config("spark.driver.host", "127.0.0.1")
             .config("spark.driver.bindAddress", "127.0.0.1")
             .config("spark.ui.showConsoleProgress", "false")
+            .config("spark.driver.extraJavaOptions", f"-Dlog4j2.configurationFile={_LOG4J}")
             .getOrCreate()
         )
     except Exception as exc:

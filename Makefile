@@ -1,0 +1,18 @@
+# The two commands of the README. Each one runs the idempotent set-up first.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+export SPARK_LOCAL_IP ?= 127.0.0.1
+
+.PHONY: setup demo test clean
+
+setup:
+	@bash scripts/setup.sh
+
+demo: setup
+	$(PY) scripts/run_notebook.py notebooks/quickstart.ipynb
+
+test: setup
+	$(PY) -m pytest -p no:cacheprovider --nbval-lax tests notebooks
+
+clean:
+	rm -rf $(VENV) artifacts

@@ -1,0 +1,87 @@
+"""Local mode (np < 0), capture errors and argument handling: a real shell, no Spark needed."""
+
+from __future__ import annotations
+
+import pytest
+from IPython.core.error import UsageError
+
+from conftest import run
+from hvdmagic.errors import CaptureError, CellSyntaxError
+
+
+def test_local_mode_runs_ranks_on_the_driver(ip, capfd):
+    result, error = run(ip, """%%horovod --np -2 --out sizes
+import os, torch, horovod.torch as hvd
+hvd.init()
+print("pid", os.getpid())
+(hvd.size(), hvd.allreduce(torch.tensor([1.0]), op=hvd.Sum).item())
+""")
+    assert error is None
+    assert result == (2, 2.0)
+    assert ip.user_ns["sizes"] == (2, 2.0)
+    out = capfd.readouterr().out
+    pids = {line.split()[-1] for line in out.splitlines() if line.startswith("[rank") and " pid " in line}
+    assert len(pids) == 2, out  # two separate processes
+
+
+def test_unpicklable_global_fails_before_launch_naming_it(ip):
+    ip.run_cell("import threading\nlock = threading.Lock()\nbefore = 1")
+    namespace = dict(ip.user_ns)
+    _, error = run(ip, "%%horovod --np -2 --out before\nwith lock:\n    pass")
+    assert isinstance(error, CaptureError)
+    assert "'lock'" in str(error) and "lock" in str(error).split("'lock'")[1][:30]
+    assert ip.user_ns["before"] == 1
+    assert ip.user_ns.keys() == namespace.keys()
+
+
+def test_open_file_global_names_its_type(ip, tmp_path):
+    path = tmp_path / "f.txt"
+    path.write_text("x")
+    ip.user_ns["handle"] = open(path)
+    try:
+        _, error = run(ip, "%%horovod --np -2\nhandle.read()")
+    finally:
+        ip.user_ns["handle"].close()
+    assert isinstance(error, CaptureError)
+    assert "'handle' (_io.TextIOWrapper)" in str(error)
+
+
+def test_syntax_error_points_at_the_cell_line(ip):
+    _, error = run(ip, "%%horovod --np -2\nx = 1\ny = (2 +\nprint(x)\n")
+    assert isinstance(error, CellSyntaxError)
+    rendered = "\n".join(error._render_traceback_())
+    assert '"<horovod-cell>", line 3' in rendered  # line 1 is the %%horovod line, as in the notebook
+
+
+@pytest.mark.parametrize("line, message", [
+    ("--np 0", "--np must be"),
+    ("--np abc", "invalid int value"),
+    ("--np 2 --bogus", "unrecognized arguments"),
+    ("", "required: --np"),
+    ("--np 2 --out 3x", "valid Python variable name"),
+    ("--np 2 --timeout -1", "--timeout must be"),
+])
+def test_bad_arguments_are_usage_errors(ip, line, message):
+    _, error = run(ip, f"%%horovod {line}\nx = 1")
+    assert isinstance(error, UsageError), error
+    assert message in str(error)
+
+
+def test_missing_body_is_a_usage_error(ip):
+    _, error = run(ip, "%%horovod --np 2\n   \n")
+    assert isinstance(error, UsageError)
+    assert "needs a cell body" in str(error)
+
+
+def test_help_describes_the_arguments(ip, capsys):
+    ip.run_cell("%%horovod?")
+    out = capsys.readouterr().out
+    for expected in ("--np N", "--out NAME", "--timeout SECONDS", "local mode"):
+        assert expected in out
+
+
+def test_failed_rank_in_local_mode_reports_the_cell_line(ip):
+    _, error = run(ip, "%%horovod --np -2\n\nimport horovod.torch as hvd\nhvd.init()\n1 / (hvd.rank() - hvd.rank())")
+    rendered = "\n".join(error._render_traceback_())
+    assert "ZeroDivisionError" in rendered
+    assert '"<horovod-cell>", line 5' in rendered  # the leading blank line still counts

@@ -1,0 +1,120 @@
+"""Pure pieces: rank layout, channel authentication, line splitting, error rendering."""
+
+from __future__ import annotations
+
+import socket
+import threading
+
+import pytest
+
+from hvdmagic import channel
+from hvdmagic.errors import JobFailed, RankFailure
+from hvdmagic.launcher.layout import compute_layout
+from hvdmagic.launcher.supervisor import LineSplitter
+
+
+def test_layout_single_host():
+    slots = compute_layout(["a", "a"])
+    assert [(s.rank, s.local_rank, s.local_size, s.cross_rank, s.cross_size) for s in slots] == [
+        (0, 0, 2, 0, 1), (1, 1, 2, 0, 1)]
+
+
+def test_layout_mixed_placement_three_plus_one():
+    # Tasks land interleaved across hosts; ranks still group host by host.
+    slots = compute_layout(["h1", "h2", "h1", "h1"])
+    by_task = [(s.rank, s.host, s.local_rank, s.local_size, s.cross_rank, s.cross_size) for s in slots]
+    assert by_task == [
+        (0, "h1", 0, 3, 0, 2),
+        (3, "h2", 0, 1, 1, 2),
+        (1, "h1", 1, 3, 0, 1),
+        (2, "h1", 2, 3, 0, 1),
+    ]
+    assert sorted(s.rank for s in slots) == [0, 1, 2, 3]
+
+
+def test_layout_matches_horovods_own_assignment():
+    from horovod.runner.common.util.hosts import HostInfo, get_host_assignments
+
+    slots = sorted(compute_layout(["x", "y", "x", "y", "x"]), key=lambda s: s.rank)
+    theirs = get_host_assignments([HostInfo("x", 3), HostInfo("y", 2)], 5)
+    assert [(s.rank, s.host, s.local_rank, s.cross_rank, s.local_size, s.cross_size) for s in slots] == [
+        (t.rank, t.hostname, t.local_rank, t.cross_rank, t.local_size, t.cross_size) for t in theirs]
+
+
+def _pair(secret_server: bytes, secret_client: bytes):
+    server = channel.ChannelServer("127.0.0.1", secret_server)
+    client = channel.connect(*server.address, secret_client)
+    return server, client
+
+
+def test_channel_delivers_authenticated_events_in_both_directions():
+    secret = channel.new_secret()
+    server, client = _pair(secret, secret)
+    try:
+        client.send({"type": "hello", "n": 1})
+        link, event = server.events.get(timeout=5)
+        assert event == {"type": "hello", "n": 1}
+        server.broadcast({"type": "go"})
+        assert client.recv() == {"type": "go"}
+    finally:
+        client.close()
+        server.close()
+
+
+def test_channel_drops_a_peer_with_the_wrong_secret():
+    server, client = _pair(channel.new_secret(), channel.new_secret())
+    try:
+        client.send({"type": "result", "data": "x"})
+        with pytest.raises(channel.ChannelError):
+            client.recv()  # the server hung up on us
+        assert server.events.empty()
+        assert server.rejected == 1
+    finally:
+        client.close()
+        server.close()
+
+
+def test_channel_rejects_a_replayed_frame():
+    secret = channel.new_secret()
+    server = channel.ChannelServer("127.0.0.1", secret)
+    try:
+        raw = socket.create_connection(server.address)
+        nonce = channel._recv_exact(raw, channel.NONCE_SIZE)
+        # Sign one genuine frame (through a socketpair, to keep its bytes), then send it twice.
+        mine, theirs = socket.socketpair()
+        channel.Link(mine, secret, nonce, is_server=False).send({"type": "hello"})
+        theirs.settimeout(5)
+        frame = theirs.recv(65536)
+        raw.sendall(frame)
+        raw.sendall(frame)  # replayed: its sequence number no longer matches
+        _, first = server.events.get(timeout=5)
+        assert first == {"type": "hello"}
+        raw.settimeout(5)
+        assert raw.recv(1) == b""  # dropped
+        assert server.events.empty() and server.rejected == 1
+    finally:
+        server.close()
+
+
+def test_line_splitter_keeps_lines_and_throttles_carriage_returns():
+    splitter = LineSplitter(interval=1.0)
+    lines, transient = splitter.feed("a\nb\r\n10%\r20%\r", now=0.0)
+    assert lines == ["a", "b"] and transient == "20%"
+    lines, transient = splitter.feed("30%\r40%\r", now=0.5)
+    assert lines == [] and transient is None  # too soon: held back, superseded later
+    lines, transient = splitter.feed("50%\r", now=1.6)
+    assert transient == "50%"
+    lines, transient = splitter.feed("done\npartial", now=1.7)
+    assert lines == ["done"] and transient is None
+    assert splitter.finish() == ["partial"]
+
+
+def test_job_failed_groups_identical_tracebacks_and_limits_them():
+    same = "Traceback...\nValueError: x\n"
+    failures = [RankFailure(0, "ValueError: x", same), RankFailure(1, "ValueError: x", same)]
+    failures += [RankFailure(r, f"E{r}", f"E{r}\n") for r in range(2, 7)]
+    rendered = JobFailed(failures, stopped=[7])._render_traceback_()
+    assert rendered[0].startswith("JobFailed: rank 0 failed: ValueError: x")
+    assert "rank(s) 7 were stopped" in rendered[0]
+    assert "--- rank 0, 1 ---" in rendered
+    assert rendered[-1] == "... and 3 more distinct failure(s)"
