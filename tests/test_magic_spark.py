@@ -109,3 +109,57 @@ def test_timeout_stops_every_rank(ip):
     assert isinstance(error, JobTimeout)
     assert "--timeout 4" in str(error)
     assert sorted(error.stopped) == [0, 1]
+
+
+def _rank_processes():
+    import psutil
+
+    found = []
+    for proc in psutil.process_iter(["cmdline"]):
+        cmdline = proc.info["cmdline"] or []
+        if "hvdmagic.rank" in cmdline:
+            found.append(proc.pid)
+    return found
+
+
+def test_failure_leaves_no_rank_process_and_no_active_spark_job(ip):
+    from pyspark import SparkContext
+
+    _, error = run(ip, """%%horovod --np 2
+import time, horovod.torch as hvd
+hvd.init()
+if hvd.rank() == 0:
+    raise RuntimeError("stop")
+time.sleep(600)
+""")
+    assert isinstance(error, JobFailed) and error.stopped == [1]
+    assert _rank_processes() == [], "rank processes outlived the failed cell"
+    tracker = SparkContext._active_spark_context.statusTracker()
+    assert tracker.getActiveJobsIds() == [], "the barrier job is still running"
+
+
+def test_output_reaches_the_driver_while_the_job_runs(tmp_path):
+    """Rank 0 blocks until the driver has seen its first line: only live streaming lets it finish."""
+    import cloudpickle
+
+    from hvdmagic.launcher import launch
+
+    sentinel = tmp_path / "seen"
+
+    def wait_for_driver():
+        import os, time
+        if os.environ["HOROVOD_RANK"] == "0":
+            print("first line", flush=True)
+            deadline = time.monotonic() + 60
+            while not os.path.exists(sentinel):
+                if time.monotonic() > deadline:
+                    raise TimeoutError("the driver never saw the first line while the job ran")
+                time.sleep(0.05)
+        return "done"
+
+    def on_event(event):
+        if event.get("type") == "output" and "first line" in event.get("lines", []):
+            sentinel.touch()
+
+    result = launch(cloudpickle.dumps((wait_for_driver, (), {})), 2, on_event=on_event)
+    assert result.results == ["done", "done"]

@@ -72,7 +72,6 @@ class Job:
             self.backend.start(spec)
             self._loop(server, rendezvous, state, started)
         except KeyboardInterrupt:
-            self._shutdown(server, rendezvous, state)
             raise JobInterrupted("interrupted: every rank was stopped and the Spark job cancelled.") from None
         finally:
             self._shutdown(server, rendezvous, state)
@@ -144,7 +143,8 @@ class Job:
 
     def _shutdown(self, server: channel.ChannelServer, rendezvous: Rendezvous, state: _State) -> None:
         """Idempotent: abort whatever still runs, cancel the backend, close the services."""
-        if len(state.exits) < self.np:
+        clean = len(state.exits) == self.np and not state.failures and all(c == 0 for c in state.exits.values())
+        if not clean:
             server.broadcast({"type": "abort"})
             grace_end = time.monotonic() + ABORT_GRACE
             while len(state.exits) < len(state.slots) and time.monotonic() < grace_end:
