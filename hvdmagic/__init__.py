@@ -1,11 +1,18 @@
 """hvdmagic: distributed Horovod training from a notebook cell, launched through Spark.
 
-``%load_ext hvdmagic`` registers the ``%%horovod`` cell magic.
+``%load_ext hvdmagic`` registers the ``%%horovod`` cell magic. Inside a rank,
+``progress``, ``log_metrics`` and ``track`` feed the live dashboard; they are
+no-ops elsewhere. Importing this package in a rank stays cheap: IPython, Spark
+and widgets are only imported by the driver-side modules that need them.
 """
 
 from __future__ import annotations
 
+from hvdmagic.record import last_run
+from hvdmagic.report import log_metrics, progress, track
+
 __version__ = "0.1.0"
+__all__ = ["last_run", "log_metrics", "progress", "run", "track"]
 
 
 def load_ipython_extension(ipython) -> None:
@@ -18,8 +25,6 @@ def run(fn, np: int, *args, timeout: float | None = None, **kwargs) -> list:
     """Run ``fn(*args, **kwargs)`` on |np| ranks and return every rank's result in rank order."""
     import cloudpickle
 
-    from hvdmagic.launcher import launch
-    from hvdmagic.ui.text import TextOutput
+    from hvdmagic.runner import execute
 
-    payload = cloudpickle.dumps((fn, args, kwargs))
-    return launch(payload, np, timeout=timeout, on_event=TextOutput()).results
+    return execute(cloudpickle.dumps((fn, args, kwargs)), np, timeout=timeout).results

@@ -7,8 +7,7 @@ from IPython.core.magic import Magics, cell_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
 from hvdmagic.capture import capture_cell
-from hvdmagic.launcher import launch
-from hvdmagic.ui.text import TextOutput
+from hvdmagic.runner import execute
 
 
 @magics_class
@@ -19,11 +18,16 @@ class HorovodMagics(Magics):
                    "N < 0 runs |N| processes on the driver without Spark (local mode).")
     @argument("--out", metavar="NAME", help="Store rank 0's result in the notebook variable NAME.")
     @argument("--timeout", type=float, metavar="SECONDS", help="Stop every rank and fail after SECONDS.")
+    @argument("--metrics", metavar="NAME",
+              help="Store the run's metrics history (a pandas DataFrame, all ranks) in the variable NAME.")
     @cell_magic
     def horovod(self, line: str, cell: str):
         """Run the cell on Horovod ranks and return rank 0's result.
 
         The cell's body is PyTorch + Horovod code (call ``hvd.init()`` in it).
+        Inside it, ``hvdmagic.progress``, ``hvdmagic.log_metrics`` and
+        ``hvdmagic.track`` feed the live dashboard; ``hvdmagic.last_run()``
+        returns the run's record (metrics, logs, timings, result) afterwards.
         The notebook variables it reads are shipped with cloudpickle; the value
         of its last expression on rank 0 is the cell's result. ``{var}`` on the
         magic line is expanded, e.g. ``%%horovod --np {n}``.
@@ -31,8 +35,9 @@ class HorovodMagics(Magics):
         args = parse_argstring(self.horovod, line)
         if args.np == 0:
             raise UsageError("--np must be a positive number of Spark ranks, or negative for local mode (e.g. --np -2).")
-        if args.out is not None and not args.out.isidentifier():
-            raise UsageError(f"--out needs a valid Python variable name, not {args.out!r}.")
+        for flag, name in (("--out", args.out), ("--metrics", args.metrics)):
+            if name is not None and not name.isidentifier():
+                raise UsageError(f"{flag} needs a valid Python variable name, not {name!r}.")
         if args.timeout is not None and args.timeout <= 0:
             raise UsageError("--timeout must be a positive number of seconds.")
         if not cell.strip():
@@ -40,10 +45,12 @@ class HorovodMagics(Magics):
 
         capture = capture_cell(cell_source(self.shell, cell), self.shell.user_ns, set(self.shell.user_ns_hidden))
         print(capture.summary(), flush=True)
-        result = launch(capture.payload, args.np, timeout=args.timeout, on_event=TextOutput())
+        record = execute(capture.payload, args.np, timeout=args.timeout)
         if args.out:
-            self.shell.user_ns[args.out] = result.value
-        return result.value
+            self.shell.user_ns[args.out] = record.result
+        if args.metrics:
+            self.shell.user_ns[args.metrics] = record.metrics
+        return record.result
 
 
 def cell_source(shell, cell: str) -> str:

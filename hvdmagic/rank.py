@@ -18,7 +18,7 @@ import threading
 import traceback
 from pathlib import Path
 
-from hvdmagic.report import emit, open_events
+from hvdmagic import report
 
 _PACKAGE_DIR = str(Path(__file__).resolve().parent)
 
@@ -49,13 +49,14 @@ def _report_result(value) -> None:
             f"the result ({type(value).__module__}.{type(value).__qualname__}) cannot be pickled "
             f"to send it back to the notebook: {exc}"
         ) from None
-    emit({"type": "result", "data": base64.b64encode(data).decode("ascii")})
+    report.flush()  # every metric reaches the driver before the result does
+    report.emit({"type": "result", "data": base64.b64encode(data).decode("ascii")})
 
 
 def main() -> int:
     boot = pickle.load(sys.stdin.buffer)
     threading.Thread(target=_exit_when_supervisor_dies, name="hvdmagic-parent-watch", daemon=True).start()
-    open_events()
+    report.open_events()
     try:
         import cloudpickle
 
@@ -70,7 +71,8 @@ def main() -> int:
                 raise
         _report_result(value)
     except BaseException as exc:
-        emit({
+        report.flush()
+        report.emit({
             "type": "error",
             "exc_type": type(exc).__name__,
             "message": str(exc),

@@ -69,6 +69,8 @@ class Job:
                 job_id=self.job_id, driver_host=self.backend.bind_host, channel_port=server.address[1],
                 rendezvous_port=rendezvous.port, secret=secret, payload=self.payload,
             )
+            self.on_event({"type": "launching", "description": self.backend.describe(),
+                           "job_group": getattr(self.backend, "job_group", None)})
             self.backend.start(spec)
             self._loop(server, rendezvous, state, started)
         except KeyboardInterrupt:

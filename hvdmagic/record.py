@@ -1,0 +1,179 @@
+"""The record of one run, built from job events; what ``hvdmagic.last_run()`` returns.
+
+Both views (the widget dashboard and the text twin) read from it, so they
+always agree, and it outlives them: the full metrics history, every log line,
+timings and the result stay reachable after the cell ends.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+STATES = ("launching", "running", "finished", "failed", "cancelled")
+
+
+@dataclass
+class Bar:
+    step: float
+    total: float | None
+    first_step: float
+    first_time: float
+    time: float
+
+    @property
+    def rate(self) -> float | None:
+        elapsed = self.time - self.first_time
+        return (self.step - self.first_step) / elapsed if elapsed > 0 and self.step > self.first_step else None
+
+    @property
+    def eta(self) -> float | None:
+        rate = self.rate
+        if rate and self.total is not None:
+            return max(0.0, (self.total - self.step) / rate)
+        return None
+
+
+@dataclass
+class RankRecord:
+    rank: int
+    host: str = ""
+    state: str = "launching"  # launching, running, finished, failed, stopped
+    bars: dict[str, Bar] = field(default_factory=dict)
+    last_bar: str | None = None
+    last_line: str = ""
+    logs: list[tuple[str, str]] = field(default_factory=list)  # (stream, line)
+    exit_code: int | None = None
+
+    @property
+    def bar(self) -> Bar | None:
+        return self.bars.get(self.last_bar) if self.last_bar is not None else None
+
+
+class RunRecord:
+    def __init__(self, np: int):
+        self.np = abs(np)
+        self.mode = "local" if np < 0 else "spark"
+        self.state = "launching"
+        self.description = ""
+        self.job_group: str | None = None
+        self.started = time.time()
+        self.ended: float | None = None
+        self.ranks = [RankRecord(r) for r in range(self.np)]
+        self.metric_rows: list[tuple[int, int, float, dict[str, float]]] = []  # (rank, step, time, metrics)
+        # Rank 0's series and the merged log, kept incrementally so a redraw never rescans history.
+        self.rank0_series: dict[str, list[tuple[int, float]]] = {}
+        self.all_logs: list[tuple[int, str, str]] = []  # (rank, stream, line) in arrival order
+        self.result: Any = None
+        self.results: list[Any] = []
+        self.error: BaseException | None = None
+        self.version = 0  # bumped on every change, so views redraw only when needed
+        self._lock = threading.Lock()
+
+    # -- fed by the launcher ------------------------------------------------
+    def apply(self, event: dict) -> None:
+        kind = event.get("type")
+        with self._lock:
+            self.version += 1
+            if kind == "launching":
+                self.description = event.get("description", "")
+                self.job_group = event.get("job_group")
+                return
+            rank = event.get("rank")
+            if not isinstance(rank, int) or not 0 <= rank < self.np:
+                return
+            record = self.ranks[rank]
+            if kind == "placed":
+                record.host = event.get("host", "")
+                record.state = "running"
+                self.state = "running"
+            elif kind == "output":
+                lines = list(event.get("lines") or [])
+                stream = event.get("stream", "stdout")
+                record.logs.extend((stream, line) for line in lines)
+                self.all_logs.extend((rank, stream, line) for line in lines)
+                shown = event.get("transient") or (lines[-1] if lines else None)
+                if shown is not None:
+                    record.last_line = shown
+            elif kind == "report":
+                self._apply_report(rank, record, event)
+            elif kind == "error":
+                record.state = "failed"
+            elif kind == "exit":
+                record.exit_code = event.get("code")
+                if record.state != "failed":
+                    record.state = "finished" if event.get("code") == 0 else (
+                        "stopped" if event.get("aborted") else "failed")
+
+    def _apply_report(self, rank: int, record: RankRecord, event: dict) -> None:
+        for step, metrics, stamp in event.get("metrics") or []:
+            if isinstance(metrics, dict):
+                self.metric_rows.append((rank, step, stamp, metrics))
+                if rank == 0:
+                    for name, value in metrics.items():
+                        self.rank0_series.setdefault(name, []).append((step, value))
+        for desc, (step, total, stamp) in (event.get("progress") or {}).items():
+            bar = record.bars.get(desc)
+            if bar is None or step < bar.step:  # a new bar, or the same name restarted (next epoch)
+                record.bars[desc] = Bar(step, total, step, stamp, stamp)
+            else:
+                bar.step, bar.total, bar.time = step, total, stamp
+            record.last_bar = desc
+
+    def finish(self, results: list | None = None, error: BaseException | None = None, cancelled: bool = False) -> None:
+        with self._lock:
+            self.version += 1
+            self.ended = time.time()
+            self.results = list(results or [])
+            self.result = self.results[0] if self.results else None
+            self.error = error
+            self.state = "cancelled" if cancelled else "failed" if error is not None else "finished"
+            for record in self.ranks:
+                if record.state in ("launching", "running"):
+                    record.state = "stopped" if error is not None or cancelled else "finished"
+
+    # -- read by views and users --------------------------------------------
+    @property
+    def elapsed(self) -> float:
+        return (self.ended or time.time()) - self.started
+
+    def latest_metrics(self) -> dict[str, tuple[int, float]]:
+        """name -> (step, value): the newest value of each of rank 0's metrics."""
+        return {name: points[-1] for name, points in self.rank0_series.items() if points}
+
+    @property
+    def metrics(self):
+        """The full metrics history of every rank as a pandas DataFrame (one row per call)."""
+        import pandas as pd
+
+        rows = [{"rank": rank, "step": step, "time": stamp, **metrics}
+                for rank, step, stamp, metrics in self.metric_rows]
+        return pd.DataFrame(rows, columns=None if rows else ["rank", "step", "time"])
+
+    @property
+    def logs(self) -> dict[int, str]:
+        """Every output line of every rank, by rank."""
+        return {r.rank: "".join(line + "\n" for _, line in r.logs) for r in self.ranks}
+
+    @property
+    def timings(self) -> dict[str, float]:
+        return {"started": self.started, "ended": self.ended or float("nan"), "elapsed": self.elapsed}
+
+    def __repr__(self) -> str:
+        return (f"<RunRecord {self.state} np={self.np} ({self.mode}) elapsed={self.elapsed:.1f}s "
+                f"metrics={len(self.metric_rows)} rows>")
+
+
+_last: RunRecord | None = None
+
+
+def last_run() -> RunRecord | None:
+    """The record of the most recent %%horovod cell or hvdmagic.run call in this kernel."""
+    return _last
+
+
+def set_last(record: RunRecord) -> None:
+    global _last
+    _last = record

@@ -1,0 +1,40 @@
+"""One run as the user sees it: the launcher core, a run record and a view, wired together.
+
+The magic, ``hvdmagic.run`` and ``HorovodRunner`` all go through ``execute``.
+"""
+
+from __future__ import annotations
+
+from hvdmagic.errors import JobInterrupted
+from hvdmagic.launcher import launch
+from hvdmagic.record import RunRecord, set_last
+from hvdmagic.ui import make_view
+
+
+def execute(payload: bytes, np: int, *, timeout: float | None = None, session=None, view=None) -> RunRecord:
+    """Run a cloudpickled ``(fn, args, kwargs)`` on |np| ranks; return its record.
+
+    Raises the job's error after the record and the view have been closed with it.
+    """
+    record = RunRecord(np)
+    set_last(record)
+    view = view or make_view(record)
+
+    def on_event(event: dict) -> None:
+        record.apply(event)
+        view.on_event(event)
+
+    view.start()
+    try:
+        result = launch(payload, np, timeout=timeout, on_event=on_event, session=session)
+    except JobInterrupted as exc:
+        record.finish(error=exc, cancelled=True)
+        raise
+    except BaseException as exc:
+        record.finish(error=exc)
+        raise
+    else:
+        record.finish(results=result.results)
+    finally:
+        view.close()
+    return record
