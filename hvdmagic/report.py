@@ -15,13 +15,13 @@ import os
 import threading
 import time
 from collections import deque
-from numbers import Number
 from typing import Iterable, Iterator, TypeVar
 
 FLUSH_INTERVAL = 0.1
 MAX_BUFFERED_METRICS = 1_000_000  # beyond this a caller waits for a flush: memory stays bounded, nothing is dropped
 
 T = TypeVar("T")
+_PLAIN = (int, float)
 
 _write_lock = threading.Lock()
 _events = None  # the event pipe, opened by the rank process
@@ -68,9 +68,10 @@ def log_metrics(step: int | None = None, **metrics: float) -> None:
     if _events is None:
         return
     for name, value in metrics.items():
-        if not isinstance(value, Number):
+        if type(value) not in _PLAIN:
+            # numpy scalars, 0-d tensors, Decimals...: plain floats for the JSON frame.
             try:
-                metrics[name] = float(value)  # a 0-d tensor or numpy scalar
+                metrics[name] = float(value)
             except (TypeError, ValueError):
                 raise TypeError(f"log_metrics({name}=...) needs a number, not {type(value).__name__}") from None
     if step is None:

@@ -1,0 +1,186 @@
+"""The in-rank reporting API, the metrics path to the driver, the dashboard and its text twin."""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+
+import pytest
+
+import hvdmagic
+from conftest import run
+from hvdmagic.errors import JobFailed, RankFailure
+from hvdmagic.record import RunRecord
+from hvdmagic.ui import text as text_ui
+
+
+def test_api_is_a_harmless_noop_outside_a_run():
+    assert "HVDMAGIC_EVENT_FD" not in os.environ
+    hvdmagic.progress(1, total=10, desc="x")
+    hvdmagic.log_metrics(step=1, loss=0.5)
+    assert list(hvdmagic.track(range(3), desc="y")) == [0, 1, 2]
+
+
+def test_every_rank0_metric_reaches_the_driver_in_order(ip):
+    result, error = run(ip, """%%horovod --np -2 --metrics history
+import numpy as np, hvdmagic
+for i in range(20000):
+    hvdmagic.log_metrics(step=i, loss=np.float32(1.0) / (i + 1), twice=2 * i)
+"done"
+""")
+    assert error is None and result == "done"
+    history = ip.user_ns["history"]
+    rank0 = history[history["rank"] == 0]
+    assert rank0["step"].tolist() == list(range(20000)), "rank 0's metrics history has gaps or is out of order"
+    assert (rank0["twice"] == 2 * rank0["step"]).all()
+    assert len(history[history["rank"] == 1]) == 20000
+    record = hvdmagic.last_run()
+    assert record.latest_metrics()["twice"] == (19999, 39998)
+
+
+def test_log_metrics_rejects_what_is_not_a_number(ip):
+    _, error = run(ip, "%%horovod --np -1\nimport hvdmagic\nhvdmagic.log_metrics(loss='low')")
+    assert isinstance(error, JobFailed)
+    assert "log_metrics(loss=...) needs a number, not str" in str(error)
+
+
+def test_track_reports_progress_and_the_text_twin_is_deterministic(ip, capfd):
+    cell = """%%horovod --np -2
+import hvdmagic, horovod.torch as hvd
+hvd.init()
+for batch in hvdmagic.track(range(40), desc="epoch 1"):
+    hvdmagic.log_metrics(loss=1.0 / (batch + 1))
+"""
+    summaries = []
+    for _ in range(2):
+        _, error = run(ip, cell)
+        assert error is None
+        out = capfd.readouterr().out
+        summaries.append([line for line in out.splitlines() if line.startswith("rank ")])
+    assert summaries[0] == summaries[1]
+    assert summaries[0] == [
+        "rank 0: epoch 1 40/40 [finished]",
+        "rank 1: epoch 1 40/40 [finished]",
+        "rank 0 metrics at step 39: loss=0.025",
+    ]
+
+
+def test_last_run_holds_logs_timings_and_result(ip):
+    _, error = run(ip, "%%horovod --np -2\nimport os\nprint('rank says', os.environ['HOROVOD_RANK'])\n41 + 1")
+    assert error is None
+    record = hvdmagic.last_run()
+    assert record.state == "finished" and record.result == 42 and record.results == [42, 42]
+    assert record.logs == {0: "rank says 0\n", 1: "rank says 1\n"}
+    assert record.timings["elapsed"] > 0
+
+
+def test_text_twin_caps_live_output_but_keeps_every_line(capsys):
+    record = RunRecord(1)
+    view = text_ui.TextView(record, out=sys.stdout, max_lines=5)
+    for i in range(3):
+        event = {"type": "output", "rank": 0, "stream": "stdout", "lines": [f"l{i}a", f"l{i}b", f"l{i}c"]}
+        record.apply(event)
+        view.on_event(event)
+    out = capsys.readouterr().out
+    assert out.count("[rank 0] l") == 5
+    assert "capped at 5 lines" in out and "hvdmagic.last_run().logs[0]" in out
+    assert record.logs[0].count("\n") == 9
+
+
+def _fed_record() -> RunRecord:
+    record = RunRecord(2)
+    record.apply({"type": "launching", "description": "test", "job_group": "hvdmagic-abc"})
+    for rank in (0, 1):
+        record.apply({"type": "placed", "rank": rank, "host": "127.0.0.1"})
+        record.apply({"type": "report", "rank": rank, "progress": {"train": [5, 10, 1.0]},
+                      "metrics": [[s, {"loss": 1.0 / (s + 1)}, 1.0 + s] for s in range(1000)]})
+        record.apply({"type": "output", "rank": rank, "stream": "stdout", "lines": ["hello"] * 300})
+    return record
+
+
+def test_dashboard_draws_rows_charts_logs_and_the_error_panel():
+    pytest.importorskip("ipywidgets")
+    from hvdmagic.ui.dashboard import CHART_POINTS, Dashboard
+
+    record = _fed_record()
+    board = Dashboard(record)
+    board._draw()
+    assert "hvdmagic-dashboard" in board.box._dom_classes
+    assert board.rows[0].bar.value == 5 and board.rows[0].bar.max == 10
+    assert 'class="hvdmagic-chart" data-metric="loss"' in board.charts.value
+    points = board.charts.value.split('points="')[1].split('"')[0].split()
+    assert len(points) <= CHART_POINTS + 1  # downsampled for the screen ...
+    assert len(record.rank0_series["loss"]) == 1000  # ... while the history stays whole
+    assert "100 older line(s) not shown" in board.panes[1].value
+    assert "hvdmagic-abc" in board.header.value
+
+    record.apply({"type": "exit", "rank": 0, "code": 0})
+    record.apply({"type": "error", "rank": 1})
+    record.finish(error=JobFailed([RankFailure(1, "ValueError: bad", "Traceback...\nValueError: bad\n")], []))
+    board._draw()
+    assert board.rows[0].bar.bar_style == "success"
+    assert board.rows[1].bar.bar_style == "danger"
+    assert "ValueError: bad" in board.error.value and board.error.layout.display is None
+    assert ">failed<" in board.header.value
+
+
+def test_dashboard_redraws_at_most_ten_times_a_second():
+    from hvdmagic.ui.dashboard import MAX_FPS, Dashboard
+
+    record = _fed_record()
+    board = Dashboard(record)
+    draws = []
+    original = board._draw
+    board._draw = lambda: (draws.append(1), original())
+    stop = threading.Event()
+
+    def flood():
+        step = 0
+        while not stop.is_set():
+            step += 1
+            record.apply({"type": "report", "rank": 0, "progress": {"train": [step, None, 2.0]}, "metrics": []})
+
+    feeder = threading.Thread(target=flood)
+    board.start()
+    feeder.start()
+    finished = threading.Event()
+    threading.Timer(1.0, finished.set).start()
+    finished.wait(5)
+    stop.set()
+    feeder.join()
+    board.close()
+    # start() and close() draw once each; in between the helper thread waits 1/MAX_FPS per draw.
+    assert 2 <= len(draws) <= MAX_FPS * 1.0 + 4, len(draws)
+
+
+def test_dashboard_in_a_real_kernel_reaches_its_final_state(tmp_path, monkeypatch):
+    """A real ipykernel via nbclient: the widget state the kernel sent says finished, bars full."""
+    import nbformat
+    from nbclient import NotebookClient
+
+    monkeypatch.setenv("HVDMAGIC_NONINTERACTIVE", "0")
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [
+        nbformat.v4.new_code_cell("%load_ext hvdmagic"),
+        nbformat.v4.new_code_cell(
+            "%%horovod --np -2\n"
+            "import hvdmagic\n"
+            "for i in hvdmagic.track(range(30), desc='train'):\n"
+            "    hvdmagic.log_metrics(step=i, loss=1.0 / (i + 1))\n"
+            "print('trained')\n"
+        ),
+    ]
+    client = NotebookClient(nb, timeout=300, kernel_name="python3", store_widget_state=True,
+                            resources={"metadata": {"path": str(tmp_path)}})
+    client.execute()
+    outputs = nb.cells[1].outputs
+    assert any("application/vnd.jupyter.widget-view+json" in o.get("data", {}) for o in outputs)
+    assert not any("[rank 0] trained" in o.get("text", "") for o in outputs), "text twin used in a widget kernel"
+    models = [m["state"] for m in nb.metadata.widgets["application/vnd.jupyter.widget-state+json"]["state"].values()]
+    assert any("hvdmagic-dashboard" in m.get("_dom_classes", []) for m in models)
+    headers = [m["value"] for m in models if "hvdmagic-state" in str(m.get("value", ""))]
+    assert headers and ">finished<" in headers[0]
+    bars = [m for m in models if m.get("_model_name") == "FloatProgressModel"]
+    assert len(bars) == 2 and all(b["value"] == b["max"] == 30 and b["bar_style"] == "success" for b in bars)
+    assert any('data-metric="loss"' in str(m.get("value", "")) for m in models)
