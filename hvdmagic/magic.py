@@ -18,6 +18,8 @@ class HorovodMagics(Magics):
                    "N < 0 runs |N| processes on the driver without Spark (local mode).")
     @argument("--out", metavar="NAME", help="Store rank 0's result in the notebook variable NAME.")
     @argument("--timeout", type=float, metavar="SECONDS", help="Stop every rank and fail after SECONDS.")
+    @argument("--stall-timeout", type=float, metavar="SECONDS",
+              help="Fail when a rank reports no output or progress for SECONDS (e.g. a deadlocked collective).")
     @argument("--metrics", metavar="NAME",
               help="Store the run's metrics history (a pandas DataFrame, all ranks) in the variable NAME.")
     @cell_magic
@@ -38,14 +40,15 @@ class HorovodMagics(Magics):
         for flag, name in (("--out", args.out), ("--metrics", args.metrics)):
             if name is not None and not name.isidentifier():
                 raise UsageError(f"{flag} needs a valid Python variable name, not {name!r}.")
-        if args.timeout is not None and args.timeout <= 0:
-            raise UsageError("--timeout must be a positive number of seconds.")
+        for flag, seconds in (("--timeout", args.timeout), ("--stall-timeout", args.stall_timeout)):
+            if seconds is not None and seconds <= 0:
+                raise UsageError(f"{flag} must be a positive number of seconds.")
         if not cell.strip():
             raise UsageError("%%horovod needs a cell body: the training code to run on every rank.")
 
         capture = capture_cell(cell_source(self.shell, cell), self.shell.user_ns, set(self.shell.user_ns_hidden))
         print(capture.summary(), flush=True)
-        record = execute(capture.payload, args.np, timeout=args.timeout)
+        record = execute(capture.payload, args.np, timeout=args.timeout, stall_timeout=args.stall_timeout)
         if args.out:
             self.shell.user_ns[args.out] = record.result
         if args.metrics:

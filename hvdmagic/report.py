@@ -18,6 +18,7 @@ from collections import deque
 from typing import Iterable, Iterator, TypeVar
 
 FLUSH_INTERVAL = 0.1
+HEARTBEAT_INTERVAL = 1.0  # tells the driver's watchdog this rank is alive even when it reports nothing
 MAX_BUFFERED_METRICS = 1_000_000  # beyond this a caller waits for a flush: memory stays bounded, nothing is dropped
 
 T = TypeVar("T")
@@ -115,10 +116,14 @@ def flush() -> None:
 
 
 def _flush_loop() -> None:
+    next_beat = time.monotonic()
     while True:
         _wake.wait(FLUSH_INTERVAL)
         _wake.clear()
         try:
             flush()
+            if time.monotonic() >= next_beat:
+                emit({"type": "heartbeat"})
+                next_beat = time.monotonic() + HEARTBEAT_INTERVAL
         except (OSError, ValueError):
             return  # the pipe is gone: the supervisor ended the rank

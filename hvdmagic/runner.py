@@ -11,7 +11,8 @@ from hvdmagic.record import RunRecord, set_last
 from hvdmagic.ui import make_view
 
 
-def execute(payload: bytes, np: int, *, timeout: float | None = None, session=None, view=None) -> RunRecord:
+def execute(payload: bytes, np: int, *, timeout: float | None = None, stall_timeout: float | None = None,
+            session=None, view=None) -> RunRecord:
     """Run a cloudpickled ``(fn, args, kwargs)`` on |np| ranks; return its record.
 
     Raises the job's error after the record and the view have been closed with it.
@@ -26,7 +27,7 @@ def execute(payload: bytes, np: int, *, timeout: float | None = None, session=No
 
     view.start()
     try:
-        result = launch(payload, np, timeout=timeout, on_event=on_event, session=session)
+        result = launch(payload, np, timeout=timeout, stall_timeout=stall_timeout, on_event=on_event, session=session)
     except JobInterrupted as exc:
         record.finish(error=exc, cancelled=True)
         raise

@@ -8,7 +8,7 @@ from hvdmagic.errors import LaunchError
 from hvdmagic.launcher.job import Job, JobResult
 
 
-def launch(payload: bytes, np: int, *, timeout: float | None = None,
+def launch(payload: bytes, np: int, *, timeout: float | None = None, stall_timeout: float | None = None,
            on_event: Callable[[dict], None] | None = None, session=None) -> JobResult:
     """Run a cloudpickled ``(fn, args, kwargs)`` on |np| Horovod ranks.
 
@@ -33,7 +33,7 @@ def launch(payload: bytes, np: int, *, timeout: float | None = None,
         from hvdmagic.launcher.spark import SparkBackend
 
         backend = SparkBackend(np, session)
-    return Job(backend, payload, timeout=timeout, on_event=on_event).run()
+    return Job(backend, payload, timeout=timeout, stall_timeout=stall_timeout, on_event=on_event).run()
 
 
 __all__ = ["JobResult", "launch"]

@@ -3,14 +3,15 @@
 A job starts the per-job services on the driver (the event channel and
 horovod's rendezvous), hands a TaskSpec to a backend (Spark barrier stage or
 local threads), then reads events until every rank has exited, one has failed,
-the time is up or the user interrupts. Whatever happens, ``_stop`` aborts the
-ranks, cancels the backend and closes the services.
+the time is up, a rank stalls or the user interrupts. Whatever happens,
+``_shutdown`` aborts the ranks, cancels the backend and closes the services.
 """
 
 from __future__ import annotations
 
 import base64
 import queue
+import signal
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -24,6 +25,8 @@ from hvdmagic.launcher.supervisor import TaskSpec
 
 ABORT_GRACE = 5.0  # seconds the other ranks get to report after the first failure
 POLL = 0.1
+RECENT_PROGRESS = 10.0  # a rank silent for longer than this is named as "stopped progressing"
+_PROGRESS_EVENTS = ("output", "report", "result")
 
 
 @dataclass
@@ -45,16 +48,26 @@ class _State:
     results: dict[int, Any] = field(default_factory=dict)
     exits: dict[int, int] = field(default_factory=dict)
     failures: list[RankFailure] = field(default_factory=list)
-    go_sent: bool = False
+    go_at: float | None = None
+    last_progress: dict[int, float] = field(default_factory=dict)  # driver clock, by rank
+    last_heard: dict[int, float] = field(default_factory=dict)  # any event, heartbeats included
+
+    @property
+    def clean(self) -> bool:
+        return len(self.exits) == self.np and not self.failures and all(c == 0 for c in self.exits.values())
+
+    def running(self) -> list[int]:
+        return [r for r in range(self.np) if r not in self.exits]
 
 
 class Job:
     def __init__(self, backend, payload: bytes, *, timeout: float | None = None,
-                 on_event: Callable[[dict], None] | None = None):
+                 stall_timeout: float | None = None, on_event: Callable[[dict], None] | None = None):
         self.backend = backend
         self.np = backend.np
         self.payload = payload
         self.timeout = timeout
+        self.stall_timeout = stall_timeout
         self.on_event = on_event or (lambda event: None)
         self.job_id = uuid.uuid4().hex[:12]
 
@@ -70,7 +83,8 @@ class Job:
                 rendezvous_port=rendezvous.port, secret=secret, payload=self.payload,
             )
             self.on_event({"type": "launching", "description": self.backend.describe(),
-                           "job_group": getattr(self.backend, "job_group", None)})
+                           "job_group": getattr(self.backend, "job_group", None),
+                           "channel": list(server.address)})
             self.backend.start(spec)
             self._loop(server, rendezvous, state, started)
         except KeyboardInterrupt:
@@ -86,12 +100,12 @@ class Job:
     def _loop(self, server: channel.ChannelServer, rendezvous: Rendezvous, state: _State, started: float) -> None:
         deadline = started + self.timeout if self.timeout else None
         aborted_at = None
-        timed_out = False
+        verdict: str | None = None  # why the job was stopped without a rank failing
         while len(state.exits) < self.np:
             now = time.monotonic()
             if aborted_at is None:
-                timed_out = deadline is not None and now > deadline
-                if state.failures or timed_out:
+                verdict = self._watchdog(state, now, deadline)
+                if state.failures or verdict:
                     # Fail fast: stop the others now, then give them a moment to report.
                     server.broadcast({"type": "abort"})
                     aborted_at = now
@@ -100,17 +114,45 @@ class Job:
             elif now - aborted_at > ABORT_GRACE:
                 break
             try:
-                link, event = server.events.get(timeout=POLL)
+                _, event = server.events.get(timeout=POLL)
             except queue.Empty:
                 continue
             self._handle(event, state, server, rendezvous)
 
-        if state.failures or timed_out:
+        if state.failures or verdict:
             failed = {f.rank for f in state.failures}
             stopped = sorted(r for r in range(self.np) if r not in failed and state.exits.get(r) != 0)
-            if timed_out:
-                raise JobTimeout(state.failures, stopped, note=f"the run exceeded --timeout {self.timeout:g} s")
-            raise JobFailed(state.failures, stopped)
+            notes = [verdict] if verdict else []
+            early = sorted(r for r, code in state.exits.items() if code == 0 and r not in state.results)
+            if early:
+                notes.append(f"rank(s) {', '.join(map(str, early))} had already exited with code 0")
+            error = JobTimeout if verdict else JobFailed
+            raise error(state.failures, stopped, note="; ".join(notes))
+
+    def _watchdog(self, state: _State, now: float, deadline: float | None) -> str | None:
+        """Why the job must stop now (timeout, stall), or None."""
+        if deadline is not None and now > deadline:
+            return f"the run exceeded --timeout {self.timeout:g} s{self._stuck(state, now)}"
+        if self.stall_timeout and state.go_at is not None:
+            stalled = [r for r in state.running()
+                       if now - state.last_progress.get(r, state.go_at) > self.stall_timeout]
+            if stalled:
+                return (f"rank(s) {', '.join(map(str, stalled))} made no progress for "
+                        f"{self.stall_timeout:g} s (--stall-timeout){self._stuck(state, now)}")
+        return None
+
+    def _stuck(self, state: _State, now: float) -> str:
+        """Which running ranks went quiet, and whether they are still alive (heartbeats)."""
+        if state.go_at is None:
+            return f": only {len(state.slots)} of {self.np} tasks had started"
+        parts = []
+        for rank in state.running():
+            silent = now - state.last_progress.get(rank, state.go_at)
+            if silent > min(RECENT_PROGRESS, (self.timeout or RECENT_PROGRESS) / 2):
+                heard = now - state.last_heard.get(rank, state.go_at)
+                alive = "alive, e.g. stuck in a collective" if heard < 5 else f"no heartbeat for {heard:.0f} s"
+                parts.append(f"rank {rank} stopped progressing {silent:.0f} s ago ({alive})")
+        return "".join("; " + part for part in parts)
 
     def _handle(self, event: dict, state: _State, server, rendezvous: Rendezvous) -> None:
         kind = event.get("type")
@@ -118,16 +160,20 @@ class Job:
             slot = Slot(**event["slot"])
             state.slots[int(event["task"])] = slot
             state.hosts[slot.rank] = event.get("hostname", slot.host)
-            if len(state.slots) == self.np and not state.go_sent:
+            if len(state.slots) == self.np and state.go_at is None:
                 # Horovod's rendezvous must know the plan before any rank joins it.
                 rendezvous.init(horovod_plan(list(state.slots.values())))
                 server.broadcast({"type": "go"})
-                state.go_sent = True
+                state.go_at = time.monotonic()
             self.on_event({"type": "placed", "rank": slot.rank, "host": state.hosts[slot.rank]})
             return
         rank = event.get("rank")
         if not isinstance(rank, int) or not 0 <= rank < self.np:
             return
+        now = time.monotonic()
+        state.last_heard[rank] = now
+        if kind in _PROGRESS_EVENTS:
+            state.last_progress[rank] = now
         if kind == "result":
             import cloudpickle
 
@@ -141,31 +187,38 @@ class Job:
             state.exits[rank] = code
             if code != 0 and not event.get("aborted") and not any(f.rank == rank for f in state.failures):
                 state.failures.append(RankFailure(rank, _describe_exit(code), "", state.hosts.get(rank, "")))
-        self.on_event(event)
+        if kind != "heartbeat":
+            self.on_event(event)
 
     def _shutdown(self, server: channel.ChannelServer, rendezvous: Rendezvous, state: _State) -> None:
-        """Idempotent: abort whatever still runs, cancel the backend, close the services."""
-        clean = len(state.exits) == self.np and not state.failures and all(c == 0 for c in state.exits.values())
-        if not clean:
-            server.broadcast({"type": "abort"})
-            grace_end = time.monotonic() + ABORT_GRACE
-            while len(state.exits) < len(state.slots) and time.monotonic() < grace_end:
-                try:
-                    _, event = server.events.get(timeout=POLL)
-                except queue.Empty:
-                    continue
-                if event.get("type") == "exit" and isinstance(event.get("rank"), int):
-                    state.exits[event["rank"]] = int(event.get("code", -1))
-            self.backend.cancel()
-        self.backend.join(timeout=30)
-        rendezvous.stop()
-        server.close()
+        """Abort whatever still runs, cancel the backend, close the services.
+
+        A second Ctrl-C while this runs only cuts the grace period short: the
+        cancel and the closing still happen, so nothing is left behind.
+        """
+        try:
+            if not state.clean:
+                server.broadcast({"type": "abort"})
+                grace_end = time.monotonic() + ABORT_GRACE
+                while len(state.exits) < len(state.slots) and time.monotonic() < grace_end:
+                    try:
+                        _, event = server.events.get(timeout=POLL)
+                    except queue.Empty:
+                        continue
+                    if event.get("type") == "exit" and isinstance(event.get("rank"), int):
+                        state.exits[event["rank"]] = int(event.get("code", -1))
+        except KeyboardInterrupt:
+            pass
+        finally:
+            if not state.clean:
+                self.backend.cancel()
+            self.backend.join(timeout=30)
+            rendezvous.stop()
+            server.close()
 
 
 def _describe_exit(code: int) -> str:
     if code < 0:
-        import signal
-
         try:
             name = signal.Signals(-code).name
         except ValueError:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import re
 import sys
-import threading
 import uuid
 from pathlib import Path
 
@@ -124,14 +123,18 @@ class SparkBackend:
         self.sc = self.session.sparkContext
         self.bind_host = self.sc.getConf().get("spark.driver.host", "127.0.0.1")
         self.job_group = f"hvdmagic-{uuid.uuid4().hex[:12]}"
-        self._thread: threading.Thread | None = None
+        self._thread = None
         self._error: str | None = None
 
     def describe(self) -> str:
         return f"Spark barrier stage of {self.np} tasks, job group {self.job_group} on {self.sc.master}"
 
     def start(self, spec: TaskSpec) -> None:
-        self._thread = threading.Thread(target=self._run, args=(spec,), name="hvdmagic-spark-job", daemon=True)
+        from pyspark import InheritableThread
+
+        # InheritableThread releases its py4j connection when it ends: plain threads
+        # would leave one behind per cell in pinned-thread mode.
+        self._thread = InheritableThread(target=self._run, args=(spec,), name="hvdmagic-spark-job", daemon=True)
         self._thread.start()
 
     def _run(self, spec: TaskSpec) -> None:
