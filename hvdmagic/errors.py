@@ -69,7 +69,7 @@ class JobFailed(HvdmagicError):
         return "; ".join(parts) + "."
 
     def _render_traceback_(self) -> list[str]:
-        lines = [f"JobFailed: {self}"]
+        lines = [f"{type(self).__name__}: {self}"]
         shown: dict[str, list[int]] = {}
         for failure in self.failures:
             shown.setdefault(failure.traceback or failure.summary, []).append(failure.rank)

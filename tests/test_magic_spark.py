@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from conftest import run
+from procs import rank_processes
 from hvdmagic.errors import JobFailed, JobTimeout
 
 
@@ -111,17 +112,6 @@ def test_timeout_stops_every_rank(ip):
     assert sorted(error.stopped) == [0, 1]
 
 
-def _rank_processes():
-    import psutil
-
-    found = []
-    for proc in psutil.process_iter(["cmdline"]):
-        cmdline = proc.info["cmdline"] or []
-        if "hvdmagic.rank" in cmdline:
-            found.append(proc.pid)
-    return found
-
-
 def test_failure_leaves_no_rank_process_and_no_active_spark_job(ip):
     from pyspark import SparkContext
 
@@ -133,7 +123,7 @@ if hvd.rank() == 0:
 time.sleep(600)
 """)
     assert isinstance(error, JobFailed) and error.stopped == [1]
-    assert _rank_processes() == [], "rank processes outlived the failed cell"
+    assert rank_processes() == [], "rank processes outlived the failed cell"
     tracker = SparkContext._active_spark_context.statusTracker()
     assert tracker.getActiveJobsIds() == [], "the barrier job is still running"
 

@@ -121,11 +121,13 @@ class Job:
 
         if state.failures or verdict:
             failed = {f.rank for f in state.failures}
-            stopped = sorted(r for r in range(self.np) if r not in failed and state.exits.get(r) != 0)
+            finished = sorted(r for r in state.results if r not in failed)
+            stopped = sorted(r for r in range(self.np)
+                             if r not in failed and r not in finished and state.exits.get(r) != 0)
             notes = [verdict] if verdict else []
-            early = sorted(r for r, code in state.exits.items() if code == 0 and r not in state.results)
-            if early:
-                notes.append(f"rank(s) {', '.join(map(str, early))} had already exited with code 0")
+            if finished:
+                notes.append(f"rank(s) {', '.join(map(str, finished))} had finished the cell; a rank that ends "
+                             "while others still call collectives makes those fail")
             error = JobTimeout if verdict else JobFailed
             raise error(state.failures, stopped, note="; ".join(notes))
 
