@@ -82,4 +82,5 @@ make_venv
 install_build_deps
 install_horovod
 install_project
+bash "$here/scripts/install_browser.sh" || say "continuing without chromium: tests/test_browser.py will fail until scripts/install_browser.sh succeeds"
 say "ready: $venv"

@@ -1,0 +1,1 @@
+"""Helpers for tests that drive JupyterLab in a real browser."""

@@ -1,0 +1,107 @@
+"""Hostile input at the event channel: nothing unauthenticated is accepted or unpickled."""
+
+from __future__ import annotations
+
+import pickle
+import socket
+import struct
+import threading
+from pathlib import Path
+
+import cloudpickle
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from hvdmagic import channel
+from hvdmagic.launcher import launch
+
+SENTINEL = Path("/tmp/hvdmagic-fuzz-executed")
+
+
+class _Bomb:
+    """Unpickling this creates SENTINEL: proof that something was unpickled."""
+
+    def __reduce__(self):
+        return (Path.touch, (SENTINEL,))
+
+
+def _frame(payload: bytes, mac: bytes = b"\0" * 32, length: int | None = None) -> bytes:
+    return struct.pack(">I", len(payload) if length is None else length) + mac + payload
+
+
+def _signed_elsewhere(secret: bytes, event: dict) -> bytes:
+    """A genuine frame, signed for another connection (another nonce): a replay."""
+    mine, theirs = socket.socketpair()
+    with mine, theirs:
+        channel.Link(mine, secret, b"x" * channel.NONCE_SIZE, is_server=False).send(event)
+        theirs.settimeout(5)
+        return theirs.recv(1 << 16)
+
+
+hostile = st.one_of(
+    st.binary(max_size=300),  # noise
+    st.binary(max_size=200).map(_frame),  # well-formed, wrong MAC
+    st.binary(min_size=1, max_size=200).map(lambda p: _frame(p)[: 4 + len(p) // 2]),  # truncated
+    st.integers(channel.MAX_FRAME + 1, 2**32 - 1).map(lambda n: _frame(b"{}", length=n)),  # oversized
+    st.just(_frame(pickle.dumps(_Bomb()))),  # a pickle, unsigned
+    st.just(_frame(b'{"type":"result","rank":0,"data":"' + b"A" * 20 + b'"}')),  # plausible JSON, unsigned
+)
+
+
+def _attack(address, frames: list[bytes]) -> None:
+    try:
+        with socket.create_connection(address, timeout=5) as sock:
+            sock.recv(channel.NONCE_SIZE)
+            for frame in frames:
+                sock.sendall(frame)
+    except OSError:
+        pass  # the server hung up on us, as it should
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(hostile, min_size=1, max_size=4), st.booleans())
+def test_hostile_frames_never_reach_the_driver(frames, include_replay):
+    SENTINEL.unlink(missing_ok=True)
+    secret = channel.new_secret()
+    server = channel.ChannelServer("127.0.0.1", secret)
+    try:
+        if include_replay:
+            frames = frames + [_signed_elsewhere(secret, {"type": "exit", "rank": 0, "code": 0})]
+        _attack(server.address, frames)
+        genuine = channel.connect(*server.address, secret)
+        genuine.send({"type": "hello", "ok": True})
+        _, event = server.events.get(timeout=5)
+        assert event == {"type": "hello", "ok": True}, "a hostile frame got into the event queue"
+        assert server.events.empty()
+        genuine.close()
+    finally:
+        server.close()
+    assert not SENTINEL.exists(), "a hostile payload was unpickled"
+
+
+def test_a_job_under_attack_still_completes_correctly():
+    SENTINEL.unlink(missing_ok=True)
+    attackers = []
+
+    def on_event(event):
+        if event.get("type") == "launching":
+            address = tuple(event["channel"])
+            replay = _signed_elsewhere(channel.new_secret(), {"type": "result", "rank": 0, "data": ""})
+            bursts = [[_frame(pickle.dumps(_Bomb()))], [b"\xff" * 64], [replay],
+                      [_frame(b"{}", length=2**31)], [_frame(b'{"type":"abort"}')]] * 4
+            for frames in bursts:
+                thread = threading.Thread(target=_attack, args=(address, frames))
+                thread.start()
+                attackers.append(thread)
+
+    def allreduce():
+        import torch
+        import horovod.torch as hvd
+        hvd.init()
+        return hvd.allreduce(torch.tensor([hvd.rank() + 1.0]), op=hvd.Sum).item()
+
+    result = launch(cloudpickle.dumps((allreduce, (), {})), -2, on_event=on_event, timeout=120)
+    for thread in attackers:
+        thread.join(10)
+    assert result.results == [3.0, 3.0]
+    assert not SENTINEL.exists(), "a hostile payload was unpickled"
