@@ -12,7 +12,7 @@ from hvdmagic.record import last_run
 from hvdmagic.report import log_metrics, progress, track
 
 __version__ = "0.1.0"
-__all__ = ["last_run", "log_metrics", "progress", "run", "track"]
+__all__ = ["HorovodRunner", "last_run", "log_metrics", "progress", "run", "track"]
 
 
 def load_ipython_extension(ipython) -> None:
@@ -21,10 +21,11 @@ def load_ipython_extension(ipython) -> None:
     ipython.register_magics(HorovodMagics)
 
 
-def run(fn, np: int, *args, timeout: float | None = None, **kwargs) -> list:
-    """Run ``fn(*args, **kwargs)`` on |np| ranks and return every rank's result in rank order."""
-    import cloudpickle
+def __getattr__(name: str):
+    # The driver-side API imports cloudpickle and the launcher; ranks importing
+    # hvdmagic for progress() should not pay for that.
+    if name in ("run", "HorovodRunner"):
+        from hvdmagic import api
 
-    from hvdmagic.runner import execute
-
-    return execute(cloudpickle.dumps((fn, args, kwargs)), np, timeout=timeout).results
+        return getattr(api, name)
+    raise AttributeError(f"module 'hvdmagic' has no attribute {name!r}")

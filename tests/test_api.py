@@ -1,0 +1,38 @@
+"""The Python API shares the launcher with the magic: HorovodRunner and hvdmagic.run."""
+
+from __future__ import annotations
+
+import pytest
+
+import hvdmagic
+from hvdmagic import HorovodRunner
+
+
+def train(learning_rate, scale=1.0):
+    import torch
+    import horovod.torch as hvd
+
+    hvd.init()
+    total = hvd.allreduce(torch.tensor([float(hvd.rank())]), op=hvd.Sum).item()
+    return {"rank": hvd.rank(), "lr": learning_rate * scale, "sum": total}
+
+
+def test_horovodrunner_is_a_drop_in_returning_rank0_value():
+    hr = HorovodRunner(np=2, driver_log_verbosity="log_callback_only")
+    assert hr.run(train, learning_rate=0.1, scale=2.0) == {"rank": 0, "lr": 0.2, "sum": 1.0}
+
+
+def test_horovodrunner_local_mode_with_negative_np():
+    assert HorovodRunner(np=-2).run(train, learning_rate=1.0)["sum"] == 1.0
+
+
+def test_run_returns_every_rank_in_rank_order():
+    results = hvdmagic.run(train, 2, 0.5)
+    assert [r["rank"] for r in results] == [0, 1]
+    assert hvdmagic.last_run().results == results
+
+
+@pytest.mark.parametrize("np, verbosity", [(0, "all"), (2.5, "all"), (True, "all"), (2, "loud")])
+def test_horovodrunner_rejects_bad_arguments(np, verbosity):
+    with pytest.raises(ValueError):
+        HorovodRunner(np=np, driver_log_verbosity=verbosity)
