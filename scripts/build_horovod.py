@@ -90,11 +90,22 @@ def build(version: str, flags: dict[str, str], dest: Path) -> Path:
         return final
 
 
+def build_flags() -> dict[str, str]:
+    """Gloo always; NCCL as well when torch is a CUDA build and nvcc is on PATH."""
+    import torch
+
+    flags = dict(BUILD_FLAGS)
+    if torch.version.cuda and shutil.which("nvcc"):
+        flags["HOROVOD_GPU_OPERATIONS"] = "NCCL"
+        log(f"CUDA torch ({torch.version.cuda}) and nvcc found: building with NCCL")
+    return flags
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--version", default="0.28.1")
     args = parser.parse_args()
-    flags = dict(BUILD_FLAGS)
+    flags = build_flags()
     dest = cache_root() / cache_key(args.version, flags)
     cached = sorted(dest.glob("horovod-*.whl"))
     if cached:

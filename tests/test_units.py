@@ -118,3 +118,35 @@ def test_job_failed_groups_identical_tracebacks_and_limits_them():
     assert "rank(s) 7 were stopped" in rendered[0]
     assert "--- rank 0, 1 ---" in rendered
     assert rendered[-1] == "... and 3 more distinct failure(s)"
+
+
+def test_visible_devices_follow_local_rank_on_each_host():
+    from hvdmagic.launcher.layout import visible_devices
+
+    hosts = ["a", "b", "a", "a"]
+    gpus = [["3"], ["0"], ["1"], ["2"]]
+    slots = compute_layout(hosts)
+    for task, slot in enumerate(slots):
+        devices, first = visible_devices(slots, gpus, task)
+        listed = devices.split(",")
+        assert listed[slot.local_rank] == gpus[task][0] and first == slot.local_rank
+        assert sorted(listed) == sorted(g[0] for t, g in enumerate(gpus) if hosts[t] == slot.host)
+    assert visible_devices(slots, [[], [], [], []], 0) is None
+
+
+def test_visible_devices_with_two_gpus_per_task():
+    from hvdmagic.launcher.layout import visible_devices
+
+    slots = compute_layout(["h", "h"])
+    assert visible_devices(slots, [["2", "3"], ["0", "1"]], 1) == ("2,3,0,1", 2)
+
+
+def test_spark_errors_are_reduced_to_the_python_exception_line():
+    from hvdmagic.launcher.spark import first_line
+
+    text = ("An error occurred while calling o1.collect.\n: org.apache.spark.SparkException: Job aborted\n"
+            "Traceback (most recent call last):\n  File \"worker.py\", line 1, in main\n"
+            "ModuleNotFoundError: No module named 'hvdmagic'\n SQLSTATE: 38000\n\tat org.apache.Foo(Foo.scala:1)")
+    line = first_line(RuntimeError(text))
+    assert line.startswith("ModuleNotFoundError: No module named 'hvdmagic' on the executors")
+    assert "docs/clusters.md" in line

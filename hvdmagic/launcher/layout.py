@@ -67,6 +67,27 @@ def horovod_plan(slots: list[Slot]):
     ]
 
 
+def visible_devices(slots: list[Slot], task_gpus: list[list[str]], task: int) -> tuple[str, int] | None:
+    """``CUDA_VISIBLE_DEVICES`` for a task's rank, and where its own first GPU sits in it.
+
+    Every rank on a host sees the GPUs of all the job's tasks on that host, in
+    local-rank order. With one GPU per task (the usual set-up) a rank's own GPU is
+    then device ``hvd.local_rank()``, which is what Horovod code pins to, and NCCL
+    can still reach its peers. None when Spark assigned no GPUs.
+    """
+    if not any(task_gpus):
+        return None
+    mine = slots[task]
+    peers = sorted((s.local_rank, t) for t, s in enumerate(slots) if s.host == mine.host)
+    devices: list[str] = []
+    first = 0
+    for local_rank, peer in peers:
+        if local_rank == mine.local_rank:
+            first = len(devices)
+        devices.extend(task_gpus[peer])
+    return ",".join(devices), first
+
+
 def rank_environment(slot: Slot, rendezvous: tuple[str, int], iface: str) -> dict[str, str]:
     """Horovod's Gloo variables for one rank process."""
     env = {

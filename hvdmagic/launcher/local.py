@@ -27,7 +27,7 @@ class LocalBackend:
 
     def _run(self, spec: TaskSpec, task: int) -> None:
         try:
-            run_task(spec, task, lambda host: [host] * self.np)
+            run_task(spec, task, lambda message: [message] * self.np)
         except Exception as exc:  # reported through failure(); the job loop decides
             self._errors.append(f"local task {task} failed: {type(exc).__name__}: {exc}")
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import re
 import sys
+import time
 import uuid
 from pathlib import Path
 
@@ -12,6 +13,7 @@ from hvdmagic.errors import LaunchError
 from hvdmagic.launcher.supervisor import TaskSpec, run_task
 
 _LOG4J = Path(__file__).with_name("log4j2.properties")
+SLOT_WAIT = 3.0  # seconds to let a new session's executors register before failing
 _embedded = None  # the session hvdmagic started itself, which it may resize
 
 
@@ -51,7 +53,16 @@ def _start_embedded(slots: int):
 
 
 def available_slots(sc) -> int:
-    """Barrier task slots the cluster offers right now."""
+    """Barrier task slots the cluster offers right now.
+
+    Spark's own count (the one its barrier check uses) covers executor cores,
+    spark.task.cpus and GPU amounts; the fallback counts cores only.
+    """
+    try:
+        jsc = sc._jsc.sc()
+        return int(jsc.maxNumConcurrentTasks(jsc.resourceProfileManager().defaultResourceProfile()))
+    except Exception:
+        pass
     master = sc.master
     if master == "local":
         return 1
@@ -74,18 +85,30 @@ def session_for(np: int):
     if session is None:
         _embedded = _start_embedded(max(np, os.cpu_count() or 1))
         return _embedded
-    slots = available_slots(session.sparkContext)
+    sc = session.sparkContext
+    slots = available_slots(sc)
+    if slots < np and session is _embedded:
+        session.stop()
+        _embedded = _start_embedded(np)
+        return _embedded
+    deadline = time.monotonic() + SLOT_WAIT
+    while slots < np and time.monotonic() < deadline:
+        time.sleep(0.25)  # executors of a new session may still be registering
+        slots = available_slots(sc)
     if slots < np:
-        if session is _embedded:
-            session.stop()
-            _embedded = _start_embedded(np)
-            return _embedded
+        conf = sc.getConf()
+        gpus = conf.get("spark.task.resource.gpu.amount", None)
+        per_task = f"{conf.get('spark.task.cpus', '1')} core(s)" + (f" and {gpus} GPU(s)" if gpus else "")
         raise LaunchError(
             f"--np {np} needs {np} barrier task slots at once, but this Spark cluster offers {slots} "
-            f"(master {session.sparkContext.master}). Use a smaller --np, add executors or cores, "
+            f"(master {sc.master}, {per_task} per task). Spark would retry silently for minutes, so "
+            f"hvdmagic stops here: use --np {slots or 1} or less, add executors or cores, "
             f"or run on the driver in local mode with --np -{np}."
         )
     return session
+
+
+_EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt)\b(:.*)?$")
 
 
 def first_line(exc: BaseException) -> str:
@@ -94,13 +117,35 @@ def first_line(exc: BaseException) -> str:
     python_tb = text.rfind("Traceback (most recent call last)")
     if python_tb >= 0:
         tail = text[python_tb:].split("\n\tat ")[0]
-        lines = [line for line in tail.splitlines() if line.strip()]
-        if lines:
-            return lines[-1].strip()
+        lines = [line.strip() for line in tail.splitlines() if line.strip()]
+        errors = [line for line in lines if _EXCEPTION_LINE.match(line)]
+        if errors or lines:
+            line = (errors or lines)[-1]
+            if "No module named 'hvdmagic'" in line or "No module named 'horovod'" in line:
+                line += (f" on the executors: their Python ({os.environ.get('PYSPARK_PYTHON', 'python3')}, "
+                         "set by PYSPARK_PYTHON) needs hvdmagic, horovod and torch installed; see docs/clusters.md")
+            return line
     for line in text.splitlines():
         if line.strip():
             return line.strip()[:500]
     return type(exc).__name__
+
+
+def task_gpus(context) -> list[str]:
+    """The task's GPU addresses, as physical device numbers.
+
+    Spark's addresses index the executor's own view; when the executor already
+    runs under CUDA_VISIBLE_DEVICES, address i means the i-th device listed there.
+    """
+    resource = context.resources().get("gpu")
+    if resource is None:
+        return []
+    addresses = list(resource.addresses)
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible:
+        listed = [d.strip() for d in visible.split(",") if d.strip()]
+        addresses = [listed[int(a)] if a.isdigit() and int(a) < len(listed) else a for a in addresses]
+    return addresses
 
 
 def _barrier_task(spec: TaskSpec):
@@ -108,7 +153,7 @@ def _barrier_task(spec: TaskSpec):
         from pyspark import BarrierTaskContext
 
         context = BarrierTaskContext.get()
-        code = run_task(spec, context.partitionId(), lambda host: context.allGather(host))
+        code = run_task(spec, context.partitionId(), context.allGather, task_gpus(context))
         yield context.partitionId(), code
 
     return task

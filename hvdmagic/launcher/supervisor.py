@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from hvdmagic import channel
-from hvdmagic.launcher.layout import Slot, compute_layout, rank_environment
+from hvdmagic.launcher.layout import Slot, compute_layout, rank_environment, visible_devices
 from hvdmagic.launcher.network import interface_for
 
 TRANSIENT_INTERVAL = 1.0  # seconds between forwarded \r progress updates per stream
@@ -89,10 +89,16 @@ class LineSplitter:
 
 
 class Supervisor:
-    def __init__(self, spec: TaskSpec, task_index: int, gather: Callable[[str], list[str]]):
+    """``gather`` sends this task's message to every task and returns all of them in
+    task order (BarrierTaskContext.allGather on Spark); ``gpus`` are the GPU addresses
+    Spark assigned to this task, already mapped to physical device numbers."""
+
+    def __init__(self, spec: TaskSpec, task_index: int, gather: Callable[[str], list[str]],
+                 gpus: list[str] | None = None):
         self.spec = spec
         self.task_index = task_index
         self.gather = gather
+        self.gpus = list(gpus or [])
         self.proc: subprocess.Popen | None = None
         self.slot: Slot | None = None
         self._aborted = threading.Event()
@@ -108,8 +114,10 @@ class Supervisor:
         # The address this host uses to reach the driver names the host, and its
         # interface is the one the ranks can reach each other on.
         host_ip = link.sock.getsockname()[0]
-        layout = compute_layout(self.gather(host_ip))
+        peers = [json.loads(m) for m in self.gather(json.dumps({"host": host_ip, "gpus": self.gpus}))]
+        layout = compute_layout([p["host"] for p in peers])
         self.slot = slot = layout[self.task_index]
+        devices = visible_devices(layout, [p["gpus"] for p in peers], self.task_index)
         link.send({"type": "hello", "task": self.task_index, "slot": slot.to_dict(),
                    "hostname": socket.gethostname(), "pid": os.getpid()})
         reply = link.recv()
@@ -122,6 +130,10 @@ class Supervisor:
         env.update(rank_environment(slot, (self.spec.driver_host, self.spec.rendezvous_port), interface_for(host_ip)))
         env["HVDMAGIC_EVENT_FD"] = str(events_w)
         env["HVDMAGIC_JOB_ID"] = self.spec.job_id
+        if devices is not None:
+            env["CUDA_VISIBLE_DEVICES"], first = devices[0], devices[1]
+            env["HVDMAGIC_TASK_GPUS"] = ",".join(self.gpus)
+            env["HVDMAGIC_CUDA_DEVICE"] = str(first)
         try:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "hvdmagic.rank"],
@@ -215,5 +227,6 @@ class Supervisor:
             self._send(link, event)
 
 
-def run_task(spec: TaskSpec, task_index: int, gather: Callable[[str], list[str]]) -> int:
-    return Supervisor(spec, task_index, gather).run()
+def run_task(spec: TaskSpec, task_index: int, gather: Callable[[str], list[str]],
+             gpus: list[str] | None = None) -> int:
+    return Supervisor(spec, task_index, gather, gpus).run()

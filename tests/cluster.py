@@ -1,0 +1,93 @@
+"""A real Spark standalone cluster on 127.0.0.1, started from the installed pyspark.
+
+One master and two workers with 2 cores each. Each worker also reports two fake
+GPUs through a resource discovery script (worker 0: "0","1"; worker 1: "2","3"),
+so the GPU-pinning path runs on machines without GPUs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+import urllib.request
+from pathlib import Path
+
+import pyspark
+
+SPARK_HOME = Path(pyspark.__file__).parent
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class StandaloneCluster:
+    def __init__(self, workdir: Path, workers: int = 2, cores: int = 2):
+        self.workdir = workdir
+        self.workers = workers
+        self.cores = cores
+        self.port = _free_port()
+        self.ui_port = _free_port()
+        self.url = f"spark://127.0.0.1:{self.port}"
+        self.procs: list[subprocess.Popen] = []
+
+    def _start(self, name: str, args: list[str], extra_env: dict[str, str] | None = None) -> None:
+        env = dict(os.environ, SPARK_HOME=str(SPARK_HOME), SPARK_LOCAL_IP="127.0.0.1",
+                   SPARK_LOG_DIR=str(self.workdir), SPARK_NO_DAEMONIZE="1", **(extra_env or {}))
+        log = open(self.workdir / f"{name}.log", "wb")
+        self.procs.append(subprocess.Popen([str(SPARK_HOME / "bin" / "spark-class"), *args], env=env,
+                                           stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+
+    def _state(self) -> dict:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.ui_port}/json/", timeout=2) as reply:
+            return json.load(reply)
+
+    def start(self, timeout: float = 90) -> "StandaloneCluster":
+        self._start("master", ["org.apache.spark.deploy.master.Master", "--host", "127.0.0.1",
+                               "--port", str(self.port), "--webui-port", str(self.ui_port)])
+        for i in range(self.workers):
+            script = self.workdir / f"gpus{i}.sh"
+            addresses = json.dumps([str(2 * i), str(2 * i + 1)])
+            script.write_text(f"#!/bin/sh\necho '{{\"name\": \"gpu\", \"addresses\": {addresses}}}'\n")
+            script.chmod(0o755)
+            opts = f"-Dspark.worker.resource.gpu.amount=2 -Dspark.worker.resource.gpu.discoveryScript={script}"
+            (self.workdir / f"worker{i}").mkdir()
+            self._start(f"worker{i}", ["org.apache.spark.deploy.worker.Worker", self.url,
+                                       "--cores", str(self.cores), "--memory", "2g", "--host", "127.0.0.1",
+                                       "--webui-port", "0", "--work-dir", str(self.workdir / f"worker{i}")],
+                        {"SPARK_WORKER_OPTS": opts})
+        deadline = time.monotonic() + timeout
+        alive = 0
+        while time.monotonic() < deadline:
+            try:
+                alive = self._state().get("aliveworkers", 0)
+            except OSError:
+                alive = 0
+            if alive == self.workers:
+                return self
+            if any(p.poll() is not None for p in self.procs):
+                break
+            time.sleep(0.5)
+        logs = "\n".join(f"--- {p.name}\n{p.read_text()[-2000:]}" for p in self.workdir.glob("*.log"))
+        self.stop()
+        raise RuntimeError(f"the standalone cluster did not register {self.workers} workers "
+                           f"(saw {alive}) within {timeout:g} s\n{logs}")
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            try:
+                os.killpg(proc.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                continue
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
