@@ -34,12 +34,21 @@ class CellSyntaxError(CaptureError):
         return ["%%horovod cell has a syntax error:", *self.formatted.rstrip("\n").splitlines()]
 
 
+# Errors a rank raises because another rank failed first: never the root cause.
+FALLOUT = ("HorovodInternalError",)
+
+
 @dataclass
 class RankFailure:
     rank: int
     summary: str  # "ValueError: boom" or "exited with code 3"
     traceback: str = ""
     host: str = ""
+    time: float = float("inf")  # when it happened, on the rank's clock
+
+    @property
+    def is_fallout(self) -> bool:
+        return self.summary.split(":", 1)[0] in FALLOUT
 
 
 class JobFailed(HvdmagicError):
@@ -48,7 +57,8 @@ class JobFailed(HvdmagicError):
     MAX_TRACEBACKS = 3
 
     def __init__(self, failures: list[RankFailure], stopped: list[int], note: str = ""):
-        self.failures = failures
+        # The root cause first: a real error before fallout, then the earliest.
+        self.failures = sorted(failures, key=lambda f: (f.is_fallout, f.time))
         self.stopped = stopped
         self.note = note
         super().__init__(self._headline())

@@ -15,6 +15,7 @@ import os
 import pickle
 import sys
 import threading
+import time
 import traceback
 from pathlib import Path
 
@@ -74,6 +75,7 @@ def main() -> int:
         report.flush()
         report.emit({
             "type": "error",
+            "time": time.time(),  # lets the driver tell the first failure from its fallout
             "exc_type": type(exc).__name__,
             "message": str(exc),
             "traceback": _user_traceback(exc),

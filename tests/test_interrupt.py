@@ -80,7 +80,7 @@ def test_interrupt_stops_ranks_and_keeps_the_kernel(kernel):
 
     reply, texts = _execute(client, TRAIN, timeout=180, on_output=interrupt_once_training)
     assert interrupted_at, "training never started"
-    assert reply["status"] == "error" and reply["ename"] == "JobInterrupted"
+    assert reply["status"] == "error" and reply["ename"] == "JobInterrupted", (reply, texts)
     assert len(seen) == 2, f"expected 2 rank processes while training, saw {seen}"
     error_text = texts[-1]
     assert len(error_text.splitlines()) <= 2, f"the interrupt produced a long traceback:\n{error_text}"

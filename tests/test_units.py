@@ -150,3 +150,12 @@ def test_spark_errors_are_reduced_to_the_python_exception_line():
     line = first_line(RuntimeError(text))
     assert line.startswith("ModuleNotFoundError: No module named 'hvdmagic' on the executors")
     assert "docs/clusters.md" in line
+
+
+def test_job_failed_puts_the_root_cause_before_its_fallout():
+    fallout = RankFailure(0, "HorovodInternalError: Horovod has been shut down", time=1.0)
+    cause = RankFailure(1, "ValueError: bad batch", time=2.0)
+    later = RankFailure(2, "KeyError: x", time=3.0)
+    error = JobFailed([later, fallout, cause], stopped=[])
+    assert [f.rank for f in error.failures] == [1, 2, 0]
+    assert str(error).startswith("rank 1 failed: ValueError: bad batch")

@@ -35,10 +35,6 @@ class JobResult:
     slots: list[Slot]
     duration: float
 
-    @property
-    def value(self) -> Any:
-        return self.results[0]
-
 
 @dataclass
 class _State:
@@ -182,8 +178,10 @@ class Job:
             # Safe to unpickle: the frame passed the per-job HMAC check in the channel.
             state.results[rank] = cloudpickle.loads(base64.b64decode(event["data"]))
         elif kind == "error":
+            stamp = event.get("time")
             state.failures.append(RankFailure(rank, f"{event.get('exc_type')}: {event.get('message')}",
-                                              event.get("traceback", ""), state.hosts.get(rank, "")))
+                                              event.get("traceback", ""), state.hosts.get(rank, ""),
+                                              stamp if isinstance(stamp, (int, float)) else float("inf")))
         elif kind == "exit":
             code = int(event.get("code", -1))
             state.exits[rank] = code

@@ -13,7 +13,8 @@ from hvdmagic.errors import LaunchError
 from hvdmagic.launcher.supervisor import TaskSpec, run_task
 
 _LOG4J = Path(__file__).with_name("log4j2.properties")
-SLOT_WAIT = 3.0  # seconds to let a new session's executors register before failing
+SLOT_WAIT = 3.0  # seconds without new executors before too few slots is final
+EXECUTOR_WAIT = 60.0  # seconds a session with no executor yet gets for its first ones
 _embedded = None  # the session hvdmagic started itself, which it may resize
 
 
@@ -73,6 +74,25 @@ def available_slots(sc) -> int:
     return sc.defaultParallelism // max(1, task_cpus)
 
 
+def _wait_for_executors(sc, np: int, slots: int) -> int:
+    """Give a new session's executors time to register before judging the slot count.
+
+    With no executor at all we wait up to EXECUTOR_WAIT for the first ones; once
+    some are there, we wait SLOT_WAIT after the count last grew. A cluster that is
+    simply too small is therefore reported within seconds.
+    """
+    start = changed = time.monotonic()
+    while slots < np:
+        now = time.monotonic()
+        if slots == 0 and now - start > EXECUTOR_WAIT or slots > 0 and now - changed > SLOT_WAIT:
+            break
+        time.sleep(0.25)
+        current = available_slots(sc)
+        if current != slots:
+            slots, changed = current, time.monotonic()
+    return slots
+
+
 def session_for(np: int):
     """The active SparkSession, or an embedded local one with at least ``np`` slots."""
     global _embedded
@@ -91,10 +111,7 @@ def session_for(np: int):
         session.stop()
         _embedded = _start_embedded(np)
         return _embedded
-    deadline = time.monotonic() + SLOT_WAIT
-    while slots < np and time.monotonic() < deadline:
-        time.sleep(0.25)  # executors of a new session may still be registering
-        slots = available_slots(sc)
+    slots = _wait_for_executors(sc, np, slots)
     if slots < np:
         conf = sc.getConf()
         gpus = conf.get("spark.task.resource.gpu.amount", None)
@@ -102,7 +119,7 @@ def session_for(np: int):
         raise LaunchError(
             f"--np {np} needs {np} barrier task slots at once, but this Spark cluster offers {slots} "
             f"(master {sc.master}, {per_task} per task). Spark would retry silently for minutes, so "
-            f"hvdmagic stops here: use --np {slots or 1} or less, add executors or cores, "
+            f"hvdmagic stops here: use a smaller --np, add executors or cores, "
             f"or run on the driver in local mode with --np -{np}."
         )
     return session
