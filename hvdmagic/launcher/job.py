@@ -10,8 +10,10 @@ the time is up, a rank stalls or the user interrupts. Whatever happens,
 from __future__ import annotations
 
 import base64
+import contextlib
 import queue
 import signal
+import threading
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -68,6 +70,10 @@ class Job:
         self.job_id = uuid.uuid4().hex[:12]
 
     def run(self) -> JobResult:
+        with _interruptible():
+            return self._run()
+
+    def _run(self) -> JobResult:
         started = time.monotonic()
         secret = channel.new_secret()
         server = channel.ChannelServer(self.backend.bind_host, secret)
@@ -215,6 +221,24 @@ class Job:
             self.backend.join(timeout=30)
             rendezvous.stop()
             server.close()
+
+
+@contextlib.contextmanager
+def _interruptible():
+    """Ctrl-C raises KeyboardInterrupt in the job loop, whatever handler is installed.
+
+    PySpark installs a SIGINT handler that cancels *every* Spark job of the context;
+    during a job we want only ours stopped, through the normal shutdown path.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        if previous is not None:  # None: a handler installed from C, which we cannot restore
+            signal.signal(signal.SIGINT, previous)
 
 
 def _describe_exit(code: int) -> str:
