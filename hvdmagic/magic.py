@@ -20,6 +20,8 @@ class HorovodMagics(Magics):
     @argument("--timeout", type=float, metavar="SECONDS", help="Stop every rank and fail after SECONDS.")
     @argument("--stall-timeout", type=float, metavar="SECONDS",
               help="Fail when a rank reports no output or progress for SECONDS (e.g. a deadlocked collective).")
+    @argument("--timeline", metavar="PATH",
+              help="Record a Horovod Timeline (a Chrome trace written by rank 0) at PATH. It costs throughput.")
     @argument("--metrics", metavar="NAME",
               help="Store the run's metrics history (a pandas DataFrame, all ranks) in the variable NAME.")
     @cell_magic
@@ -48,7 +50,8 @@ class HorovodMagics(Magics):
 
         capture = capture_cell(cell_source(self.shell, cell), self.shell.user_ns, set(self.shell.user_ns_hidden))
         print(capture.summary(), flush=True)
-        record = execute(capture.payload, args.np, timeout=args.timeout, stall_timeout=args.stall_timeout)
+        record = execute(capture.payload, args.np, timeout=args.timeout, stall_timeout=args.stall_timeout,
+                         timeline=args.timeline)
         if args.out:
             self.shell.user_ns[args.out] = record.result
         if args.metrics:

@@ -69,6 +69,7 @@ class RunRecord:
         self.result: Any = None
         self.results: list[Any] = []
         self.error: BaseException | None = None
+        self.timeline: str | None = None  # where rank 0 wrote a Horovod Timeline (--timeline)
         self.version = 0  # bumped on every change, so views redraw only when needed
         self._lock = threading.Lock()
 

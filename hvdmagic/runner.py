@@ -5,6 +5,8 @@ The magic, ``hvdmagic.run`` and ``HorovodRunner`` all go through ``execute``.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from hvdmagic.errors import JobInterrupted
 from hvdmagic.launcher import launch
 from hvdmagic.record import RunRecord, set_last
@@ -12,12 +14,18 @@ from hvdmagic.ui import make_view
 
 
 def execute(payload: bytes, np: int, *, timeout: float | None = None, stall_timeout: float | None = None,
-            session=None, view=None) -> RunRecord:
+            timeline: str | None = None, session=None, view=None) -> RunRecord:
     """Run a cloudpickled ``(fn, args, kwargs)`` on |np| ranks; return its record.
 
-    Raises the job's error after the record and the view have been closed with it.
+    ``timeline``: a path where rank 0 records a Horovod Timeline. Raises the job's
+    error after the record and the view have been closed with it.
     """
     record = RunRecord(np)
+    env = {}
+    if timeline:
+        record.timeline = str(Path(timeline).expanduser().resolve())
+        Path(record.timeline).parent.mkdir(parents=True, exist_ok=True)
+        env["HOROVOD_TIMELINE"] = record.timeline
     set_last(record)
     view = view or make_view(record)
 
@@ -27,7 +35,8 @@ def execute(payload: bytes, np: int, *, timeout: float | None = None, stall_time
 
     view.start()
     try:
-        result = launch(payload, np, timeout=timeout, stall_timeout=stall_timeout, on_event=on_event, session=session)
+        result = launch(payload, np, timeout=timeout, stall_timeout=stall_timeout, env=env, on_event=on_event,
+                        session=session)
     except JobInterrupted as exc:
         record.finish(error=exc, cancelled=True)
         raise

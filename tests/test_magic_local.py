@@ -85,3 +85,22 @@ def test_failed_rank_in_local_mode_reports_the_cell_line(ip):
     rendered = "\n".join(error._render_traceback_())
     assert "ZeroDivisionError" in rendered
     assert '"<horovod-cell>", line 5' in rendered  # the leading blank line still counts
+
+
+def test_timeline_is_recorded_and_summarised(ip, tmp_path, capfd):
+    path = tmp_path / "trace" / "timeline.json"
+    _, error = run(ip, f"""%%horovod --np -2 --timeline {path}
+import torch, horovod.torch as hvd
+hvd.init()
+for _ in range(3):
+    hvd.allreduce(torch.ones(64), name="weights")
+""")
+    assert error is None
+    from hvdmagic.timeline import load_events, summarize
+
+    events = load_events(path)
+    assert any(e.get("name") == "ALLREDUCE" for e in events)
+    weights = next(t for t in summarize(path) if t.name == "allreduce.weights")
+    assert weights.count == 3 and weights.collective_ms > 0
+    out = capfd.readouterr().out
+    assert f"Horovod Timeline: {path}" in out and "chrome://tracing" in out and "allreduce.weights" in out

@@ -159,3 +159,17 @@ def test_job_failed_puts_the_root_cause_before_its_fallout():
     error = JobFailed([later, fallout, cause], stopped=[])
     assert [f.rank for f in error.failures] == [1, 2, 0]
     assert str(error).startswith("rank 1 failed: ValueError: bad batch")
+
+
+def test_timeline_summary_from_a_truncated_trace(tmp_path):
+    from hvdmagic.timeline import describe, summarize
+
+    trace = tmp_path / "t.json"
+    trace.write_text(
+        '[\n{"name": "process_name", "ph": "M", "pid": 1, "args": {"name": "allreduce.grad"}},\n'
+        '{"ph": "B", "name": "NEGOTIATE_ALLREDUCE", "ts": 0, "pid": 1},{"ph": "E", "ts": 1000, "pid": 1},'
+        '{"ph": "B", "name": "ALLREDUCE", "ts": 1000, "pid": 1},{"ph": "B", "name": "GLOO_ALLREDUCE", "ts": 1100, "pid": 1},'
+        '{"ph": "E", "ts": 2900, "pid": 1},{"ph": "E", "ts": 3000, "pid": 1},')  # no closing bracket
+    (tensor,) = summarize(trace)
+    assert (tensor.name, tensor.count, tensor.collective_ms, tensor.negotiate_ms) == ("allreduce.grad", 1, 2.0, 1.0)
+    assert "chrome://tracing" in describe(trace) and "allreduce.grad" in describe(trace)

@@ -9,7 +9,8 @@ from hvdmagic.launcher.job import Job, JobResult
 
 
 def launch(payload: bytes, np: int, *, timeout: float | None = None, stall_timeout: float | None = None,
-           on_event: Callable[[dict], None] | None = None, session=None) -> JobResult:
+           env: dict[str, str] | None = None, on_event: Callable[[dict], None] | None = None,
+           session=None) -> JobResult:
     """Run a cloudpickled ``(fn, args, kwargs)`` on |np| Horovod ranks.
 
     np > 0: one Spark barrier stage (the active SparkSession, or an embedded local
@@ -33,7 +34,7 @@ def launch(payload: bytes, np: int, *, timeout: float | None = None, stall_timeo
         from hvdmagic.launcher.spark import SparkBackend
 
         backend = SparkBackend(np, session)
-    return Job(backend, payload, timeout=timeout, stall_timeout=stall_timeout, on_event=on_event).run()
+    return Job(backend, payload, timeout=timeout, stall_timeout=stall_timeout, env=env, on_event=on_event).run()
 
 
 __all__ = ["JobResult", "launch"]

@@ -60,12 +60,14 @@ class _State:
 
 class Job:
     def __init__(self, backend, payload: bytes, *, timeout: float | None = None,
-                 stall_timeout: float | None = None, on_event: Callable[[dict], None] | None = None):
+                 stall_timeout: float | None = None, env: dict[str, str] | None = None,
+                 on_event: Callable[[dict], None] | None = None):
         self.backend = backend
         self.np = backend.np
         self.payload = payload
         self.timeout = timeout
         self.stall_timeout = stall_timeout
+        self.env = tuple(sorted((env or {}).items()))
         self.on_event = on_event or (lambda event: None)
         self.job_id = uuid.uuid4().hex[:12]
 
@@ -82,7 +84,7 @@ class Job:
         try:
             spec = TaskSpec(
                 job_id=self.job_id, driver_host=self.backend.bind_host, channel_port=server.address[1],
-                rendezvous_port=rendezvous.port, secret=secret, payload=self.payload,
+                rendezvous_port=rendezvous.port, secret=secret, payload=self.payload, env=self.env,
             )
             self.on_event({"type": "launching", "description": self.backend.describe(),
                            "job_group": getattr(self.backend, "job_group", None),

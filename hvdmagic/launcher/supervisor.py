@@ -42,6 +42,7 @@ class TaskSpec:
     rendezvous_port: int
     secret: bytes
     payload: bytes
+    env: tuple[tuple[str, str], ...] = ()  # job-wide extra variables for every rank (e.g. HOROVOD_TIMELINE)
 
 
 class LineSplitter:
@@ -127,6 +128,7 @@ class Supervisor:
 
         events_r, events_w = os.pipe()
         env = dict(os.environ)
+        env.update(self.spec.env)
         env.update(rank_environment(slot, (self.spec.driver_host, self.spec.rendezvous_port), interface_for(host_ip)))
         env["HVDMAGIC_EVENT_FD"] = str(events_w)
         env["HVDMAGIC_JOB_ID"] = self.spec.job_id

@@ -18,6 +18,7 @@ import ipywidgets as widgets
 from IPython.display import display
 
 from hvdmagic.record import RankRecord, RunRecord
+from hvdmagic.timeline import describe
 
 MAX_FPS = 10
 CHART_POINTS = 300  # per metric on screen; the record keeps the full history
@@ -115,9 +116,10 @@ class Dashboard:
         for i, title in enumerate(["all ranks"] + [f"rank {r}" for r in range(record.np)]):
             self.logs.set_title(i, title)
         self.error = widgets.HTML(layout=widgets.Layout(display="none"))
+        self.notes = widgets.HTML()
         self.box = widgets.VBox([
             self.header, *[row.box for row in self.rows],
-            widgets.HBox([self.charts, self.table]), self.error,
+            widgets.HBox([self.charts, self.table]), self.error, self.notes,
             widgets.Accordion(children=[self.logs], titles=("logs",)),
         ])
         self.box.add_class("hvdmagic-dashboard")
@@ -137,6 +139,8 @@ class Dashboard:
         if self._thread is not None:
             self._thread.join(timeout=5)
         self._draw()
+        if self.record.timeline:
+            self.notes.value = f"<pre>{html.escape(describe(self.record.timeline))}</pre>"
 
     def _loop(self) -> None:
         while not self._stop.wait(1 / MAX_FPS):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import sys
 
 from hvdmagic.record import RunRecord
+from hvdmagic.timeline import describe
 
 MAX_LIVE_LINES = 1000  # per rank; the record keeps every line
 
@@ -48,6 +49,8 @@ class TextView:
 
     def close(self) -> None:
         text = summary(self.record)
+        if self.record.timeline:
+            text += describe(self.record.timeline) + "\n"
         if text:
             out = self._out or sys.stdout
             out.write(text)
