@@ -70,6 +70,7 @@ class RunRecord:
         self.results: list[Any] = []
         self.error: BaseException | None = None
         self.timeline: str | None = None  # where rank 0 wrote a Horovod Timeline (--timeline)
+        self.notes: list[str] = []  # sentences from the ranks, e.g. a scaled learning rate
         self.version = 0  # bumped on every change, so views redraw only when needed
         self._lock = threading.Lock()
 
@@ -98,6 +99,8 @@ class RunRecord:
                 shown = event.get("transient") or (lines[-1] if lines else None)
                 if shown is not None:
                     record.last_line = shown
+            elif kind == "note":
+                self.notes.append(str(event.get("text", "")))
             elif kind == "report":
                 self._apply_report(rank, record, event)
             elif kind == "error":

@@ -139,8 +139,13 @@ class Dashboard:
         if self._thread is not None:
             self._thread.join(timeout=5)
         self._draw()
-        if self.record.timeline:
-            self.notes.value = f"<pre>{html.escape(describe(self.record.timeline))}</pre>"
+
+    def _draw_notes(self) -> None:
+        record = self.record
+        notes = [html.escape(note) for note in record.notes]
+        if record.timeline and record.ended is not None:
+            notes.append(html.escape(describe(record.timeline)))
+        self.notes.value = "".join(f"<pre style='margin:2px 0'>{note}</pre>" for note in notes)
 
     def _loop(self) -> None:
         while not self._stop.wait(1 / MAX_FPS):
@@ -161,6 +166,7 @@ class Dashboard:
             self._draw_metrics()
             self._draw_logs()
             self._draw_error()
+            self._draw_notes()
 
     def _draw_header(self) -> None:
         record = self.record

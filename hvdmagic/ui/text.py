@@ -66,6 +66,7 @@ def summary(record: RunRecord) -> str:
         label = f" {rank.last_bar}" if rank.last_bar else ""
         total = f"/{bar.total:g}" if bar.total is not None else ""
         lines.append(f"rank {rank.rank}:{label} {bar.step:g}{total} [{rank.state}]")
+    lines.extend(record.notes)
     latest = record.latest_metrics()
     if latest:
         step = max(step for step, _ in latest.values())
