@@ -10,11 +10,12 @@ from __future__ import annotations
 
 from hvdmagic.record import last_run
 from hvdmagic.report import log_metrics, progress, track
+from hvdmagic.shards import shard
 from hvdmagic.training import load_checkpoint, save_checkpoint, scale_lr
 
 __version__ = "0.1.0"
 __all__ = ["HorovodRunner", "last_run", "load_checkpoint", "log_metrics", "progress", "run", "save_checkpoint",
-           "scale_lr", "track"]
+           "scale_lr", "shard", "track"]
 
 
 def load_ipython_extension(ipython) -> None:

@@ -20,6 +20,8 @@ class HorovodMagics(Magics):
     @argument("--timeout", type=float, metavar="SECONDS", help="Stop every rank and fail after SECONDS.")
     @argument("--stall-timeout", type=float, metavar="SECONDS",
               help="Fail when a rank reports no output or progress for SECONDS (e.g. a deadlocked collective).")
+    @argument("--data", metavar="NAME",
+              help="A Spark DataFrame in the notebook: each rank gets an equal-size shard, read with hvdmagic.shard().")
     @argument("--timeline", metavar="PATH",
               help="Record a Horovod Timeline (a Chrome trace written by rank 0) at PATH. It costs throughput.")
     @argument("--metrics", metavar="NAME",
@@ -47,11 +49,17 @@ class HorovodMagics(Magics):
                 raise UsageError(f"{flag} must be a positive number of seconds.")
         if not cell.strip():
             raise UsageError("%%horovod needs a cell body: the training code to run on every rank.")
+        data = None
+        if args.data is not None:
+            data = self.shell.user_ns.get(args.data)
+            if not hasattr(data, "mapInArrow"):
+                raise UsageError(f"--data needs the name of a Spark DataFrame in the notebook; "
+                                 f"{args.data!r} is {'undefined' if data is None else type(data).__name__}.")
 
         capture = capture_cell(cell_source(self.shell, cell), self.shell.user_ns, set(self.shell.user_ns_hidden))
         print(capture.summary(), flush=True)
         record = execute(capture.payload, args.np, timeout=args.timeout, stall_timeout=args.stall_timeout,
-                         timeline=args.timeline)
+                         timeline=args.timeline, data=data)
         if args.out:
             self.shell.user_ns[args.out] = record.result
         if args.metrics:

@@ -10,11 +10,12 @@ from hvdmagic.launcher.job import Job, JobResult
 
 def launch(payload: bytes, np: int, *, timeout: float | None = None, stall_timeout: float | None = None,
            env: dict[str, str] | None = None, on_event: Callable[[dict], None] | None = None,
-           session=None) -> JobResult:
+           session=None, data=None) -> JobResult:
     """Run a cloudpickled ``(fn, args, kwargs)`` on |np| Horovod ranks.
 
     np > 0: one Spark barrier stage (the active SparkSession, or an embedded local
     one). np < 0: local mode, |np| processes on the driver without Spark.
+    ``data``: a Spark DataFrame; each rank gets an equal-size shard (hvdmagic.shard()).
     """
     if np == 0:
         raise LaunchError("np must be a positive number of Spark ranks, or negative for local mode.")
@@ -29,11 +30,11 @@ def launch(payload: bytes, np: int, *, timeout: float | None = None, stall_timeo
     if np < 0:
         from hvdmagic.launcher.local import LocalBackend
 
-        backend = LocalBackend(-np)
+        backend = LocalBackend(-np, data)
     else:
         from hvdmagic.launcher.spark import SparkBackend
 
-        backend = SparkBackend(np, session)
+        backend = SparkBackend(np, session, data)
     return Job(backend, payload, timeout=timeout, stall_timeout=stall_timeout, env=env, on_event=on_event).run()
 
 

@@ -49,6 +49,7 @@ class _State:
     go_at: float | None = None
     last_progress: dict[int, float] = field(default_factory=dict)  # driver clock, by rank
     last_heard: dict[int, float] = field(default_factory=dict)  # any event, heartbeats included
+    rows: dict[int, tuple[int, int]] = field(default_factory=dict)  # --data: (rows, padding) by rank
 
     @property
     def clean(self) -> bool:
@@ -166,11 +167,15 @@ class Job:
             slot = Slot(**event["slot"])
             state.slots[int(event["task"])] = slot
             state.hosts[slot.rank] = event.get("hostname", slot.host)
+            if "rows" in event:
+                state.rows[slot.rank] = (int(event["rows"]), int(event.get("padded", 0)))
             if len(state.slots) == self.np and state.go_at is None:
                 # Horovod's rendezvous must know the plan before any rank joins it.
                 rendezvous.init(horovod_plan(list(state.slots.values())))
                 server.broadcast({"type": "go"})
                 state.go_at = time.monotonic()
+                if state.rows:
+                    self.on_event({"type": "note", "rank": 0, "text": _data_note(state.rows)})
             self.on_event({"type": "placed", "rank": slot.rank, "host": state.hosts[slot.rank]})
             return
         rank = event.get("rank")
@@ -241,6 +246,14 @@ def _interruptible():
     finally:
         if previous is not None:  # None: a handler installed from C, which we cannot restore
             signal.signal(signal.SIGINT, previous)
+
+
+def _data_note(rows: dict[int, tuple[int, int]]) -> str:
+    total = sum(r for r, _ in rows.values())
+    per_rank = max(r + p for r, p in rows.values())
+    padding = sum(p for _, p in rows.values())
+    return (f"data: {total} rows over {len(rows)} ranks, {per_rank} per rank"
+            + (f" ({padding} repeated as padding)" if padding else ""))
 
 
 def _describe_exit(code: int) -> str:

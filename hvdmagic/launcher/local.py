@@ -2,33 +2,63 @@
 
 from __future__ import annotations
 
+import functools
+import shutil
+import tempfile
 import threading
+from pathlib import Path
 
 from hvdmagic.launcher.supervisor import TaskSpec, run_task
+from hvdmagic.shards import split_round_robin, write_shard
 
 
 class LocalBackend:
     name = "local"
     bind_host = "127.0.0.1"
 
-    def __init__(self, np: int):
+    def __init__(self, np: int, data=None):
         self.np = np
+        self.data = data
         self._threads: list[threading.Thread] = []
         self._errors: list[str] = []
+        self._shard_dir: str | None = None
+        # What BarrierTaskContext.allGather does for Spark tasks, for threads.
+        self._messages: list[str | None] = [None] * np
+        self._barrier = threading.Barrier(np)
 
     def describe(self) -> str:
         return f"local mode, {self.np} processes on the driver"
 
+    def _write_shards(self) -> list[tuple[str, int] | None]:
+        if self.data is None:
+            return [None] * self.np
+        table = self.data.toArrow()
+        if table.num_rows < self.np:
+            raise ValueError(f"--data has {table.num_rows} rows, fewer than the {self.np} ranks")
+        self._shard_dir = tempfile.mkdtemp(prefix="hvdmagic-shards-")
+        shards = []
+        for task, part in enumerate(split_round_robin(table, self.np)):
+            path = Path(self._shard_dir) / f"shard-{task}.arrow"
+            shards.append((str(path), write_shard(part.to_batches(), part.schema, path)))
+        return shards
+
     def start(self, spec: TaskSpec) -> None:
-        for task in range(self.np):
-            thread = threading.Thread(target=self._run, args=(spec, task), name=f"hvdmagic-local-{task}", daemon=True)
+        for task, shard in enumerate(self._write_shards()):
+            thread = threading.Thread(target=self._run, args=(spec, task, shard), name=f"hvdmagic-local-{task}",
+                                      daemon=True)
             self._threads.append(thread)
             thread.start()
 
-    def _run(self, spec: TaskSpec, task: int) -> None:
+    def _gather(self, task: int, message: str) -> list[str]:
+        self._messages[task] = message
+        self._barrier.wait()
+        return list(self._messages)  # type: ignore[arg-type]
+
+    def _run(self, spec: TaskSpec, task: int, shard: tuple[str, int] | None) -> None:
         try:
-            run_task(spec, task, lambda message: [message] * self.np)
+            run_task(spec, task, functools.partial(self._gather, task), shard=shard)
         except Exception as exc:  # reported through failure(); the job loop decides
+            self._barrier.abort()  # no task waits forever for this one
             self._errors.append(f"local task {task} failed: {type(exc).__name__}: {exc}")
 
     def failure(self) -> str | None:
@@ -40,3 +70,5 @@ class LocalBackend:
     def join(self, timeout: float) -> None:
         for thread in self._threads:
             thread.join(timeout)
+        if self._shard_dir:
+            shutil.rmtree(self._shard_dir, ignore_errors=True)

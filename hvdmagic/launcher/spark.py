@@ -176,12 +176,38 @@ def _barrier_task(spec: TaskSpec):
     return task
 
 
+def _sharded_barrier_task(spec: TaskSpec, schema):
+    """The barrier task for --data: its partition arrives as Arrow batches and becomes the rank's shard."""
+
+    def task(batches):
+        import shutil
+        import tempfile
+
+        import pyarrow as pa
+        from pyspark import BarrierTaskContext
+
+        from hvdmagic.shards import write_shard
+
+        context = BarrierTaskContext.get()
+        directory = Path(tempfile.mkdtemp(prefix="hvdmagic-shard-"))
+        try:
+            path = directory / "shard.arrow"
+            rows = write_shard(batches, schema, path)
+            code = run_task(spec, context.partitionId(), context.allGather, task_gpus(context), (str(path), rows))
+        finally:
+            shutil.rmtree(directory, ignore_errors=True)
+        yield pa.RecordBatch.from_pydict({"task": [context.partitionId()], "code": [code]})
+
+    return task
+
+
 class SparkBackend:
     name = "spark"
 
-    def __init__(self, np: int, session=None):
+    def __init__(self, np: int, session=None, data=None):
         self.np = np
-        self.session = session or session_for(np)
+        self.data = data
+        self.session = session or (data.sparkSession if data is not None else None) or session_for(np)
         self.sc = self.session.sparkContext
         self.bind_host = self.sc.getConf().get("spark.driver.host", "127.0.0.1")
         self.job_group = f"hvdmagic-{uuid.uuid4().hex[:12]}"
@@ -202,7 +228,14 @@ class SparkBackend:
     def _run(self, spec: TaskSpec) -> None:
         try:
             self.sc.setJobGroup(self.job_group, f"hvdmagic %%horovod --np {self.np}", interruptOnCancel=True)
-            self.sc.parallelize(range(self.np), self.np).barrier().mapPartitions(_barrier_task(spec)).collect()
+            if self.data is None:
+                self.sc.parallelize(range(self.np), self.np).barrier().mapPartitions(_barrier_task(spec)).collect()
+            else:
+                from pyspark.sql.pandas.types import to_arrow_schema
+
+                task = _sharded_barrier_task(spec, to_arrow_schema(self.data.schema))
+                # repartition(np) is round-robin: the shards differ by a few rows at most.
+                self.data.repartition(self.np).mapInArrow(task, "task int, code int", barrier=True).collect()
         except Exception as exc:
             self._error = f"the Spark barrier stage failed: {first_line(exc)}"
 

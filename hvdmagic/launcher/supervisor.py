@@ -20,11 +20,13 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
 from hvdmagic import channel
 from hvdmagic.launcher.layout import Slot, compute_layout, rank_environment, visible_devices
 from hvdmagic.launcher.network import interface_for
+from hvdmagic.shards import SHARD_ENV, pad_shard
 
 TRANSIENT_INTERVAL = 1.0  # seconds between forwarded \r progress updates per stream
 MAX_LINE = 10_000
@@ -95,11 +97,12 @@ class Supervisor:
     Spark assigned to this task, already mapped to physical device numbers."""
 
     def __init__(self, spec: TaskSpec, task_index: int, gather: Callable[[str], list[str]],
-                 gpus: list[str] | None = None):
+                 gpus: list[str] | None = None, shard: tuple[str, int] | None = None):
         self.spec = spec
         self.task_index = task_index
         self.gather = gather
         self.gpus = list(gpus or [])
+        self.shard = shard  # (path of this task's Arrow shard, its rows) with --data
         self.proc: subprocess.Popen | None = None
         self.slot: Slot | None = None
         self._aborted = threading.Event()
@@ -115,12 +118,19 @@ class Supervisor:
         # The address this host uses to reach the driver names the host, and its
         # interface is the one the ranks can reach each other on.
         host_ip = link.sock.getsockname()[0]
-        peers = [json.loads(m) for m in self.gather(json.dumps({"host": host_ip, "gpus": self.gpus}))]
+        rows = self.shard[1] if self.shard else None
+        peers = [json.loads(m) for m in self.gather(json.dumps({"host": host_ip, "gpus": self.gpus, "rows": rows}))]
         layout = compute_layout([p["host"] for p in peers])
         self.slot = slot = layout[self.task_index]
         devices = visible_devices(layout, [p["gpus"] for p in peers], self.task_index)
-        link.send({"type": "hello", "task": self.task_index, "slot": slot.to_dict(),
-                   "hostname": socket.gethostname(), "pid": os.getpid()})
+        hello = {"type": "hello", "task": self.task_index, "slot": slot.to_dict(),
+                 "hostname": socket.gethostname(), "pid": os.getpid()}
+        if self.shard:
+            # Every rank runs the same number of steps: pad to the longest shard.
+            target = max(p["rows"] for p in peers)
+            pad_shard(Path(self.shard[0]), target)
+            hello["rows"], hello["padded"] = rows, target - rows
+        link.send(hello)
         reply = link.recv()
         if reply.get("type") != "go":
             return -1
@@ -132,6 +142,8 @@ class Supervisor:
         env.update(rank_environment(slot, (self.spec.driver_host, self.spec.rendezvous_port), interface_for(host_ip)))
         env["HVDMAGIC_EVENT_FD"] = str(events_w)
         env["HVDMAGIC_JOB_ID"] = self.spec.job_id
+        if self.shard:
+            env[SHARD_ENV] = self.shard[0]
         if devices is not None:
             env["CUDA_VISIBLE_DEVICES"], first = devices[0], devices[1]
             env["HVDMAGIC_TASK_GPUS"] = ",".join(self.gpus)
@@ -230,5 +242,5 @@ class Supervisor:
 
 
 def run_task(spec: TaskSpec, task_index: int, gather: Callable[[str], list[str]],
-             gpus: list[str] | None = None) -> int:
-    return Supervisor(spec, task_index, gather, gpus).run()
+             gpus: list[str] | None = None, shard: tuple[str, int] | None = None) -> int:
+    return Supervisor(spec, task_index, gather, gpus, shard).run()
