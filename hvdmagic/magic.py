@@ -19,7 +19,8 @@ class HorovodMagics(Magics):
     @argument("--out", metavar="NAME", help="Store rank 0's result in the notebook variable NAME.")
     @argument("--timeout", type=float, metavar="SECONDS", help="Stop every rank and fail after SECONDS.")
     @argument("--stall-timeout", type=float, metavar="SECONDS",
-              help="Fail when a rank reports no output or progress for SECONDS (e.g. a deadlocked collective).")
+              help="Fail when a rank that has started reporting (output, progress, metrics) goes silent "
+                   "for SECONDS, e.g. in a deadlocked collective.")
     @argument("--data", metavar="NAME",
               help="A Spark DataFrame in the notebook: each rank gets an equal-size shard, read with hvdmagic.shard().")
     @argument("--timeline", metavar="PATH",

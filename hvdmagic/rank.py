@@ -40,6 +40,21 @@ def _user_traceback(exc: BaseException) -> str:
     return "".join(traceback.format_exception(type(exc), exc, tb))
 
 
+def _shutdown_horovod() -> None:
+    """Shut Horovod down, if the cell started it, before the process exits.
+
+    Horovod's shutdown stops its timeline writer without draining the writer's
+    queue, so on a slow machine a Timeline loses its last events or stays empty;
+    stop_timeline() first blocks until the queue is written and the file closed.
+    The result is reported before this: shutdown can block while others still train.
+    """
+    hvd = sys.modules.get("horovod.torch")
+    if hvd is not None and hvd.is_initialized():
+        if os.environ.get("HOROVOD_TIMELINE"):
+            hvd.stop_timeline()
+        hvd.shutdown()
+
+
 def _report_result(value) -> None:
     import cloudpickle
 
@@ -71,6 +86,7 @@ def main() -> int:
             else:
                 raise
         _report_result(value)
+        _shutdown_horovod()
     except BaseException as exc:
         report.flush()
         report.emit({

@@ -89,15 +89,22 @@ while True:
 def test_stall_timeout_catches_a_deadlocked_collective(ip):
     # Rank 0 waits in an allreduce that rank 1 never joins: a classic deadlock.
     _, error = run(ip, """%%horovod --np 2 --stall-timeout 8
-import time, torch, horovod.torch as hvd
-hvd.init()
-print("ready", flush=True)
-if hvd.rank() == 0:
-    hvd.allreduce(torch.ones(1), name="never_matched")
-else:
+import os, threading, time
+
+def busy():
     while True:
         print("rank 1 busy", flush=True)
         time.sleep(0.5)
+
+if os.environ["HOROVOD_RANK"] == "1":
+    threading.Thread(target=busy, daemon=True).start()  # busy from the start, however slow imports are
+import torch, horovod.torch as hvd
+hvd.init()
+if hvd.rank() == 0:
+    print("entering the collective", flush=True)
+    hvd.allreduce(torch.ones(1), name="never_matched")
+else:
+    time.sleep(600)
 """)
     assert isinstance(error, JobTimeout)
     assert "rank(s) 0 made no progress for 8 s (--stall-timeout)" in str(error)

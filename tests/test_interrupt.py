@@ -61,7 +61,10 @@ def _execute(client, code: str, timeout: float, on_output=None) -> tuple[dict, l
         elif msg["msg_type"] == "error":
             texts.append("\n".join(content["traceback"]))
         elif msg["msg_type"] == "status" and content["execution_state"] == "idle":
-            return client.get_shell_msg(timeout=10)["content"], texts
+            while True:  # skip replies to other requests (start_new_kernel's kernel_info)
+                reply = client.get_shell_msg(timeout=10)
+                if reply["parent_header"].get("msg_id") == msg_id:
+                    return reply["content"], texts
 
 
 def test_interrupt_stops_ranks_and_keeps_the_kernel(kernel):

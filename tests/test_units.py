@@ -173,3 +173,23 @@ def test_timeline_summary_from_a_truncated_trace(tmp_path):
     (tensor,) = summarize(trace)
     assert (tensor.name, tensor.count, tensor.collective_ms, tensor.negotiate_ms) == ("allreduce.grad", 1, 2.0, 1.0)
     assert "chrome://tracing" in describe(trace) and "allreduce.grad" in describe(trace)
+
+
+def test_supervisor_marks_only_its_own_kills_as_aborted():
+    """A rank that dies of its own SIGKILL during an abort is a failure, not "stopped"."""
+    import signal
+    import subprocess
+
+    from hvdmagic.launcher.supervisor import Supervisor
+
+    ours = Supervisor(spec=None, task_index=0, gather=None)
+    ours.proc = subprocess.Popen(["sleep", "30"], start_new_session=True)
+    ours.kill()
+    assert ours.proc.returncode == -signal.SIGTERM and -ours.proc.returncode in ours._sent
+
+    oom = Supervisor(spec=None, task_index=0, gather=None)
+    oom.proc = subprocess.Popen(["sleep", "30"], start_new_session=True)
+    oom.proc.send_signal(signal.SIGKILL)  # the OOM killer got there first
+    oom.proc.wait()
+    oom.kill()
+    assert oom._sent == set()  # so its exit is reported as a failure, not as aborted

@@ -141,8 +141,10 @@ class Job:
         if deadline is not None and now > deadline:
             return f"the run exceeded --timeout {self.timeout:g} s{self._stuck(state, now)}"
         if self.stall_timeout and state.go_at is not None:
+            # The clock starts at a rank's first output or report: start-up (imports,
+            # hvd.init) on a busy machine is not a stall. --timeout bounds start-up.
             stalled = [r for r in state.running()
-                       if now - state.last_progress.get(r, state.go_at) > self.stall_timeout]
+                       if r in state.last_progress and now - state.last_progress[r] > self.stall_timeout]
             if stalled:
                 return (f"rank(s) {', '.join(map(str, stalled))} made no progress for "
                         f"{self.stall_timeout:g} s (--stall-timeout){self._stuck(state, now)}")

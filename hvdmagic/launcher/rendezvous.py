@@ -20,7 +20,8 @@ class Rendezvous(RendezvousServer):
 
     def start(self, handler_cls=RendezvousHandler) -> int:
         self._httpd = RendezvousHTTPServer((self._host, 0), handler_cls, self._verbose)
-        self._listen_thread = in_thread(target=self._httpd.serve_forever)
+        # A short poll interval: shutdown() waits for it, at the end of every job.
+        self._listen_thread = in_thread(target=self._httpd.serve_forever, args=(0.05,))
         return self._httpd.server_address[1]
 
     def stop(self) -> None:

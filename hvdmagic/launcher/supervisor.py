@@ -106,6 +106,7 @@ class Supervisor:
         self.proc: subprocess.Popen | None = None
         self.slot: Slot | None = None
         self._aborted = threading.Event()
+        self._sent: set[int] = set()  # the signals kill() delivered to a live rank
 
     def run(self) -> int:
         link = channel.connect(self.spec.driver_host, self.spec.channel_port, self.spec.secret)
@@ -178,7 +179,11 @@ class Supervisor:
             self.proc.stdin.close()
         except OSError:
             pass
-        self._send(link, {"type": "exit", "rank": slot.rank, "code": code, "aborted": self._aborted.is_set()})
+        # "aborted" only when our own signal ended the rank: a rank that died of its
+        # own SIGKILL (the OOM killer) or exit code while an abort was under way
+        # is still a failure the user must see.
+        aborted = code < 0 and -code in self._sent
+        self._send(link, {"type": "exit", "rank": slot.rank, "code": code, "aborted": aborted})
         return code
 
     def _send(self, link: channel.Link, event: dict) -> None:
@@ -206,10 +211,13 @@ class Supervisor:
         if proc is None or proc.poll() is not None:
             return
         for sig, wait in ((signal.SIGTERM, KILL_GRACE), (signal.SIGKILL, None)):
+            if proc.poll() is not None:
+                return
             try:
                 os.killpg(proc.pid, sig)
             except ProcessLookupError:
                 return
+            self._sent.add(int(sig))
             try:
                 proc.wait(timeout=wait)
                 return
