@@ -21,6 +21,8 @@ import threading
 from typing import Any
 
 MAX_FRAME = 512 * 1024 * 1024
+# Until a peer has sent one authenticated frame, it may not make us buffer more than this.
+FIRST_FRAME_MAX = 64 * 1024
 NONCE_SIZE = 16
 _MAC_SIZE = hashlib.sha256().digest_size
 _HEADER = struct.Struct(">I")
@@ -74,7 +76,7 @@ class Link:
     def recv(self) -> dict[str, Any]:
         """The next frame; raises ChannelError on EOF or on any frame that fails the check."""
         (size,) = _HEADER.unpack(_recv_exact(self.sock, _HEADER.size))
-        if size > MAX_FRAME:
+        if size > (MAX_FRAME if self._recv_seq else FIRST_FRAME_MAX):
             raise ChannelError(f"frame of {size} bytes exceeds the limit")
         mac = _recv_exact(self.sock, _MAC_SIZE)
         payload = _recv_exact(self.sock, size)

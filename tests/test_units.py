@@ -193,3 +193,19 @@ def test_supervisor_marks_only_its_own_kills_as_aborted():
     oom.proc.wait()
     oom.kill()
     assert oom._sent == set()  # so its exit is reported as a failure, not as aborted
+
+
+def test_unauthenticated_peer_cannot_announce_a_large_frame():
+    import struct
+
+    secret = channel.new_secret()
+    server = channel.ChannelServer("127.0.0.1", secret)
+    try:
+        raw = socket.create_connection(server.address)
+        raw.recv(channel.NONCE_SIZE)
+        raw.sendall(struct.pack(">I", channel.FIRST_FRAME_MAX + 1) + b"\0" * 32 + b"x" * 100)
+        raw.settimeout(5)
+        assert raw.recv(1) == b""  # dropped at the header, before buffering anything
+        assert server.rejected == 1
+    finally:
+        server.close()
