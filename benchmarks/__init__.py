@@ -1,0 +1,1 @@
+"""Benchmarks for hvdmagic; each script runs with one command, see docs/performance.md."""

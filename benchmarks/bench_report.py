@@ -1,0 +1,870 @@
+#!/usr/bin/env python
+"""Benchmark of the in-rank reporting API: ``log_metrics``, ``progress`` and ``track``.
+
+One command, from the repository root:
+
+    .venv/bin/python benchmarks/bench_report.py           # the full run (12 to 14 minutes on 2 cores)
+    .venv/bin/python benchmarks/bench_report.py --quick   # a smoke run in local mode (under a minute)
+
+It prints a table and writes every figure to ``artifacts/bench_report.json``;
+docs/performance.md explains the figures. What is measured:
+
+1. Cost per call, inside a real rank (``hvdmagic.run(fn, np=-1)``, so the event
+   pipe and the background flusher are live) and in this process, where no event
+   pipe exists and the calls are no-ops. Each sample times ``--calls`` calls with
+   ``time.perf_counter_ns``; the variants take turns within every round.
+2. The cost of one metric event on each hop to the run record (rank encode,
+   supervisor decode and re-send, driver receive, ``RunRecord.apply``), replayed
+   in this process with the real code, the record's memory per row, and one
+   widget dashboard redraw.
+3. Training overhead: ``--np`` ranks each run a fixed CPU training step
+   (Linear 256->256, ReLU, Linear 256->256, batch 64, SGD; one torch thread) for
+   ``--duration`` seconds, with and without the reporting calls, alternating
+   bare/report runs ``--pairs`` times per mode (local ``np=-N`` and Spark ``np=N``),
+   then one run that switches reporting off and on every ``--segment`` seconds.
+   With reporting, rank 0 calls ``log_metrics`` after each step as many times as
+   keeps it at ``--rate`` events per second, and every rank calls ``progress``
+   once per step. After each reporting run the driver's record must hold exactly
+   the events rank 0 sent, each step once and in order.
+4. Driver responsiveness during those runs: a thread in this process sleeps 10 ms
+   at a time and records how late it wakes; a sampler records the CPU time of
+   this process (minus the two measuring threads) and of its child processes, and
+   a gc callback records this process's garbage-collection pauses.
+
+Timings are never asserted; the only hard check is that no metric is lost (the
+exit status is 1 if one was).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import io
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+os.environ["HVDMAGIC_NONINTERACTIVE"] = "1"  # the text view: no widgets in a benchmark
+os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
+
+import psutil  # noqa: E402
+
+import hvdmagic  # noqa: E402
+from hvdmagic import report  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+# ---------------------------------------------------------------------------
+# Functions that run inside a rank. They are defined in __main__, so cloudpickle
+# ships them by value; everything they need is imported inside them.
+# ---------------------------------------------------------------------------
+
+def call_costs(rounds: int, batch: int) -> dict:
+    """Nanoseconds per call of each reporting call, one sample per ``batch`` calls.
+
+    Every round takes one sample of each variant, in a rotating order, so slow
+    phases of a shared machine hit all variants alike.
+    """
+    import time
+
+    import hvdmagic
+    from hvdmagic import report
+
+    clock = time.perf_counter_ns
+    log_metrics, progress, track = hvdmagic.log_metrics, hvdmagic.progress, hvdmagic.track
+    x = 0.5
+
+    def empty_loop():
+        t = clock()
+        for i in range(batch):
+            pass
+        return clock() - t
+
+    def log_metrics_loop():
+        t = clock()
+        for i in range(batch):
+            log_metrics(step=i, loss=x)
+        return clock() - t
+
+    def progress_loop():
+        t = clock()
+        for i in range(batch):
+            progress(i, total=batch)
+        return clock() - t
+
+    def track_loop():
+        t = clock()
+        for _ in track(range(batch)):
+            pass
+        return clock() - t
+
+    variants = {"empty_loop": empty_loop, "log_metrics": log_metrics_loop,
+                "progress": progress_loop, "track": track_loop}
+    names = list(variants)
+    samples = {name: [] for name in names}
+    for _ in range(max(1, rounds // 20)):  # warm-up, not recorded
+        for name in names:
+            variants[name]()
+    for r in range(rounds):
+        for j in range(len(names)):
+            name = names[(r + j) % len(names)]
+            samples[name].append(variants[name]() / batch)
+    return {"live": report._events is not None, "batch": batch, "rounds": rounds,
+            "log_metrics_calls": batch * (rounds + max(1, rounds // 20)), "ns_per_call": samples}
+
+
+def train(duration: float, batch: int, rate: float, reporting: bool, segment_s: float = 0.0) -> dict:
+    """A fixed CPU training loop for ``duration`` seconds; returns this rank's throughput.
+
+    With ``reporting``, every rank calls ``progress`` once per step and rank 0 calls
+    ``log_metrics`` after each step as many times as keeps it at ``rate`` calls per
+    second of training (the number per step follows the step time).
+
+    ``segment_s`` > 0 turns the reporting calls off and on every ``segment_s`` seconds
+    (off first) within this one run and also returns each segment's throughput.
+    """
+    import gc
+    import os
+    import time
+
+    import horovod.torch as hvd
+    import torch
+
+    import hvdmagic
+    from hvdmagic import report
+
+    hvd.init()
+    torch.set_num_threads(1)
+    torch.manual_seed(hvd.rank())
+    rank = hvd.rank()
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 256))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x, y = torch.randn(batch, 256), torch.randn(batch, 256)
+    mse = torch.nn.functional.mse_loss
+
+    def step() -> float:
+        opt.zero_grad(set_to_none=True)
+        loss = mse(model(x), y)
+        loss.backward()
+        opt.step()
+        return loss.item()
+
+    def thread_cpu(thread) -> float:
+        """CPU seconds of another thread of this process, from /proc (10 ms resolution)."""
+        if thread is None or not thread.is_alive():
+            return 0.0
+        try:
+            with open(f"/proc/self/task/{thread.native_id}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        except (OSError, IndexError, ValueError):
+            return float("nan")
+
+    gc_time = [0.0, 0.0, 0.0]  # seconds spent collecting, by generation
+    gc_count = [0, 0, 0]
+    gc_began = [0.0]
+
+    def on_gc(phase, info):
+        if phase == "start":
+            gc_began[0] = time.perf_counter()
+        else:
+            gc_time[info["generation"]] += time.perf_counter() - gc_began[0]
+            gc_count[info["generation"]] += 1
+
+    for _ in range(50):
+        step()
+    hvd.allreduce(torch.zeros(1), name="start")  # start together
+    log_metrics, progress = hvdmagic.log_metrics, hvdmagic.progress
+    is_rank0 = rank == 0
+    steps = events = 0
+    budget = 0.0
+    segments = []  # [reporting, steps, seconds, main-thread CPU seconds]
+    on = reporting and not segment_s
+    gc.collect()  # both variants start from a collected heap (a first full collection would land in the window)
+    gc.callbacks.append(on_gc)
+    wall_start = time.time()
+    cpu_start = time.process_time()
+    main_cpu_start = time.thread_time()
+    flusher_cpu_start = thread_cpu(report._flusher)
+    start = now = seg_start = time.perf_counter()
+    seg_steps, seg_cpu = 0, time.thread_time()
+    deadline = start + duration
+    while now < deadline:
+        value = step()
+        if on:
+            progress(steps + 1)
+            if is_rank0:
+                budget += rate * (time.perf_counter() - now)
+                k = int(budget)
+                budget -= k
+                for j in range(k):
+                    log_metrics(step=events + j, loss=value)
+                events += k
+        steps += 1
+        now = time.perf_counter()
+        if segment_s:
+            seg_steps += 1
+            if now - seg_start >= segment_s:
+                cpu_now = time.thread_time()
+                segments.append([on, seg_steps, now - seg_start, cpu_now - seg_cpu])
+                on, seg_steps, seg_start, seg_cpu = not on, 0, now, cpu_now
+    elapsed = now - start
+    cpu = time.process_time() - cpu_start
+    main_cpu = time.thread_time() - main_cpu_start
+    flusher_cpu = thread_cpu(report._flusher) - flusher_cpu_start
+    wall_end = time.time()
+    gc.callbacks.remove(on_gc)
+    return {"rank": rank, "steps": steps, "elapsed": elapsed, "steps_per_s": steps / elapsed,
+            "cpu_s": cpu, "cpu_per_step_us": cpu / steps * 1e6, "main_thread_cpu_s": main_cpu,
+            "main_thread_cpu_per_step_us": main_cpu / steps * 1e6, "flusher_cpu_s": flusher_cpu,
+            "flusher_cpu_per_event_us": flusher_cpu / events * 1e6 if events else None, "events": events,
+            "events_per_s": events / elapsed, "wall_start": wall_start, "wall_end": wall_end,
+            "gc_ms": [t * 1e3 for t in gc_time], "gc_count": gc_count, "segments": segments,
+            "live": report._events is not None}
+
+
+def nothing() -> int:
+    return 0
+
+
+# ---------------------------------------------------------------------------
+# The driver side.
+# ---------------------------------------------------------------------------
+
+def pct(values, q: float) -> float:
+    """The q-th percentile (linear interpolation, like numpy's default)."""
+    data = sorted(values)
+    if not data:
+        return float("nan")
+    pos = (len(data) - 1) * q / 100
+    lo = int(pos)
+    hi = min(lo + 1, len(data) - 1)
+    return data[lo] + (data[hi] - data[lo]) * (pos - lo)
+
+
+def summarise(values) -> dict:
+    values = list(values)
+    return {"median": statistics.median(values), "p99": pct(values, 99), "min": min(values),
+            "max": max(values), "n": len(values)}
+
+
+def _kind(proc: psutil.Process, me: int) -> str:
+    if proc.pid == me:
+        return "driver"
+    try:
+        cmdline = " ".join(proc.cmdline())
+    except psutil.Error:
+        return "other"
+    if "hvdmagic.rank" in cmdline:
+        return "rank"
+    if "java" in proc.name() or "SparkSubmit" in cmdline:
+        return "jvm"
+    if "pyspark" in cmdline:
+        return "spark_python"  # Spark's Python workers: they host the supervisors
+    return "other"
+
+
+class DriverMonitor:
+    """Measures this process while a run goes on: wake-up lateness, CPU time, GC pauses.
+
+    The ticker sleeps ``tick`` seconds at a time and records how late each wake-up
+    is; the sampler records, every ``interval`` seconds, the CPU time of this
+    process and of each process below it, and the metric rows the run record holds.
+    Both keep their own CPU time, so it can be taken out of the driver's. A gc
+    callback records every garbage collection in this process.
+    """
+
+    def __init__(self, tick: float = 0.01, interval: float = 0.25):
+        self.tick = tick
+        self.interval = interval
+        self.ticks: list[tuple[float, float]] = []  # (wall time, lateness in s)
+        self.samples: list[dict] = []
+        self._stop = threading.Event()
+        self._ticker_cpu = 0.0
+        self._kinds: dict[int, str] = {}
+        self._me = psutil.Process()
+        self.gc_pauses: list[tuple[float, float, int]] = []  # (wall time at the end, seconds, generation)
+        self._gc_began = 0.0
+        self._threads = [threading.Thread(target=self._ticker, name="bench-ticker", daemon=True),
+                         threading.Thread(target=self._sampler, name="bench-sampler", daemon=True)]
+
+    def __enter__(self):
+        gc.callbacks.append(self._on_gc)
+        for thread in self._threads:
+            thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        for thread in self._threads:
+            thread.join()
+        gc.callbacks.remove(self._on_gc)
+
+    def _on_gc(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._gc_began = time.perf_counter()
+        else:
+            self.gc_pauses.append((time.time(), time.perf_counter() - self._gc_began, info["generation"]))
+
+    def _ticker(self) -> None:
+        clock, sleep, wall = time.perf_counter, time.sleep, time.time
+        while not self._stop.is_set():
+            due = clock() + self.tick
+            sleep(self.tick)
+            self.ticks.append((wall(), clock() - due))
+            self._ticker_cpu = time.thread_time()
+
+    def _sampler(self) -> None:
+        while True:
+            self._sample()
+            if self._stop.wait(self.interval):
+                self._sample()
+                return
+
+    def _sample(self) -> None:
+        procs = {}
+        try:
+            found = [self._me] + self._me.children(recursive=True)
+        except psutil.Error:
+            found = [self._me]
+        for proc in found:
+            try:
+                times = proc.cpu_times()
+                kind = self._kinds.get(proc.pid) or self._kinds.setdefault(proc.pid, _kind(proc, self._me.pid))
+            except psutil.Error:
+                continue
+            procs[proc.pid] = (kind, times.user + times.system)
+        record = hvdmagic.last_run()
+        rows = len(record.metric_rows) if record is not None else 0
+        now = time.time()
+        lag = now - record.metric_rows[-1][2] if rows else None
+        machine = psutil.cpu_times()
+        idle = machine.idle + getattr(machine, "iowait", 0.0)
+        self.samples.append({"t": now, "procs": procs, "rows": rows, "record": id(record), "lag": lag,
+                             "driver_cpu": time.process_time(), "monitor_cpu": self._ticker_cpu + time.thread_time(),
+                             "machine_busy": sum(machine) - idle, "machine_all": sum(machine)})
+
+    def window(self, start: float, end: float) -> dict:
+        """What happened between wall times start and end (the ranks' training window)."""
+        ticks = [(t, late) for t, late in self.ticks if start <= t <= end]
+        lateness = [late for _, late in ticks]
+        samples = [s for s in self.samples if start <= s["t"] <= end]
+        pauses = [(t, d, g) for t, d, g in self.gc_pauses if start <= t <= end]
+        out: dict = {"ticks": len(lateness)}
+        if lateness:
+            out["tick_late_ms"] = {k: v * 1e3 for k, v in summarise(lateness).items() if k != "n"}
+            out["ticks_late_over_5ms"] = sum(late > 0.005 for late in lateness)
+            # Did the worst wake-ups overlap a garbage collection in this process?
+            worst = sorted(ticks, key=lambda tick: -tick[1])[:5]
+            out["worst_ticks_ms"] = [round(late * 1e3, 1) for _, late in worst]
+            out["worst_ticks_during_gc"] = sum(
+                any(gt - gd <= t and gt >= t - late - self.tick for gt, gd, _ in pauses) for t, late in worst)
+        out["gc"] = {"collections": [sum(g == gen for _, _, g in pauses) for gen in range(3)],
+                     "total_ms": sum(d for _, d, _ in pauses) * 1e3,
+                     "max_pause_ms": max((d for _, d, _ in pauses), default=0.0) * 1e3}
+        if len(samples) < 2:
+            return out
+        first, last = samples[0], samples[-1]
+        dt = last["t"] - first["t"]
+        cpu_by_kind: dict[str, float] = {}
+        for pid, (kind, cpu_end) in last["procs"].items():
+            if kind == "driver":
+                continue  # from process_time below: psutil counts in 10 ms clock ticks
+            cpu_begin = next((s["procs"][pid][1] for s in samples if pid in s["procs"]), cpu_end)
+            cpu_by_kind[kind] = cpu_by_kind.get(kind, 0.0) + cpu_end - cpu_begin
+        monitor = last["monitor_cpu"] - first["monitor_cpu"]
+        cpu_by_kind["driver"] = last["driver_cpu"] - first["driver_cpu"] - monitor
+        out["window_s"] = dt
+        out["cpu_cores"] = {kind: cpu / dt for kind, cpu in sorted(cpu_by_kind.items())}
+        out["monitor_cpu_cores"] = monitor / dt
+        out["machine_busy_cores"] = ((last["machine_busy"] - first["machine_busy"])
+                                     / (last["machine_all"] - first["machine_all"]) * psutil.cpu_count())
+        same_run = [s for s in samples if s["record"] == last["record"]]
+        if len(same_run) >= 2:
+            out["delivered_events_per_s"] = (same_run[-1]["rows"] - same_run[0]["rows"]) / (
+                same_run[-1]["t"] - same_run[0]["t"])
+        lags = [s["lag"] for s in same_run if s["lag"] is not None]
+        if lags:
+            out["newest_row_age_ms"] = {k: v * 1e3 for k, v in summarise(lags).items() if k != "n"}
+        return out
+
+
+_T0 = time.perf_counter()
+
+
+def log(message: str) -> None:
+    print(f"[{time.perf_counter() - _T0:6.1f} s] {message}", file=sys.stderr, flush=True)
+
+
+def run_quiet(fn, np: int, *args):
+    """hvdmagic.run with the text view's own lines kept out of the table (they still get written)."""
+    sink = io.StringIO()
+    with contextlib.redirect_stdout(sink):
+        return hvdmagic.run(fn, np, *args)
+
+
+def measure_call_costs(rounds: int, batch: int) -> dict:
+    out = {}
+    log(f"per-call cost: {rounds} rounds of {batch} calls, outside a run (no-op) ...")
+    noop = call_costs(rounds, batch)
+    assert not noop["live"]
+    log(f"per-call cost: {rounds} rounds of {batch} calls in a rank (np=-1) ...")
+    started = time.perf_counter()
+    live = run_quiet(call_costs, -1, rounds, batch)[0]
+    wall = time.perf_counter() - started
+    assert live["live"], "the rank had no event pipe"
+    record = hvdmagic.last_run()
+    delivered = len(record.metric_rows)
+    for where, result in (("rank", live), ("noop", noop)):
+        samples = result["ns_per_call"]
+        loop = statistics.median(samples["empty_loop"])
+        out[where] = {
+            "log_metrics": summarise(samples["log_metrics"]),
+            "progress": summarise(samples["progress"]),
+            "track_iter": summarise(samples["track"]),
+            "range_iter": summarise(samples["empty_loop"]),
+            # Net of the bare loop: what the call adds to a loop iteration.
+            "track_overhead_median": statistics.median(samples["track"]) - loop,
+            "log_metrics_net_median": statistics.median(samples["log_metrics"]) - loop,
+            "progress_net_median": statistics.median(samples["progress"]) - loop,
+        }
+    out["rank_run_wall_s"] = wall
+    out["rank_log_metrics_calls"] = live["log_metrics_calls"]
+    out["rank_metric_rows_delivered"] = delivered
+    out["rank_metrics_complete"] = delivered == live["log_metrics_calls"]
+    out["rounds"], out["batch"] = rounds, batch
+    return out
+
+
+def driver_path_costs(batches: int, per_batch: int) -> dict:
+    """Microseconds per metric event for each hop of its way to the run record, in this process.
+
+    It replays what one flush carries (``per_batch`` log_metrics rows) through the
+    same code the run uses: the rank's JSON encoding (report.flush), the
+    supervisor's decode and re-send (supervisor._relay_events, channel.Link.send),
+    the driver's authenticated receive (channel.Link.recv) and RunRecord.apply;
+    the link runs over a socketpair instead of TCP. It also measures the record's
+    memory per row with tracemalloc and one widget dashboard redraw (without a
+    front end, so no message is sent) once the record holds every row.
+    """
+    import socket
+    import tracemalloc
+
+    from hvdmagic import channel
+    from hvdmagic.record import RunRecord
+
+    def batch_event(b: int) -> dict:
+        now = time.time()
+        metrics = [[b * per_batch + i, {"loss": 1.0 / (1 + b * per_batch + i)}, now + i * 1e-4]
+                   for i in range(per_batch)]
+        return {"type": "report", "metrics": metrics, "progress": {"": [b * per_batch, batches * per_batch, now]}}
+
+    secret, nonce = channel.new_secret(), b"n" * channel.NONCE_SIZE
+    a, b_sock = socket.socketpair()
+    a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)
+    b_sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
+    sender = channel.Link(a, secret, nonce, is_server=False)
+    receiver = channel.Link(b_sock, secret, nonce, is_server=True)
+    record = RunRecord(-2)
+    record.apply({"type": "placed", "rank": 0, "host": "bench"})
+    stages = {"rank_encode": [], "supervisor_decode": [], "supervisor_send": [], "driver_recv": [],
+              "record_apply": []}
+    clock = time.perf_counter_ns
+    pauses: list[tuple[int, float]] = []
+    began = [0]
+
+    def on_gc(phase, info):
+        if phase == "start":
+            began[0] = clock()
+        else:
+            pauses.append((info["generation"], (clock() - began[0]) / 1e6))
+
+    gc.collect()
+    tracked_before = len(gc.get_objects())
+    gc.callbacks.append(on_gc)
+    for b in range(batches):
+        batch = batch_event(b)
+        t0 = clock()
+        line = json.dumps(batch, separators=(",", ":")) + "\n"  # report.flush
+        t1 = clock()
+        event = json.loads(line)  # supervisor._relay_events
+        event["rank"] = 0
+        t2 = clock()
+        sender.send(event)
+        t3 = clock()
+        received = receiver.recv()  # channel.ChannelServer._read_loop
+        t4 = clock()
+        record.apply(received)  # runner.execute's on_event (the text view ignores reports)
+        t5 = clock()
+        for name, dt in zip(stages, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4)):
+            stages[name].append(dt / per_batch / 1e3)
+    gc.callbacks.remove(on_gc)
+    sender.close()
+    receiver.close()
+    out = {name: summarise(values) for name, values in stages.items()}
+    # Collections the replay triggered in this process (the stage timings above include them).
+    out["gc"] = {"collections": [sum(g == gen for g, _ in pauses) for gen in range(3)],
+                 "total_ms": sum(d for _, d in pauses), "max_pause_ms": max((d for _, d in pauses), default=0.0),
+                 "per_event_us": sum(d for _, d in pauses) * 1e3 / (batches * per_batch)}
+    t = clock()
+    gc.collect()
+    out["full_gc_with_record_ms"] = (clock() - t) / 1e6
+    out["tracked_objects_with_record"] = len(gc.get_objects())
+    out["tracked_objects_before"] = tracked_before
+    out["bytes_per_event_on_the_wire"] = len(line) / per_batch
+    rows = len(record.metric_rows)
+    # Memory the record keeps per row: apply fresh decoded events under tracemalloc.
+    fresh = RunRecord(-2)
+    lines = [json.dumps(batch_event(b), separators=(",", ":")) for b in range(min(batches, 100))]
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    for line in lines:  # decoded under tracing: the record keeps the decoded objects
+        e = json.loads(line)
+        e["rank"] = 0
+        fresh.apply(e)
+    del e  # the batch wrapper goes; what the record holds stays
+    after = tracemalloc.get_traced_memory()[0]
+    tracemalloc.stop()
+    out["record_bytes_per_row"] = (after - before) / len(fresh.metric_rows)
+    try:
+        from hvdmagic.ui.dashboard import Dashboard
+
+        dash = Dashboard(record)
+        draws = []
+        for _ in range(20):
+            record.version += 1
+            t = clock()
+            dash._draw()
+            draws.append((clock() - t) / 1e6)
+        out["dashboard_redraw_ms"] = summarise(draws)
+        out["dashboard_rows"] = rows
+    except Exception as exc:  # ipywidgets missing or changed: report, do not fail the benchmark
+        out["dashboard_redraw_error"] = f"{type(exc).__name__}: {exc}"
+    out["batches"], out["per_batch"] = batches, per_batch
+    return out
+
+
+def training_run(mode: str, np: int, variant: str, cfg: dict) -> dict:
+    reporting = variant in ("report", "interleaved")
+    segment_s = cfg["segment_s"] if variant == "interleaved" else 0.0
+    np_arg = -np if mode == "local" else np
+    load_before = os.getloadavg()[0]
+    cpu_before = time.process_time()
+    started = time.perf_counter()
+    gc.collect()  # the previous run's record is gone; every run starts from the same driver heap
+    with DriverMonitor() as monitor:
+        results = run_quiet(train, np_arg, cfg["duration"], cfg["batch"], cfg["rate"], reporting, segment_s)
+    wall = time.perf_counter() - started
+    cpu_run = time.process_time() - cpu_before
+    record = hvdmagic.last_run()
+    t = time.perf_counter()
+    gc.collect()  # what one full collection costs the kernel while this run's record is alive
+    full_gc_ms = (time.perf_counter() - t) * 1e3
+    assert all(r["live"] for r in results), "a rank had no event pipe"
+    start = max(r["wall_start"] for r in results)
+    end = min(r["wall_end"] for r in results)
+    out = {
+        "mode": mode, "variant": variant, "ranks": results, "run_wall_s": wall,
+        "driver_cpu_whole_run_s": cpu_run, "loadavg_1min_before": load_before,
+        "rank0_steps_per_s": results[0]["steps_per_s"],
+        "all_ranks_steps_per_s": sum(r["steps_per_s"] for r in results),
+        "rank0_cpu_per_step_us": results[0]["cpu_per_step_us"],
+        "rank0_main_cpu_per_step_us": results[0]["main_thread_cpu_per_step_us"],
+        "rank0_flusher_cpu_pct": results[0]["flusher_cpu_s"] / results[0]["elapsed"] * 100,
+        "rank0_flusher_cpu_per_event_us": results[0]["flusher_cpu_per_event_us"],
+        "rank0_events_sent": results[0]["events"], "rank0_events_per_s": results[0]["events_per_s"],
+        "rank0_gc_ms_per_s": sum(results[0]["gc_ms"]) / results[0]["elapsed"],
+        "rank0_gc_full_collections": results[0]["gc_count"][2],
+        "driver": monitor.window(start, end),
+        "full_gc_after_run_ms": full_gc_ms, "tracked_objects_after_run": len(gc.get_objects()),
+    }
+    if segment_s:
+        out["segment_ratios"] = segment_ratios(results[0]["segments"])
+    rows = record.metric_rows
+    rank0_steps = [step for rank, step, _, _ in rows if rank == 0]
+    out["metric_rows"] = len(rows)
+    out["rank0_metric_rows"] = len(rank0_steps)
+    sent = results[0]["events"]
+    # Exactly what rank 0 sent: the same count, every step once, in order.
+    out["metrics_complete"] = len(rows) == sent and rank0_steps == list(range(sent))
+    if reporting:
+        # The flush interval's worth of events is in flight at any moment; the
+        # record reaches the full count once the rank has flushed before its result.
+        out["delivered_events_per_s_whole_run"] = len(rows) / results[0]["elapsed"] if sent else 0.0
+    return out
+
+
+def segment_ratios(segments: list) -> dict:
+    """Each reporting segment over the mean of the bare segments either side of it.
+
+    For steps/s and for the main thread's CPU time per step; the latter does not
+    count time the thread spent descheduled, so it is less exposed to other load.
+    """
+    out = {}
+    for key, value in (("steps_per_s", lambda steps, seconds, cpu: steps / seconds),
+                       ("main_cpu_per_step", lambda steps, seconds, cpu: cpu / steps)):
+        vals = [(seg[0], value(*seg[1:])) for seg in segments]
+        ratios = [v / ((vals[i - 1][1] + vals[i + 1][1]) / 2)
+                  for i, (on, v) in enumerate(vals) if on and 0 < i < len(vals) - 1]
+        out[key] = {"ratios": ratios, **summarise(ratios)} if ratios else {"ratios": []}
+    return out
+
+
+def compare(runs: list[dict]) -> dict:
+    """Ratios report/bare per pair (a pair is one bare run and the report run after it)."""
+    runs = [r for r in runs if r["variant"] in ("bare", "report")]
+    bare = [r for r in runs if r["variant"] == "bare"]
+    rep = [r for r in runs if r["variant"] == "report"]
+    out = {}
+    for key in ("rank0_steps_per_s", "all_ranks_steps_per_s", "rank0_cpu_per_step_us", "rank0_main_cpu_per_step_us"):
+        ratios = [b2[key] / b1[key] for b1, b2 in zip(bare, rep)]
+        out[key] = {"ratios": ratios, **summarise(ratios)} if ratios else {"ratios": []}
+    return out
+
+
+def fmt_stats(stats: dict, scale: float = 1e-3) -> str:
+    return f"{stats['median'] * scale:7.3f} / {stats['p99'] * scale:7.3f}"
+
+
+def print_tables(result: dict) -> None:
+    calls = result["call_costs"]
+    print()
+    print(f"Per-call cost, microseconds per call: median / p99 over {calls['rounds']} samples "
+          f"of {calls['batch']} calls each")
+    print(f"{'call':34} {'in a rank (live pipe)':>22} {'outside a run (no-op)':>24}")
+    rows = [("log_metrics(step=i, loss=x)", "log_metrics"), ("progress(i, total=n)", "progress"),
+            ("for _ in track(range(n)): /iter", "track_iter"), ("for _ in range(n): /iter", "range_iter")]
+    for label, key in rows:
+        print(f"{label:34} {fmt_stats(calls['rank'][key]):>22} {fmt_stats(calls['noop'][key]):>24}")
+    print(f"{'track() overhead per iteration':34} {calls['rank']['track_overhead_median'] / 1e3:>12.3f} (median)"
+          f" {calls['noop']['track_overhead_median'] / 1e3:>14.3f} (median)")
+    print(f"metric rows delivered by the per-call rank: {calls['rank_metric_rows_delivered']} of "
+          f"{calls['rank_log_metrics_calls']} sent ({'complete' if calls['rank_metrics_complete'] else 'LOST SOME'})")
+
+    path = result["driver_path"]
+    print()
+    print(f"Cost per metric event on its way to the record, microseconds: median / p99 over "
+          f"{path['batches']} batches of {path['per_batch']} "
+          f"({path['bytes_per_event_on_the_wire']:.0f} B/event as JSON)")
+    where = {"rank_encode": "rank (flusher thread)", "supervisor_decode": "supervisor: driver in local mode",
+             "supervisor_send": "supervisor: driver in local mode", "driver_recv": "driver (channel reader)",
+             "record_apply": "driver (job loop)"}
+    total = 0.0
+    for name, label in (("rank_encode", "json.dumps of the batch (report.flush)"),
+                        ("supervisor_decode", "json.loads in supervisor._relay_events"),
+                        ("supervisor_send", "channel.Link.send (JSON + HMAC + send)"),
+                        ("driver_recv", "channel.Link.recv (HMAC + JSON)"),
+                        ("record_apply", "RunRecord.apply")):
+        total += path[name]["median"]
+        print(f"  {label:42} {fmt_stats(path[name], 1):>18}   {where[name]}")
+    print(f"  {'sum of medians':42} {total:7.3f}")
+    g = path["gc"]
+    print(f"  garbage collections during the replay: {g['collections']} (gen 0/1/2), {g['total_ms']:.0f} ms in all "
+          f"({g['per_event_us']:.2f} us/event), longest {g['max_pause_ms']:.0f} ms")
+    print(f"  a full collection with that record alive: {path['full_gc_with_record_ms']:.0f} ms "
+          f"({path['tracked_objects_with_record']} tracked objects; "
+          f"{path['tracked_objects_before']} before the replay)")
+    print(f"  run record memory per metric row (tracemalloc): {path['record_bytes_per_row']:.0f} B")
+    if "dashboard_redraw_ms" in path:
+        d = path["dashboard_redraw_ms"]
+        print(f"  widget dashboard redraw with {path['dashboard_rows']} rows, no front end: "
+              f"{d['median']:.2f} ms median, {d['max']:.2f} ms max (it redraws at most 10 times a second)")
+
+    cfg = result["config"]
+    print()
+    print(f"Training overhead: np={cfg['np']}, {cfg['duration']:g} s per run, batch {cfg['batch']}; with reporting "
+          f"rank 0 sends {cfg['rate']:g} log_metrics events/s and every rank calls progress once per step")
+    header = (f"{'mode':6} {'run':>3} {'variant':7} {'r0 step/s':>9} {'all step/s':>10} {'r0 cpu/step us':>14} "
+              f"{'flusher %':>9} {'gc ms/s':>7} "
+              f"{'ev/s sent':>9} {'ev/s drv':>8} {'rows ok':>7} {'tick max/p99 ms':>15} "
+              f"{'drv cpu %':>9} {'spk py %':>8} {'jvm %':>6} {'load':>5}")
+    print(header)
+    for mode, block in result["training"].items():
+        runs = [(str(i // 2 + 1), run) for i, run in enumerate(block["runs"])]
+        if "interleaved" in block:
+            runs.append(("-", block["interleaved"]))
+        for label, run in runs:
+            drv = run["driver"]
+            late = drv.get("tick_late_ms", {})
+            cores = drv.get("cpu_cores", {})
+            ok = "yes" if run["metrics_complete"] else "NO"
+            variant = "altern." if run["variant"] == "interleaved" else run["variant"]
+            print(f"{mode:6} {label:>3} {variant:7} {run['rank0_steps_per_s']:9.1f} "
+                  f"{run['all_ranks_steps_per_s']:10.1f} {run['rank0_cpu_per_step_us']:14.1f} "
+                  f"{run['rank0_flusher_cpu_pct']:9.1f} {run['rank0_gc_ms_per_s']:7.2f} "
+                  f"{run['rank0_events_per_s']:9.0f} {drv.get('delivered_events_per_s', 0):8.0f} {ok:>7} "
+                  f"{late.get('max', float('nan')):7.1f}/{late.get('p99', float('nan')):<7.1f} "
+                  f"{cores.get('driver', 0) * 100:9.1f} {cores.get('spark_python', 0) * 100:8.1f} "
+                  f"{cores.get('jvm', 0) * 100:6.1f} {run['loadavg_1min_before']:5.1f}")
+    print()
+    print("Ratios report/bare per pair: median [min, max]")
+    for mode, block in result["training"].items():
+        for key, label in (("rank0_steps_per_s", "rank 0 steps/s"), ("all_ranks_steps_per_s", "all ranks steps/s"),
+                           ("rank0_cpu_per_step_us", "rank 0 CPU time per step"),
+                           ("rank0_main_cpu_per_step_us", "rank 0 main-thread CPU/step")):
+            s = block["ratios"][key]
+            if not s["ratios"]:
+                continue
+            each = ", ".join(f"{r:.3f}" for r in s["ratios"])
+            print(f"  {mode:6} {label:28} {s['median']:.3f} [{s['min']:.3f}, {s['max']:.3f}]   ({each})")
+    for mode, block in result["training"].items():
+        segs = block.get("interleaved", {}).get("segment_ratios", {})
+        for key, label in (("steps_per_s", "rank 0 steps/s, alternating"),
+                           ("main_cpu_per_step", "r0 main CPU/step, alternating")):
+            seg = segs.get(key, {})
+            if seg.get("ratios"):
+                print(f"  {mode:6} {label:28} {seg['median']:.3f} [{seg['min']:.3f}, {seg['max']:.3f}]   "
+                      f"({seg['n']} report segments of {result['config']['segment_s']:g} s, each over the mean "
+                      f"of its bare neighbours, in one run)")
+    print()
+    print("Driver during the training window, median over runs (report | bare):")
+    for mode, block in result["training"].items():
+        for key, label in (("tick_max_ms", "ticker lateness max, ms"), ("tick_p99_ms", "ticker lateness p99, ms"),
+                           ("driver_cpu_pct", "driver process CPU, % of a core"),
+                           ("spark_python_cpu_pct", "Spark Python workers CPU, %"),
+                           ("jvm_cpu_pct", "Spark JVM CPU, %"),
+                           ("gc_max_pause_ms", "driver GC: longest pause, ms"),
+                           ("gc_total_ms", "driver GC: total in window, ms"),
+                           ("full_gc_after_run_ms", "one full GC after the run, record alive, ms"),
+                           ("newest_row_age_ms", "age of newest metric row, ms"),
+                           ("driver_cpu_whole_run_s", "driver CPU, whole run incl. launch, s")):
+            rep, bare = block["driver_summary"]["report"].get(key), block["driver_summary"]["bare"].get(key)
+            if rep is None and bare is None:
+                continue
+            print(f"  {mode:6} {label:40} {_num(rep):>8} | {_num(bare):<8}")
+
+
+def _num(value) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+def driver_summary(runs: list[dict]) -> dict:
+    def med(values):
+        values = [v for v in values if v is not None]
+        return statistics.median(values) if values else None
+
+    out = {}
+    for variant in ("report", "bare"):
+        sel = [r for r in runs if r["variant"] == variant]
+        drv = [r["driver"] for r in sel]
+        out[variant] = {
+            "tick_max_ms": med(d.get("tick_late_ms", {}).get("max") for d in drv),
+            "tick_p99_ms": med(d.get("tick_late_ms", {}).get("p99") for d in drv),
+            "full_gc_after_run_ms": med(r["full_gc_after_run_ms"] for r in sel),
+            "gc_max_pause_ms": med(d.get("gc", {}).get("max_pause_ms") for d in drv),
+            "gc_total_ms": med(d.get("gc", {}).get("total_ms") for d in drv),
+            "driver_cpu_pct": med(d.get("cpu_cores", {}).get("driver", 0) * 100 for d in drv),
+            "spark_python_cpu_pct": med(d["cpu_cores"]["spark_python"] * 100 for d in drv
+                                        if "spark_python" in d.get("cpu_cores", {})),
+            "jvm_cpu_pct": med(d["cpu_cores"]["jvm"] * 100 for d in drv if "jvm" in d.get("cpu_cores", {})),
+            "newest_row_age_ms": med(d.get("newest_row_age_ms", {}).get("median") for d in drv)
+            if variant == "report" else None,
+            "driver_cpu_whole_run_s": med(r["driver_cpu_whole_run_s"] for r in sel),
+        }
+    return out
+
+
+def environment() -> dict:
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+        dirty = bool(subprocess.run(["git", "status", "--porcelain", "hvdmagic"], cwd=ROOT, capture_output=True,
+                                    text=True).stdout.strip())
+    except OSError:
+        commit, dirty = "", None
+    import torch
+
+    model = ""
+    try:
+        model = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                     if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return {"commit": commit, "hvdmagic_dirty": dirty, "python": platform.python_version(),
+            "torch": torch.__version__, "cpu_count": os.cpu_count(), "cpu_model": model,
+            "gpu": torch.cuda.is_available(), "platform": platform.platform(),
+            "flush_interval_s": report.FLUSH_INTERVAL, "driver_gc_tracked_objects": len(gc.get_objects()),
+            "gc_thresholds": gc.get_threshold(), "started": time.strftime("%Y-%m-%d %H:%M:%S %z")}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="a short smoke run (< 60 s); figures are rough")
+    parser.add_argument("--np", type=int, default=2, help="ranks for the training runs (default 2)")
+    parser.add_argument("--duration", type=float, help="seconds of training per run (default 20; quick 2)")
+    parser.add_argument("--pairs", type=int, help="bare/report pairs per mode (default 4; quick 1)")
+    parser.add_argument("--rate", type=float, default=10_000, help="metric events per second on rank 0 (10000)")
+    parser.add_argument("--batch", type=int, default=64, help="training batch size (default 64)")
+    parser.add_argument("--rounds", type=int, help="per-call samples per variant (default 400; quick 20)")
+    parser.add_argument("--calls", type=int, default=1000, help="calls per per-call sample (default 1000)")
+    parser.add_argument("--modes", help="comma-separated: local, spark (default both; quick: local only, "
+                        "since starting Spark alone takes 20-35 s)")
+    parser.add_argument("--segment", type=float, help="seconds per segment of the interleaved run "
+                        "(default 1; 0 skips that run, as --quick does)")
+    parser.add_argument("--out", default=str(ROOT / "artifacts" / "bench_report.json"))
+    args = parser.parse_args(argv)
+    duration = args.duration or (2.0 if args.quick else 20.0)
+    pairs = args.pairs if args.pairs is not None else (1 if args.quick else 4)
+    rounds = args.rounds or (20 if args.quick else 400)
+    segment_s = args.segment if args.segment is not None else (0.0 if args.quick else 1.0)
+    modes = [m.strip() for m in (args.modes or ("local" if args.quick else "local,spark")).split(",") if m.strip()]
+    for mode in modes:
+        if mode not in ("local", "spark"):
+            parser.error(f"unknown mode {mode!r}")
+
+    began = time.perf_counter()
+    result: dict = {"environment": environment(), "command": " ".join([sys.executable] + sys.argv),
+                    "config": {"np": args.np, "duration": duration, "pairs": pairs, "rate": args.rate,
+                               "segment_s": segment_s,
+                               "batch": args.batch, "rounds": rounds, "calls": args.calls, "modes": modes,
+                               "quick": args.quick}}
+    log("driver-side cost per metric event (in this process) ...")
+    result["driver_path"] = driver_path_costs(40 if args.quick else 400, 1000)
+    result["call_costs"] = measure_call_costs(rounds, args.calls)
+    cfg = {"duration": duration, "batch": args.batch, "rate": args.rate, "segment_s": segment_s}
+    result["training"] = {}
+    for mode in modes:
+        if mode == "spark" and not args.quick:  # quick: the first run starts Spark (outside its window)
+            log("starting Spark (embedded local session) with a warm-up run ...")
+            t = time.perf_counter()
+            run_quiet(nothing, args.np)
+            result["spark_warmup_s"] = time.perf_counter() - t
+        runs = []
+        for pair in range(pairs):
+            for variant in ("bare", "report"):
+                log(f"{mode}: pair {pair + 1}/{pairs}, {variant}, {duration:g} s ...")
+                run = training_run(mode, args.np, variant, cfg)
+                runs.append(run)
+                if not run["metrics_complete"]:
+                    log(f"  metrics NOT complete: {run['metric_rows']} rows for {run['rank0_events_sent']} sent")
+        block = {"runs": runs, "ratios": compare(runs), "driver_summary": driver_summary(runs)}
+        if cfg["segment_s"]:
+            log(f"{mode}: one run alternating bare/report every {cfg['segment_s']:g} s, {duration:g} s ...")
+            block["interleaved"] = training_run(mode, args.np, "interleaved", cfg)
+            if not block["interleaved"]["metrics_complete"]:
+                log("  metrics NOT complete in the interleaved run")
+        result["training"][mode] = block
+    result["total_s"] = time.perf_counter() - began
+
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1, default=str))
+    print_tables(result)
+    print(f"\nwrote {out} in {result['total_s']:.0f} s")
+    lost = [r for block in result["training"].values() for r in block["runs"] + [block.get("interleaved")]
+            if r is not None and not r["metrics_complete"]]
+    if lost or not result["call_costs"]["rank_metrics_complete"]:
+        print("METRICS WERE LOST in at least one run (see the JSON)")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
