@@ -1,0 +1,1101 @@
+#!/usr/bin/env python
+"""Launch latency, training overhead and scaling of ``%%horovod``, against horovodrun and TorchDistributor.
+
+One command, from the repository root:
+
+    .venv/bin/python benchmarks/bench_launch.py               # the full run (about 12-15 minutes)
+    .venv/bin/python benchmarks/bench_launch.py --quick       # a smoke run (under 2 minutes)
+    .venv/bin/python benchmarks/bench_launch.py --repeats 6   # more launch rounds
+
+It prints tables, writes every sample to ``artifacts/bench_launch.json`` and a plot to
+``artifacts/bench_launch.png`` (docs/performance-launch.md shows and explains them).
+What it measures, with one warm SparkSession (``local[4]``, started before any timing):
+
+1. Launch latency of a trivial job (``hvd.init()``, one allreduce, return a value) at
+   np = 2 and 4: a ``%%horovod --np N`` cell run through a real IPython shell (wall
+   time around ``run_cell``), the same cell with ``--np -N`` (local mode),
+   ``horovodrun -np N --gloo`` on the same code as a script (subprocess wall time), and
+   pyspark's ``TorchDistributor(num_processes=N, local_mode=False)`` on the equivalent
+   torch.distributed gloo allreduce. Floors: ``python -c pass`` and
+   ``python -c "import torch, horovod.torch"``. Every rank stamps the first statement of
+   user code, so the time from ``run_cell`` to user code is known per rank.
+2. Training overhead: an MLP on random data (batch 64, fixed steps) under
+   ``%%horovod --np 2`` calling ``hvdmagic.progress`` and ``hvdmagic.log_metrics`` every
+   step, against the same script under ``horovodrun -np 2`` (where both calls are
+   no-ops), with OMP_NUM_THREADS as hvdmagic's ranks get it and as horovodrun leaves
+   it. Samples/s are timed inside the ranks, over the loop only (after a warm-up).
+3. Scaling: total samples/s at np = 1, 2, 4 under ``%%horovod``.
+4. Profile: where a warm trivial ``%%horovod --np 2`` cell spends its time, from
+   timestamps (driver-side functions wrapped for the duration of the profile, the
+   ranks' stamps, Spark's REST API for the stage and its tasks) and, unless
+   ``--no-py-spy``, a py-spy sample of the driver and its whole process tree.
+
+Every comparison alternates the systems (A B C A B C ...), because this machine has
+two cores and may be shared; ratios are taken within a round and summarised by their
+median and min/max. Nothing is asserted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime as dt
+import functools
+import io
+import json
+import os
+import platform
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+os.environ["HVDMAGIC_NONINTERACTIVE"] = "1"  # the text view: no widgets in a benchmark
+os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
+os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+_USER_OMP = os.environ.get("OMP_NUM_THREADS")
+
+import psutil  # noqa: E402
+
+from benchmarks import workloads  # noqa: E402
+
+PY = sys.executable
+HOROVODRUN = str(Path(PY).parent / "horovodrun")
+CORES = os.cpu_count() or 1
+
+
+def log(message: str) -> None:
+    print(f"[bench_launch {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------------------
+# Statistics
+# ---------------------------------------------------------------------------
+
+def stats(values) -> dict:
+    values = sorted(v for v in values if v is not None)
+    if not values:
+        return {"n": 0}
+    q = statistics.quantiles(values, n=4, method="inclusive") if len(values) > 1 else [values[0]] * 3
+    return {"n": len(values), "median": statistics.median(values), "min": values[0], "max": values[-1],
+            "q1": q[0], "q3": q[2]}
+
+
+def fmt(s: dict, unit: str = "s", digits: int = 2) -> str:
+    if not s or not s.get("n"):
+        return "-"
+    if s["n"] == 1:
+        return f"{s['median']:.{digits}f}{unit} (n=1)"
+    return f"{s['median']:.{digits}f}{unit} [{s['min']:.{digits}f}-{s['max']:.{digits}f}] n={s['n']}"
+
+
+def paired_ratios(a: list, b: list) -> list:
+    """a[i]/b[i] for the rounds where both exist (same round = adjacent in time)."""
+    return [x / y for x, y in zip(a, b) if x is not None and y]
+
+
+# ---------------------------------------------------------------------------
+# The machine: load from other work during the run
+# ---------------------------------------------------------------------------
+
+class LoadMonitor:
+    """Samples, every ``interval`` s, the CPU used by this benchmark's process tree and by
+    every other process, so the report can say whether other work was running."""
+
+    def __init__(self, interval: float = 2.0):
+        self.interval = interval
+        self.samples: list[dict] = []
+        self._stop = threading.Event()
+        self._prev: dict[int, tuple[float, str, bool]] = {}
+        self._thread = threading.Thread(target=self._run, name="bench-load", daemon=True)
+
+    def __enter__(self):
+        self._sample(first=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                self._sample()
+            except Exception:  # a process vanishing mid-scan; the next sample catches up
+                pass
+
+    def _sample(self, first: bool = False) -> None:
+        me = os.getpid()
+        ours = {me}
+        with contextlib.suppress(psutil.Error):
+            ours.update(p.pid for p in psutil.Process(me).children(recursive=True))
+        now = time.time()
+        current: dict[int, tuple[float, str, bool]] = {}
+        others = mine = 0.0
+        other_names: dict[str, float] = {}
+        for proc in psutil.process_iter(["name", "cmdline", "cpu_times"]):
+            try:
+                t = proc.info["cpu_times"]
+                if t is None:
+                    continue
+                cpu = t.user + t.system
+                cmd = " ".join((proc.info["cmdline"] or [proc.info["name"] or "?"])[:3])[:80]
+            except psutil.Error:
+                continue
+            current[proc.pid] = (cpu, cmd, proc.pid in ours)
+            prev = self._prev.get(proc.pid)
+            delta = cpu - prev[0] if prev else 0.0
+            if proc.pid in ours:
+                mine += delta
+            else:
+                others += delta
+                if delta > 0:
+                    other_names[cmd] = other_names.get(cmd, 0.0) + delta
+        self._prev = current
+        if not first:
+            self.samples.append({"time": now, "ours_cpu_s": mine, "others_cpu_s": others,
+                                 "load1": os.getloadavg()[0], "others_top": other_names})
+
+    def summary(self, start: float | None = None, end: float | None = None) -> dict:
+        rows = [s for s in self.samples if (start is None or s["time"] >= start) and (end is None or s["time"] <= end)]
+        if len(rows) < 2:
+            return {}
+        span = rows[-1]["time"] - rows[0]["time"] + self.interval
+        top: dict[str, float] = {}
+        for s in rows:
+            for name, cpu in s["others_top"].items():
+                top[name] = top.get(name, 0.0) + cpu
+        return {
+            "seconds": span,
+            "ours_cores": sum(s["ours_cpu_s"] for s in rows) / span,
+            "others_cores": sum(s["others_cpu_s"] for s in rows) / span,
+            "load1": stats([s["load1"] for s in rows]),
+            "others_top": dict(sorted(top.items(), key=lambda kv: -kv[1])[:6]),
+        }
+
+
+# ---------------------------------------------------------------------------
+# The systems under test
+# ---------------------------------------------------------------------------
+
+def start_spark(slots: int = 4):
+    """The warm session every Spark-based system shares (the settings of hvdmagic's own embedded one)."""
+    from pyspark.sql import SparkSession
+
+    log4j = ROOT / "hvdmagic" / "launcher" / "log4j2.properties"
+    builder = (SparkSession.builder.master(f"local[{slots}]").appName("bench_launch")
+               .config("spark.driver.host", "127.0.0.1")
+               .config("spark.driver.bindAddress", "127.0.0.1")
+               .config("spark.ui.showConsoleProgress", "false"))
+    if log4j.exists():
+        builder = builder.config("spark.driver.extraJavaOptions", f"-Dlog4j2.configurationFile={log4j}")
+    spark = builder.getOrCreate()
+    spark.sparkContext.setLogLevel("ERROR")
+    return spark
+
+
+class Systems:
+    def __init__(self, spark, tmp: Path):
+        from IPython.testing.globalipapp import start_ipython
+
+        self.spark = spark
+        self.tmp = tmp
+        self.ip = start_ipython()
+        self.ip.run_line_magic("load_ext", "hvdmagic")
+        self._count = 0
+        # TorchDistributor ships its function with pyspark's cloudpickle: by value, so the
+        # executors need not import this benchmark's package.
+        import cloudpickle
+        import pyspark.cloudpickle
+
+        cloudpickle.register_pickle_by_value(workloads)
+        pyspark.cloudpickle.register_pickle_by_value(workloads)
+
+    # -- %%horovod through IPython --------------------------------------------
+    def cell(self, np: int, body: str) -> dict:
+        import hvdmagic
+
+        source = workloads.cell(np, body)
+        buf = io.StringIO()
+        with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(buf):
+            t0 = time.time()
+            res = self.ip.run_cell(source)
+            t1 = time.time()
+        if not res.success:
+            raise RuntimeError(f"%%horovod --np {np} failed: {res.error_in_exec or res.error_before_exec!r}\n"
+                               f"{buf.getvalue()[-3000:]}")
+        record = hvdmagic.last_run()
+        return {"wall": t1 - t0, "start": t0, "end": t1, "ranks": list(record.results)}
+
+    # -- horovodrun --------------------------------------------------------------
+    def horovodrun(self, np: int, body: str, omp: str | None = "unset") -> dict:
+        """``omp``: "unset" leaves OMP_NUM_THREADS out of the environment (horovodrun's default)."""
+        self._count += 1
+        work = self.tmp / f"hr{self._count}"
+        work.mkdir()
+        script = work / "job.py"
+        script.write_text(workloads.script(body))
+        env = dict(os.environ)
+        env.pop("OMP_NUM_THREADS", None)
+        if omp != "unset":
+            env["OMP_NUM_THREADS"] = omp
+        cmd = [HOROVODRUN, "-np", str(np), "--gloo", "-H", f"localhost:{np}", PY, str(script), str(work)]
+        t0 = time.time()
+        proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, cwd=work,
+                              timeout=900)
+        t1 = time.time()
+        if proc.returncode != 0:
+            raise RuntimeError(f"horovodrun -np {np} failed ({proc.returncode}):\n{proc.stdout.decode()[-3000:]}")
+        ranks = [json.loads((work / f"rank{r}.json").read_text()) for r in range(np)]
+        shutil.rmtree(work, ignore_errors=True)
+        return {"wall": t1 - t0, "start": t0, "end": t1, "ranks": ranks}
+
+    # -- TorchDistributor ----------------------------------------------------------
+    def torch_distributor(self, np: int) -> dict:
+        from pyspark.ml.torch.distributor import TorchDistributor
+
+        buf = io.StringIO()
+        with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(buf):
+            t0 = time.time()
+            out = TorchDistributor(num_processes=np, local_mode=False, use_gpu=False).run(
+                workloads.torch_distributed_trivial)
+            t1 = time.time()
+        if not out or out.get("value") != float(np):
+            raise RuntimeError(f"TorchDistributor returned {out!r}")
+        return {"wall": t1 - t0, "start": t0, "end": t1, "ranks": [out]}
+
+    # -- floors --------------------------------------------------------------------
+    @staticmethod
+    def python(code: str) -> dict:
+        t0 = time.time()
+        subprocess.run([PY, "-c", code], check=True, stdout=subprocess.DEVNULL)
+        return {"wall": time.time() - t0}
+
+
+IMPORT_SPLIT = ("import time; t0 = time.perf_counter(); import torch; t1 = time.perf_counter(); "
+                "import horovod.torch; t2 = time.perf_counter(); print(t1 - t0, t2 - t1)")
+
+
+def import_split() -> dict:
+    out = subprocess.run([PY, "-c", IMPORT_SPLIT], check=True, capture_output=True, text=True).stdout.split()
+    return {"torch": float(out[0]), "horovod_torch": float(out[1])}
+
+
+def first_statement(run: dict) -> dict:
+    """Seconds from the launch (run_cell / subprocess start) to user code, per rank and the last one."""
+    firsts = [r["first"] - run["start"] for r in run["ranks"] if "first" in r]
+    return {"per_rank": firsts, "last": max(firsts) if firsts else None}
+
+
+# ---------------------------------------------------------------------------
+# 1. Launch latency
+# ---------------------------------------------------------------------------
+
+def bench_launch(sysm: Systems, nps: list[int], rounds: int, td_rounds: int, warmup: bool = True) -> dict:
+    body = workloads.trivial()
+    systems = {
+        "hvdmagic_spark": lambda np: sysm.cell(np, body),
+        "hvdmagic_local": lambda np: sysm.cell(-np, body),
+        "horovodrun": lambda np: sysm.horovodrun(np, body),
+        "torch_distributor": lambda np: sysm.torch_distributor(np),
+    }
+    floors = {
+        "python_bare": lambda: sysm.python("pass"),
+        "import_floor": lambda: sysm.python("import torch, horovod.torch"),
+    }
+    samples: dict = {name: [] for name in floors}
+    samples.update({f"{name}@{np}": [] for name in systems for np in nps})
+    splits = []
+
+    if warmup:
+        # One untimed run of each system at the largest np (it starts that many Spark Python workers).
+        log(f"launch: warm-up, one untimed run of each system at np={max(nps)}")
+        for name, fn in systems.items():
+            if name == "torch_distributor" and td_rounds == 0:
+                continue
+            fn(max(nps))
+
+    for r in range(rounds):
+        log(f"launch: round {r + 1}/{rounds}")
+        for name, fn in floors.items():
+            samples[name].append(fn())
+        splits.append(import_split())
+        # Rotate the start so no system always runs first in a round.
+        order = [(name, np) for np in nps for name in systems]
+        order = order[r % len(order):] + order[:r % len(order)]
+        for name, np in order:
+            if name == "torch_distributor" and r >= td_rounds:
+                continue
+            run = systems[name](np)
+            run["first_statement"] = first_statement(run)
+            samples[f"{name}@{np}"].append(run)
+            log(f"  {name:18s} np={np}: {run['wall']:.2f} s"
+                + (f" (user code on every rank after {run['first_statement']['last']:.2f} s)"
+                   if run["first_statement"]["last"] is not None else ""))
+
+    summary = {key: stats([s["wall"] for s in runs]) for key, runs in samples.items()}
+    first = {key: stats([s["first_statement"]["last"] for s in runs if "first_statement" in s])
+             for key, runs in samples.items() if key not in floors}
+    ratios = {}
+    for np in nps:
+        hr = [s["wall"] for s in samples[f"horovodrun@{np}"]]
+        for name in ("hvdmagic_spark", "hvdmagic_local", "torch_distributor"):
+            ratios[f"{name}/horovodrun@{np}"] = stats(paired_ratios([s["wall"] for s in samples[f"{name}@{np}"]], hr))
+        floor = [s["wall"] for s in samples["import_floor"]]
+        for name in ("hvdmagic_spark", "hvdmagic_local", "horovodrun"):
+            ratios[f"{name}/import_floor@{np}"] = stats(
+                paired_ratios([s["wall"] for s in samples[f"{name}@{np}"]], floor))
+    return {"samples": samples, "wall": summary, "first_statement": first, "ratios": ratios,
+            "import_split": {k: stats([s[k] for s in splits]) for k in ("torch", "horovod_torch")}}
+
+
+# ---------------------------------------------------------------------------
+# 2. Training overhead and 3. scaling
+# ---------------------------------------------------------------------------
+
+def total_throughput(run: dict) -> float:
+    return sum(r["samples_per_s"] for r in run["ranks"])
+
+
+def bench_training(sysm: Systems, rounds: int, steps: int, default_omp_steps: int) -> dict:
+    np = 2
+    matched = str(max(1, CORES // np))  # what hvdmagic gives each rank when OMP_NUM_THREADS is unset
+    systems = {
+        "hvdmagic_spark": lambda: sysm.cell(np, workloads.train(steps)),
+        "horovodrun_omp_matched": lambda: sysm.horovodrun(np, workloads.train(steps), omp=matched),
+    }
+    if default_omp_steps:
+        systems["horovodrun_omp_unset"] = lambda: sysm.horovodrun(np, workloads.train(default_omp_steps), omp="unset")
+    runs: dict = {name: [] for name in systems}
+    for r in range(rounds):
+        names = list(systems)
+        names = names[r % len(names):] + names[:r % len(names)]
+        for name in names:
+            run = systems[name]()
+            run["total_samples_per_s"] = total_throughput(run)
+            runs[name].append(run)
+            log(f"training round {r + 1}/{rounds}: {name:24s} {run['total_samples_per_s']:8.0f} samples/s "
+                f"(torch threads per rank {[x['torch_threads'] for x in run['ranks']]}, launch+run {run['wall']:.1f} s)")
+    thr = {name: [x["total_samples_per_s"] for x in rs] for name, rs in runs.items()}
+    # CPU per step (all threads of the rank process, loop only): far less sensitive to other
+    # work on the machine than samples/s, and it includes hvdmagic's flusher thread.
+    cpu = {name: [statistics.mean(r["cpu_ms_per_step"] for r in x["ranks"]) for x in rs] for name, rs in runs.items()}
+    flusher = [r.get("flusher_cpu_s") for x in runs["hvdmagic_spark"] for r in x["ranks"]]
+    result = {"np": np, "steps": steps, "batch": 64, "omp_matched": matched, "runs": runs,
+              "samples_per_s": {name: stats(v) for name, v in thr.items()},
+              "cpu_ms_per_step": {name: stats(v) for name, v in cpu.items()},
+              "ratio_hvdmagic_vs_horovodrun_matched": stats(paired_ratios(thr["hvdmagic_spark"],
+                                                                          thr["horovodrun_omp_matched"])),
+              "cpu_ratio_hvdmagic_vs_horovodrun_matched": stats(paired_ratios(cpu["hvdmagic_spark"],
+                                                                              cpu["horovodrun_omp_matched"])),
+              "flusher_cpu_s_per_rank": stats([f for f in flusher if f is not None]),
+              "torch_threads": {name: rs[0]["ranks"][0]["torch_threads"] for name, rs in runs.items() if rs},
+              "omp_env": {name: rs[0]["ranks"][0]["omp_num_threads"] for name, rs in runs.items() if rs}}
+    if "horovodrun_omp_unset" in thr:
+        result["default_omp_steps"] = default_omp_steps
+        result["ratio_hvdmagic_vs_horovodrun_unset"] = stats(paired_ratios(thr["hvdmagic_spark"],
+                                                                           thr["horovodrun_omp_unset"]))
+    return result
+
+
+def bench_scaling(sysm: Systems, rounds: int, steps: int, nps=(1, 2, 4), local_np1: bool = True) -> dict:
+    """Total samples/s at each np under %%horovod on Spark; ``local_np1`` adds ``--np -1``,
+    whose rank gets OMP_NUM_THREADS from hvdmagic's own rule instead of from Spark."""
+    series = [(str(np), np) for np in nps] + ([("local-1", -1)] if local_np1 else [])
+    runs: dict = {key: [] for key, _ in series}
+    for r in range(rounds):
+        order = series[r % len(series):] + series[:r % len(series)]
+        for key, np in order:
+            run = sysm.cell(np, workloads.train(steps))
+            run["total_samples_per_s"] = total_throughput(run)
+            runs[key].append(run)
+            log(f"scaling round {r + 1}/{rounds}: np={np} {run['total_samples_per_s']:8.0f} samples/s total "
+                f"(torch threads per rank {[x['torch_threads'] for x in run['ranks']]})")
+    thr = {key: [x["total_samples_per_s"] for x in rs] for key, rs in runs.items()}
+    base = thr[str(nps[0])]
+    return {"steps_per_rank": steps, "runs": runs,
+            "samples_per_s": {key: stats(v) for key, v in thr.items()},
+            "speedup_vs_np1": {key: stats(paired_ratios(v, base)) for key, v in thr.items()},
+            "torch_threads": {key: [x["torch_threads"] for x in rs[0]["ranks"]] for key, rs in runs.items()},
+            "omp_env": {key: rs[0]["ranks"][0]["omp_num_threads"] for key, rs in runs.items()}}
+
+
+# ---------------------------------------------------------------------------
+# 4. Profile of a warm trivial %%horovod --np 2 cell
+# ---------------------------------------------------------------------------
+
+class Probe:
+    """Wraps driver-side hvdmagic functions (in this process only, for the profile's
+    duration) so each call leaves wall-clock marks. hvdmagic's code is not changed."""
+
+    def __init__(self):
+        self.marks: list[tuple[str, float]] = []
+        self.job_groups: list[str] = []
+        self._undo: list[tuple[object, str, object]] = []
+
+    def mark(self, name: str) -> None:
+        self.marks.append((name, time.time()))
+
+    def wrap(self, owner, attr: str, name: str) -> None:
+        original = getattr(owner, attr, None)
+        if original is None:
+            return
+        probe = self
+
+        @functools.wraps(original)
+        def wrapper(*args, **kwargs):
+            probe.mark(name + ".start")
+            try:
+                return original(*args, **kwargs)
+            finally:
+                probe.mark(name + ".end")
+
+        setattr(owner, attr, wrapper)
+        self._undo.append((owner, attr, original))
+
+    def __enter__(self):
+        import hvdmagic.channel as channel
+        import hvdmagic.launcher.job as job
+        import hvdmagic.launcher.rendezvous as rendezvous
+        import hvdmagic.launcher.spark as spark
+        import hvdmagic.magic as magic
+        import hvdmagic.runner as runner
+
+        self.wrap(magic, "capture_cell", "capture")
+        self.wrap(runner, "launch", "launch")
+        self.wrap(runner, "make_view", "make_view")
+        self.wrap(spark.SparkBackend, "__init__", "backend_init")
+        self.wrap(spark, "session_for", "session_for")
+        self.wrap(spark.SparkBackend, "_run", "spark_job")
+        self.wrap(spark.SparkBackend, "join", "backend_join")
+        self.wrap(job.Job, "_run", "job")
+        self.wrap(job.Job, "_loop", "loop")
+        self.wrap(job.Job, "_shutdown", "shutdown")
+        self.wrap(channel.ChannelServer, "__init__", "channel_start")
+        self.wrap(channel.ChannelServer, "close", "channel_close")
+        self.wrap(rendezvous.Rendezvous, "__init__", "rendezvous_start")
+        self.wrap(rendezvous.Rendezvous, "stop", "rendezvous_stop")
+        self.wrap(rendezvous.Rendezvous, "init", "rendezvous_init")
+
+        original_handle = job.Job._handle
+        probe = self
+
+        def handle(job_self, event, *args, **kwargs):
+            kind = event.get("type")
+            who = event.get("rank", event.get("task"))
+            probe.mark(f"event.{kind}.{who}")
+            return original_handle(job_self, event, *args, **kwargs)
+
+        job.Job._handle = handle
+        self._undo.append((job.Job, "_handle", original_handle))
+
+        original_start = spark.SparkBackend.start
+
+        def start(backend_self, *args, **kwargs):
+            probe.job_groups.append(backend_self.job_group)
+            probe.mark("backend_start")
+            return original_start(backend_self, *args, **kwargs)
+
+        spark.SparkBackend.start = start
+        self._undo.append((spark.SparkBackend, "start", original_start))
+        return self
+
+    def __exit__(self, *exc):
+        for owner, attr, original in reversed(self._undo):
+            setattr(owner, attr, original)
+
+    def first(self, name: str, after: float = 0.0, before: float = float("inf")) -> float | None:
+        times = [t for n, t in self.marks if n == name and after <= t <= before]
+        return min(times) if times else None
+
+    def last(self, name_prefix: str, after: float = 0.0, before: float = float("inf")) -> float | None:
+        times = [t for n, t in self.marks if n.startswith(name_prefix) and after <= t <= before]
+        return max(times) if times else None
+
+
+def _spark_time(text: str | None) -> float | None:
+    if not text:
+        return None
+    return dt.datetime.strptime(text.replace("GMT", ""), "%Y-%m-%dT%H:%M:%S.%f").replace(
+        tzinfo=dt.timezone.utc).timestamp()
+
+
+def spark_stage_times(spark, job_group: str) -> dict:
+    """Stage submission and task launch/finish times from Spark's REST API (ms resolution)."""
+    sc = spark.sparkContext
+    base = f"{sc.uiWebUrl}/api/v1/applications/{sc.applicationId}"
+
+    def get(path):
+        with urllib.request.urlopen(base + path, timeout=10) as resp:
+            return json.load(resp)
+
+    for _ in range(20):  # the status store is fed asynchronously by the listener bus
+        jobs = [j for j in get("/jobs") if j.get("jobGroup") == job_group]
+        if jobs and jobs[0].get("completionTime"):
+            break
+        time.sleep(0.25)
+    else:
+        return {}
+    job = jobs[0]
+    stage = get(f"/stages/{job['stageIds'][0]}?details=true")[0]
+    tasks = list(stage.get("tasks", {}).values())
+    launches = [_spark_time(t.get("launchTime")) for t in tasks]
+    ends = [lt + t.get("duration", 0) / 1000 for lt, t in zip(launches, tasks)]
+    return {
+        "job_submitted": _spark_time(job.get("submissionTime")),
+        "stage_submitted": _spark_time(stage.get("submissionTime")),
+        "first_task_launched": min(launches),
+        "last_task_launched": max(launches),
+        "last_task_finished": max(ends),
+        "job_completed": _spark_time(job.get("completionTime")),
+        "executor_deserialize_ms": [t.get("taskMetrics", {}).get("executorDeserializeTime") for t in tasks],
+    }
+
+
+PHASES = [
+    # (label, start key, end key): keys are critical-path timestamps computed in profile_run
+    ("magic + capture/pickle", "t0", "capture_end"),
+    ("view, session lookup + slot check", "capture_end", "job_start"),
+    ("channel + rendezvous start", "job_start", "spark_job_start"),
+    ("Spark: submit barrier stage -> tasks launched", "spark_job_start", "last_task_launched"),
+    ("task: python worker + connect + allGather + hello", "last_task_launched", "go"),
+    ("go -> rank processes created", "go", "proc_start"),
+    ("rank interpreter start -> user code", "proc_start", "first"),
+    ("import torch, horovod.torch", "first", "imported"),
+    ("hvd.init() (Gloo rendezvous)", "imported", "init"),
+    ("the job (one allreduce)", "init", "done"),
+    ("rank: pickle + send result -> driver has it", "done", "last_result"),
+    ("rank exit (teardown) + relays -> driver sees exits", "last_result", "last_exit"),
+    ("driver: Spark job end, rendezvous/channel stop", "last_exit", "shutdown_end"),
+    ("record/view close, IPython", "shutdown_end", "t1"),
+]
+
+
+def profile_run(sysm: Systems, probe: Probe, np: int = 2) -> dict:
+    run = sysm.cell(np, workloads.trivial())
+    t0, t1 = run["start"], run["end"]
+    ranks = run["ranks"]
+    points = {"t0": t0, "t1": t1}
+    points["capture_end"] = probe.first("capture.end", t0, t1)
+    points["job_start"] = probe.first("job.start", t0, t1)
+    points["spark_job_start"] = probe.first("spark_job.start", t0, t1)
+    points["go"] = probe.first("rendezvous_init.end", t0, t1)
+    for key in ("proc_start", "first", "imported", "init", "done"):
+        points[key] = max(r[key] for r in ranks)
+    points["last_result"] = probe.last("event.result.", t0, t1)
+    points["last_exit"] = probe.last("event.exit.", t0, t1)
+    points["shutdown_end"] = probe.first("shutdown.end", t0, t1)
+    detail = {
+        "hellos": [t - t0 for n, t in probe.marks if n.startswith("event.hello.") and t0 <= t <= t1],
+        "results": [t - t0 for n, t in probe.marks if n.startswith("event.result.") and t0 <= t <= t1],
+        "exits": [t - t0 for n, t in probe.marks if n.startswith("event.exit.") and t0 <= t <= t1],
+        "rank_proc_start": [r["proc_start"] - t0 for r in ranks],
+        "rank_first": [r["first"] - t0 for r in ranks],
+        "rank_imported": [r["imported"] - t0 for r in ranks],
+        "rank_init": [r["init"] - t0 for r in ranks],
+        "rank_done": [r["done"] - t0 for r in ranks],
+    }
+    for name in ("capture", "session_for", "backend_init", "make_view", "channel_start", "rendezvous_start",
+                 "spark_job", "backend_join", "rendezvous_stop", "channel_close", "shutdown"):
+        s, e = probe.first(f"{name}.start", t0, t1), probe.first(f"{name}.end", t0, t1)
+        if s is not None and e is not None:
+            detail[f"{name}_s"] = e - s
+    group = probe.job_groups[-1] if probe.job_groups else None
+    try:
+        sparkt = spark_stage_times(sysm.spark, group) if group else {}
+    except Exception as exc:  # the UI may be disabled; the breakdown then merges the Spark rows
+        sparkt = {"error": repr(exc)}
+    if sparkt.get("last_task_launched"):
+        points["last_task_launched"] = sparkt["last_task_launched"]
+        detail["spark"] = {k: (v - t0 if isinstance(v, float) else v) for k, v in sparkt.items()}
+    if points.get("spark_job_start") and sparkt.get("job_completed"):
+        detail["spark_job_end_after_last_exit_s"] = (probe.first("spark_job.end", t0, t1) or 0) - (points["last_exit"] or 0)
+    phases = {}
+    for label, a, b in PHASES:
+        if points.get(a) is not None and points.get(b) is not None:
+            phases[label] = points[b] - points[a]
+    return {"wall": t1 - t0, "phases": phases, "detail": detail}
+
+
+def horovodrun_profile(sysm: Systems, np: int = 2) -> dict:
+    run = sysm.horovodrun(np, workloads.trivial())
+    t0 = run["start"]
+    last = {k: max(r[k] for r in run["ranks"]) for k in ("proc_start", "first", "imported", "init", "done")}
+    return {"wall": run["wall"], "phases": {
+        "horovodrun: start -> rank processes created": last["proc_start"] - t0,
+        "rank interpreter start -> user code": last["first"] - last["proc_start"],
+        "import torch, horovod.torch": last["imported"] - last["first"],
+        "hvd.init() (Gloo rendezvous)": last["init"] - last["imported"],
+        "the job (one allreduce)": last["done"] - last["init"],
+        "rank exit + horovodrun teardown": run["end"] - last["done"],
+    }}
+
+
+def bare_barrier(spark, np: int, gather: bool) -> float:
+    def task(_):
+        from pyspark import BarrierTaskContext
+
+        context = BarrierTaskContext.get()
+        if gather:
+            context.allGather("x")
+        yield context.partitionId()
+
+    t0 = time.time()
+    spark.sparkContext.parallelize(range(np), np).barrier().mapPartitions(task).collect()
+    return time.time() - t0
+
+
+def py_spy_profile(sysm: Systems, out_dir: Path, cells: int) -> dict:
+    """py-spy over this process and its whole tree (JVM's Python workers, supervisors,
+    ranks) during ``cells`` warm cells; summarised per process role and function."""
+    exe = shutil.which("py-spy") or str(Path(PY).parent / "py-spy")
+    if not Path(exe).exists():
+        return {"skipped": "py-spy is not installed (pip install py-spy)"}
+    raw = out_dir / "bench_launch_pyspy.txt"
+    cmd = [exe, "record", "--pid", str(os.getpid()), "--subprocesses", "--nonblocking",
+           "--rate", "100", "--format", "raw", "--output", str(raw)]
+    spy = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    time.sleep(1.5)
+    if spy.poll() is not None:
+        return {"skipped": f"py-spy failed: {spy.stdout.read().decode()[-500:]}"}
+    walls = []
+    try:
+        for _ in range(cells):
+            walls.append(sysm.cell(2, workloads.trivial())["wall"])
+    finally:
+        spy.send_signal(signal.SIGINT)
+        try:
+            spy.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            spy.kill()
+    if not raw.exists():
+        return {"skipped": "py-spy wrote no output"}
+    return {"walls": walls, "raw": str(raw), **summarise_py_spy(raw)}
+
+
+# (substring of a frame, label), in priority order: the first key found anywhere in a
+# sample's stack names it. Frames look like "HorovodBasics.init (horovod/common/basics.py:105)".
+_SPY_LABELS = [
+    ("LoadMonitor", None),  # this benchmark's own sampler: left out
+    ("_exitfunc", "interpreter exit (finalizers)"),
+    ("_run_exitfuncs", "interpreter exit (atexit)"),
+    ("_flush_loop", "report flusher thread"),
+    ("<module> (horovod/torch/__init__.py", "import horovod.torch"),
+    ("<module> (torch/__init__.py", "import torch"),
+    ("HorovodBasics.init (", "hvd.init"),
+    ("_report_result (", "pickle + send result"),
+    ("<module> (<horovod-cell>", "cell body (other)"),
+    ("main (hvdmagic/rank.py", "rank: read + unpickle payload, other"),
+    ("_get_module_details", "rank start-up imports"),
+    ("<module> (hvdmagic/rank.py", "rank start-up imports"),
+    ("serve_forever", "driver HTTP servers (horovod rendezvous KV store)"),
+    ("process_request_thread", "driver HTTP servers (horovod rendezvous KV store)"),
+    ("capture_cell (", "capture + pickle"),
+    ("session_for (", "session lookup + slot check"),
+    ("Job._loop (", "job loop"),
+    ("Job._shutdown (", "job shutdown"),
+    ("ChannelServer", "channel server threads"),
+    ("FinalizerWorker", "py4j"),
+    ("java_gateway", "py4j"),
+    ("run_cell (", "run_cell (other)"),
+    ("Supervisor._relay", "supervisor relays"),
+    ("Supervisor._listen", "supervisor abort listener"),
+    ("allGather", "barrier allGather"),
+    ("Supervisor", "supervisor (other)"),
+    ("worker (pyspark/daemon.py", "pyspark worker"),
+    ("manager (pyspark/daemon.py", "pyspark daemon"),
+]
+
+
+def _role(command: str) -> str:
+    if "hvdmagic.rank" in command:
+        return "rank"
+    if "pyspark.daemon" in command or "pyspark.worker" in command:
+        return "spark python worker (supervisor)"
+    if "bench_launch" in command:
+        return "driver"
+    return command.strip('"')[:60]
+
+
+def summarise_py_spy(raw: Path) -> dict:
+    """CPU samples (py-spy records active threads only) per process role and per label.
+
+    py-spy writes one line per distinct stack: ``process P:"cmd";...;frame;frame N``.
+    The last ``process`` entry is the sampled process; stacks with no Python frame
+    (native threads of torch, Gloo, horovod's background loop) are counted apart."""
+    roles: dict[str, dict[str, int]] = {}
+    for line in raw.read_text(errors="replace").splitlines():
+        stack, _, count = line.rpartition(" ")
+        try:
+            n = int(count)
+        except ValueError:
+            continue
+        frames = stack.split(";")
+        procs = [f for f in frames if f.startswith("process ")]
+        role = _role(procs[-1].split(":", 1)[-1]) if procs else "?"
+        python_frames = [f for f in frames if not f.startswith("process ")]
+        if not python_frames:
+            label = "native threads, no Python frame (py-spy cannot tell idle ones)"
+        else:
+            label = next((lab for key, lab in _SPY_LABELS if any(key in f for f in python_frames)), "other")
+        if label is None:
+            continue
+        counts = roles.setdefault(role, {})
+        counts[label] = counts.get(label, 0) + n
+    return {"rate_hz": 100, "cpu_s_by_role_and_label": {
+        role: dict(sorted(((k, v / 100) for k, v in counts.items()), key=lambda kv: -kv[1]))
+        for role, counts in roles.items()}}
+
+
+def bench_profile(sysm: Systems, cells: int, use_py_spy: bool, out_dir: Path) -> dict:
+    result: dict = {}
+    runs, hr_runs, bare, gathered = [], [], [], []
+    with Probe() as probe:
+        for i in range(cells):
+            bare.append(bare_barrier(sysm.spark, 2, gather=False))
+            gathered.append(bare_barrier(sysm.spark, 2, gather=True))
+            runs.append(profile_run(sysm, probe))
+            hr_runs.append(horovodrun_profile(sysm))
+            log(f"profile cell {i + 1}/{cells}: {runs[-1]['wall']:.2f} s (horovodrun {hr_runs[-1]['wall']:.2f} s)")
+    labels = [label for label, _, _ in PHASES]
+    result["hvdmagic_spark_np2"] = {
+        "wall": stats([r["wall"] for r in runs]),
+        "phases": {label: stats([r["phases"].get(label) for r in runs]) for label in labels},
+        "runs": runs,
+    }
+    hr_labels = list(hr_runs[0]["phases"]) if hr_runs else []
+    result["horovodrun_np2"] = {
+        "wall": stats([r["wall"] for r in hr_runs]),
+        "phases": {label: stats([r["phases"][label] for r in hr_runs]) for label in hr_labels},
+    }
+    result["bare_barrier_job_np2"] = stats(bare)
+    result["bare_barrier_job_with_allgather_np2"] = stats(gathered)
+    if use_py_spy:
+        log("profile: py-spy over the driver's process tree")
+        result["py_spy"] = py_spy_profile(sysm, out_dir, max(2, cells // 2))
+    return result
+
+
+# ---------------------------------------------------------------------------
+# Output
+# ---------------------------------------------------------------------------
+
+LABELS = {
+    "hvdmagic_spark": "%%horovod --np N (Spark)",
+    "hvdmagic_local": "%%horovod --np -N (local)",
+    "horovodrun": "horovodrun -np N --gloo",
+    "torch_distributor": "TorchDistributor(N)",
+}
+
+
+def print_tables(res: dict) -> None:
+    out = []
+    launch = res.get("launch")
+    if launch:
+        out.append("\n== 1. Launch latency of a trivial job (wall s: median [min-max]) ==")
+        out.append(f"{'system':32s} " + "".join(f"{'np=' + str(np):>34s}" for np in res["config"]["nps"]))
+        for name, label in LABELS.items():
+            out.append(f"{label:32s} " + "".join(f"{fmt(launch['wall'].get(f'{name}@{np}')):>34s}"
+                                              for np in res["config"]["nps"]))
+        out.append(f"{'python -c pass':32s} {fmt(launch['wall']['python_bare']):>34s}")
+        out.append(f"{'import torch, horovod.torch':32s} {fmt(launch['wall']['import_floor']):>34s}")
+        split = launch["import_split"]
+        out.append(f"   (in-process: import torch {fmt(split['torch'])}, then horovod.torch {fmt(split['horovod_torch'])})")
+        out.append("launch -> user code running on every rank (s):")
+        for name, label in LABELS.items():
+            out.append(f"  {label:30s} " + "".join(f"{fmt(launch['first_statement'].get(f'{name}@{np}')):>34s}"
+                                                for np in res["config"]["nps"]))
+        out.append("paired ratios (same round):")
+        for key, s in launch["ratios"].items():
+            out.append(f"  {key:40s} {fmt(s, unit='x')}")
+    goal = res.get("goal")
+    if goal:
+        out.append("\n== The issue's goal for a trivial warm %%horovod --np 2 ==")
+        for line in goal["lines"]:
+            out.append("  " + line)
+    tr = res.get("training")
+    if tr:
+        out.append(f"\n== 2. Training overhead, np=2, samples/s inside the ranks ({tr['steps']} steps x batch 64) ==")
+        for name, s in tr["samples_per_s"].items():
+            out.append(f"  {name:28s} {fmt(s, unit='', digits=0):>30s}  torch threads/rank {tr['torch_threads'][name]}"
+                       f", OMP_NUM_THREADS={tr['omp_env'][name]}")
+        out.append("  CPU ms per step and rank (all threads of the rank, loop only):")
+        for name, s in tr["cpu_ms_per_step"].items():
+            out.append(f"    {name:26s} {fmt(s, unit='', digits=2):>30s}")
+        out.append(f"  hvdmagic's flusher thread, CPU s per rank over the whole run: {fmt(tr['flusher_cpu_s_per_rank'], digits=3)}")
+        out.append(f"  ratio hvdmagic / horovodrun (OMP matched): {fmt(tr['ratio_hvdmagic_vs_horovodrun_matched'], unit='x', digits=3)}"
+                   f"; CPU per step {fmt(tr['cpu_ratio_hvdmagic_vs_horovodrun_matched'], unit='x', digits=3)}")
+        if "ratio_hvdmagic_vs_horovodrun_unset" in tr:
+            out.append(f"  ratio hvdmagic / horovodrun (OMP unset):   {fmt(tr['ratio_hvdmagic_vs_horovodrun_unset'], unit='x', digits=3)}")
+    sc = res.get("scaling")
+    if sc:
+        out.append(f"\n== 3. Scaling under %%horovod (Spark), total samples/s, {sc['steps_per_rank']} steps per rank ==")
+        for np, s in sc["samples_per_s"].items():
+            out.append(f"  np={np:7s}: {fmt(s, unit='', digits=0):>30s}  speed-up vs np=1 {fmt(sc['speedup_vs_np1'][np], unit='x')}"
+                       f"  torch threads/rank {sc['torch_threads'][np]}, OMP_NUM_THREADS={sc['omp_env'][np]}")
+    prof = res.get("profile")
+    if prof:
+        p = prof["hvdmagic_spark_np2"]
+        out.append(f"\n== 4. Where a warm trivial %%horovod --np 2 cell spends its time (wall {fmt(p['wall'])}) ==")
+        for label, s in p["phases"].items():
+            out.append(f"  {label:52s} {fmt(s, digits=3)}")
+        out.append(f"  (bare barrier job np=2: {fmt(prof['bare_barrier_job_np2'], digits=3)}; "
+                   f"with one allGather: {fmt(prof['bare_barrier_job_with_allgather_np2'], digits=3)})")
+        h = prof["horovodrun_np2"]
+        out.append(f"horovodrun -np 2 in the same rounds (wall {fmt(h['wall'])}):")
+        for label, s in h["phases"].items():
+            out.append(f"  {label:52s} {fmt(s, digits=3)}")
+        spy = prof.get("py_spy")
+        if spy:
+            if "skipped" in spy:
+                out.append(f"py-spy: skipped ({spy['skipped']})")
+            else:
+                out.append(f"py-spy, CPU seconds over {len(spy['walls'])} cells (per role, by label):")
+                for role, labels in spy["cpu_s_by_role_and_label"].items():
+                    top = ", ".join(f"{k} {v:.2f}" for k, v in list(labels.items())[:8])
+                    out.append(f"  {role}: {top}")
+    for part, load in (res.get("load_by_part") or {}).items():
+        if load:
+            out.append(f"load during {part}: other processes {load.get('others_cores', 0):.2f} cores, "
+                       f"this benchmark {load.get('ours_cores', 0):.2f}; load1 {fmt(load.get('load1'), unit='')}")
+    load = res.get("load")
+    if load:
+        out.append(f"\nmachine: {CORES} cores; other processes used {load.get('others_cores', 0):.2f} cores on average "
+                   f"during the run (this benchmark {load.get('ours_cores', 0):.2f}); load1 {fmt(load.get('load1'), unit='')}")
+    print("\n".join(out), flush=True)
+
+
+def goal_lines(res: dict) -> dict:
+    launch = res.get("launch") or {}
+    wall = launch.get("wall", {})
+    ours, hr, floor = wall.get("hvdmagic_spark@2"), wall.get("horovodrun@2"), wall.get("import_floor")
+    if not (ours and hr and floor and ours.get("n") and hr.get("n") and floor.get("n")):
+        return {}
+    r_hr = launch["ratios"].get("hvdmagic_spark/horovodrun@2", {})
+    r_fl = launch["ratios"].get("hvdmagic_spark/import_floor@2", {})
+    lines = [
+        f"goal 1: at most 0.5 x horovodrun -np 2  -> now {fmt(r_hr, unit='x')}  "
+        f"({'met' if r_hr.get('median', 9) <= 0.5 else 'NOT met'})",
+        f"goal 2: at most 2 x the import floor     -> now {fmt(r_fl, unit='x')}  "
+        f"({'met' if r_fl.get('median', 9) <= 2 else 'NOT met'})",
+        f"in seconds: %%horovod --np 2 {ours['median']:.2f} s; horovodrun {hr['median']:.2f} s; "
+        f"import floor {floor['median']:.2f} s; target <= {min(0.5 * hr['median'], 2 * floor['median']):.2f} s",
+    ]
+    return {"lines": lines, "ratio_vs_horovodrun": r_hr, "ratio_vs_import_floor": r_fl}
+
+
+def plot(res: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 2, figsize=(13, 9))
+    nps = res["config"]["nps"]
+    ax = axes[0][0]
+    launch = res.get("launch")
+    if launch:
+        names = list(LABELS)
+        width = 0.8 / len(nps)
+        # TorchDistributor is several times slower: clip the axis so the others stay readable.
+        ycap = 1.35 * max((launch["wall"].get(f"{n}@{np}") or {}).get("max", 0)
+                          for n in names if n != "torch_distributor" for np in nps)
+        for j, np in enumerate(nps):
+            meds, lo, hi = [], [], []
+            for name in names:
+                s = launch["wall"].get(f"{name}@{np}") or {}
+                m = s.get("median", float("nan"))
+                meds.append(m)
+                lo.append(m - s.get("min", m))
+                hi.append(s.get("max", m) - m)
+            xs = [i + j * width for i in range(len(names))]
+            ax.bar(xs, meds, width, yerr=[lo, hi], capsize=3, label=f"np={np}")
+            for x, m in zip(xs, meds):
+                ax.text(x, min(m, ycap), f"{m:.1f}", ha="center", va="bottom", fontsize=7)
+        floor = launch["wall"]["import_floor"]["median"]
+        ax.axhline(floor, color="k", ls=":", lw=1, label=f"import floor {floor:.1f} s")
+        ax.axhline(2 * floor, color="k", ls="--", lw=1, label=f"goal: 2 x floor {2 * floor:.1f} s")
+        ax.set_xticks([i + width * (len(nps) - 1) / 2 for i in range(len(names))])
+        ax.set_xticklabels([LABELS[n].replace(" (", "\n(") for n in names], fontsize=8)
+        ax.set_ylim(0, ycap * 1.08)
+        ax.set_ylabel("wall seconds (median, min-max; axis clipped)")
+        ax.set_title("1. Launch latency of a trivial job (warm Spark)")
+        ax.legend(fontsize=8)
+
+    ax = axes[0][1]
+    prof = res.get("profile")
+    if prof:
+        rows = [("%%horovod --np 2", prof["hvdmagic_spark_np2"]["phases"]),
+                ("horovodrun -np 2", prof["horovodrun_np2"]["phases"])]
+        cmap = plt.get_cmap("tab20")
+        all_labels = []
+        for _, phases in rows:
+            for label in phases:
+                if label not in all_labels:
+                    all_labels.append(label)
+        colors = {label: cmap(i % 20) for i, label in enumerate(all_labels)}
+        for y, (name, phases) in enumerate(rows):
+            left = 0.0
+            for label, s in phases.items():
+                v = s.get("median") or 0.0
+                ax.barh(y, v, left=left, color=colors[label], edgecolor="white",
+                        label=label if y == 0 or label not in rows[0][1] else None)
+                if v > 0.35:
+                    ax.text(left + v / 2, y, f"{v:.1f}", ha="center", va="center", fontsize=7)
+                left += v
+        ax.set_yticks(range(len(rows)))
+        ax.set_yticklabels([r[0] for r in rows])
+        ax.set_xlabel("seconds (median of each phase, critical path)")
+        ax.set_title("4. Where the time goes (trivial job, np=2)")
+        ax.legend(fontsize=6, loc="upper center", bbox_to_anchor=(0.5, -0.15), ncol=2)
+
+    ax = axes[1][0]
+    tr = res.get("training")
+    if tr:
+        names = list(tr["samples_per_s"])
+        meds = [tr["samples_per_s"][n]["median"] for n in names]
+        lo = [m - tr["samples_per_s"][n]["min"] for n, m in zip(names, meds)]
+        hi = [tr["samples_per_s"][n]["max"] - m for n, m in zip(names, meds)]
+        ax.bar(range(len(names)), meds, yerr=[lo, hi], capsize=4, color=["C0", "C1", "C3"][:len(names)])
+        for i, m in enumerate(meds):
+            ax.text(i, m, f"{m:.0f}", ha="center", va="bottom", fontsize=8)
+        ax.set_xticks(range(len(names)))
+        ax.set_xticklabels([n.replace("_", "\n", 1) for n in names], fontsize=8)
+        ratio = tr["ratio_hvdmagic_vs_horovodrun_matched"]
+        ax.set_title(f"2. Training, np=2: samples/s in the loop\n(hvdmagic/horovodrun, same OMP: "
+                     f"{ratio.get('median', float('nan')):.3f}x)")
+        ax.set_ylabel("total samples/s (median, min-max)")
+
+    ax = axes[1][1]
+    sc = res.get("scaling")
+    if sc:
+        xs = [int(k) for k in sc["samples_per_s"] if k.isdigit()]
+        meds = [sc["samples_per_s"][str(x)]["median"] for x in xs]
+        lo = [m - sc["samples_per_s"][str(x)]["min"] for x, m in zip(xs, meds)]
+        hi = [sc["samples_per_s"][str(x)]["max"] - m for x, m in zip(xs, meds)]
+        ax.errorbar(xs, meds, yerr=[lo, hi], marker="o", capsize=4, label="%%horovod (Spark)")
+        ax.plot(xs, [meds[0] * min(x, CORES) for x in xs], "k:", label=f"linear up to {CORES} cores")
+        local = sc["samples_per_s"].get("local-1")
+        if local and local.get("n"):
+            ax.errorbar([1], [local["median"]], yerr=[[local["median"] - local["min"]], [local["max"] - local["median"]]],
+                        marker="s", color="C2", capsize=4, ls="none",
+                        label=f"--np -1 (local; {sc['torch_threads']['local-1'][0]} torch threads)")
+        ax.set_xticks(xs)
+        ax.set_xlabel("np")
+        ax.set_ylabel("total samples/s")
+        ax.set_title(f"3. Scaling on {CORES} cores (np > {CORES} oversubscribes)")
+        ax.legend(fontsize=8)
+    fig.suptitle(f"bench_launch ({'quick' if res['config']['quick'] else 'full'} run, {CORES} cores, no GPU)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def environment() -> dict:
+    import horovod
+    import pyspark
+    import torch
+
+    return {"python": platform.python_version(), "platform": platform.platform(), "cores": CORES,
+            "memory_gib": round(psutil.virtual_memory().total / 2**30, 1), "torch": torch.__version__,
+            "horovod": horovod.__version__, "pyspark": pyspark.__version__,
+            "user_OMP_NUM_THREADS": _USER_OMP, "load_at_start": os.getloadavg()}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="a smoke run: np=2 only, short runs, no py-spy")
+    parser.add_argument("--repeats", type=int, default=None, help="timed launch rounds (default 4, quick 1)")
+    parser.add_argument("--td-repeats", type=int, default=None,
+                        help="rounds that include TorchDistributor (default 2, quick 0); it is slow")
+    parser.add_argument("--train-repeats", type=int, default=None, help="training rounds (default 3, quick 1)")
+    parser.add_argument("--train-steps", type=int, default=None, help="steps per rank (default 1500, quick 150)")
+    parser.add_argument("--scaling-repeats", type=int, default=None, help="scaling rounds (default 2, quick 1)")
+    parser.add_argument("--profile-cells", type=int, default=None, help="profiled cells (default 4, quick 1)")
+    parser.add_argument("--no-py-spy", action="store_true", help="skip the py-spy sample")
+    parser.add_argument("--only", default="launch,training,scaling,profile",
+                        help="comma-separated parts to run (launch, training, scaling, profile)")
+    parser.add_argument("--out", default=str(ROOT / "artifacts" / "bench_launch.json"))
+    args = parser.parse_args(argv)
+    quick = args.quick
+    cfg = {
+        "quick": quick,
+        "nps": [2] if quick else [2, 4],
+        "repeats": args.repeats if args.repeats is not None else (1 if quick else 4),
+        "td_repeats": args.td_repeats if args.td_repeats is not None else (0 if quick else 2),
+        "train_repeats": args.train_repeats if args.train_repeats is not None else (1 if quick else 3),
+        "train_steps": args.train_steps if args.train_steps is not None else (150 if quick else 1500),
+        "scaling_repeats": args.scaling_repeats if args.scaling_repeats is not None else (1 if quick else 2),
+        "profile_cells": args.profile_cells if args.profile_cells is not None else (1 if quick else 4),
+        "py_spy": not (quick or args.no_py_spy),
+        "parts": [p.strip() for p in args.only.split(",") if p.strip()],
+        "command": " ".join([Path(PY).name] + sys.argv),
+    }
+    cfg["td_repeats"] = min(cfg["td_repeats"], cfg["repeats"])
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if _USER_OMP is not None:
+        log(f"note: OMP_NUM_THREADS={_USER_OMP} is set in this environment; hvdmagic then keeps it")
+    res: dict = {"config": cfg, "environment": environment(), "started": time.time()}
+    tmp = Path(tempfile.mkdtemp(prefix="bench_launch_"))
+    monitor = LoadMonitor()
+    try:
+        with monitor:
+            log("starting the shared SparkSession (local[4]) and an IPython shell")
+            t = time.time()
+            spark = start_spark(4)
+            sysm = Systems(spark, tmp)
+            res["spark_start_s"] = time.time() - t
+            log("warming Spark up with one untimed %%horovod --np 2 cell")
+            sysm.cell(2, workloads.trivial())
+            parts_time = {}
+            if "launch" in cfg["parts"]:
+                t = time.time()
+                res["launch"] = bench_launch(sysm, cfg["nps"], cfg["repeats"], cfg["td_repeats"], warmup=not quick)
+                res["goal"] = goal_lines(res)
+                parts_time["launch"] = (t, time.time())
+            if "training" in cfg["parts"]:
+                t = time.time()
+                # horovodrun without OMP_NUM_THREADS oversubscribes the cores; it gets fewer steps.
+                res["training"] = bench_training(sysm, cfg["train_repeats"], cfg["train_steps"],
+                                                 max(30, cfg["train_steps"] // 10))
+                parts_time["training"] = (t, time.time())
+            if "scaling" in cfg["parts"]:
+                t = time.time()
+                res["scaling"] = bench_scaling(sysm, cfg["scaling_repeats"], max(50, cfg["train_steps"] // 3),
+                                               nps=(1, 2) if quick else (1, 2, 4))
+                parts_time["scaling"] = (t, time.time())
+            if "profile" in cfg["parts"]:
+                t = time.time()
+                res["profile"] = bench_profile(sysm, cfg["profile_cells"], cfg["py_spy"], out.parent)
+                parts_time["profile"] = (t, time.time())
+        res["load"] = monitor.summary()
+        res["load_by_part"] = {name: monitor.summary(a, b) for name, (a, b) in parts_time.items()}
+        res["load_samples"] = monitor.samples
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    res["ended"] = time.time()
+    res["duration_s"] = res["ended"] - res["started"]
+    out.write_text(json.dumps(res, indent=1, default=str))
+    print_tables(res)
+    png = out.with_suffix(".png")
+    try:
+        plot(res, png)
+        log(f"wrote {out} and {png} in {res['duration_s']:.0f} s")
+    except ImportError:
+        log(f"wrote {out} in {res['duration_s']:.0f} s (no plot: pip install matplotlib)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,155 @@
+"""The jobs that benchmarks/bench_launch.py runs, as source text.
+
+Each workload is one piece of Python source. It is the body of a ``%%horovod``
+cell *and*, with a two-line trailer, the script that ``horovodrun`` runs, so the
+compared systems execute literally the same code. Every workload leaves a dict in
+the variable ``RESULT`` with wall-clock stamps (``time.time()``: the driver and
+the ranks share this machine's clock) and its measurements.
+
+The stamps, in the order a rank passes them:
+
+* ``proc_start``: when the rank's process was created (from ``/proc/self/stat``,
+  10 ms resolution), i.e. when its interpreter started;
+* ``first``: the first statement of user code;
+* ``imported``: after ``import torch, horovod.torch``;
+* ``init``: after ``hvd.init()`` (Gloo rendezvous with the other ranks);
+* ``done``: after the job (one allreduce, or the training loop).
+"""
+
+from __future__ import annotations
+
+# Process start time on the wall clock, without psutil (its import would be timed too).
+_PROC_START = '''
+def _proc_start():
+    import os as _os
+    with open("/proc/self/stat") as _f:
+        _ticks = int(_f.read().rsplit(")", 1)[1].split()[19])
+    with open("/proc/uptime") as _f:
+        _uptime = float(_f.read().split()[0])
+    return _time.time() - (_uptime - _ticks / _os.sysconf("SC_CLK_TCK"))
+'''
+
+TRIVIAL = '''\
+import time as _time
+_t_first = _time.time()
+import torch
+import horovod.torch as hvd
+_t_imported = _time.time()
+hvd.init()
+_t_init = _time.time()
+_value = hvd.allreduce(torch.tensor(1.0), op=hvd.Sum).item()
+_t_done = _time.time()
+''' + _PROC_START + '''
+RESULT = {"rank": hvd.rank(), "size": hvd.size(), "value": _value, "proc_start": _proc_start(),
+          "first": _t_first, "imported": _t_imported, "init": _t_init, "done": _t_done}
+'''
+
+TRAIN = '''\
+import time as _time
+_t_first = _time.time()
+import torch
+import horovod.torch as hvd
+import hvdmagic
+_t_imported = _time.time()
+hvd.init()
+_t_init = _time.time()
+
+STEPS, WARMUP, BATCH = {steps}, {warmup}, {batch}
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.ReLU(), torch.nn.Linear(512, 512),
+                            torch.nn.ReLU(), torch.nn.Linear(512, 10))
+opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
+                               named_parameters=model.named_parameters())
+hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+X = torch.randn(1024, 256)
+Y = torch.randint(0, 10, (1024,))
+for step in range(WARMUP + STEPS):
+    if step == WARMUP:
+        _t_loop = _time.perf_counter()
+        _c_loop = _time.process_time()
+    i = (step * BATCH) % 1024
+    opt.zero_grad()
+    loss = torch.nn.functional.cross_entropy(model(X[i:i + BATCH]), Y[i:i + BATCH])
+    loss.backward()
+    opt.step()
+    # Under horovodrun (no event pipe) these two calls are no-ops.
+    hvdmagic.progress(step + 1, total=WARMUP + STEPS, desc="train")
+    hvdmagic.log_metrics(step=step, loss=loss.item())
+_loop_s = _time.perf_counter() - _t_loop
+_loop_cpu = _time.process_time() - _c_loop
+_t_done = _time.time()
+
+
+def _thread_cpu(thread):
+    """CPU seconds of one thread of this process (Linux /proc), or None."""
+    import os as _os
+    tid = getattr(thread, "native_id", None)
+    if tid is None:
+        return None
+    try:
+        with open(f"/proc/self/task/{{tid}}/stat") as _f:
+            fields = _f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / _os.sysconf("SC_CLK_TCK")
+    except OSError:
+        return None
+
+
+# hvdmagic's background flusher (None outside a %%horovod run): its CPU over the whole run.
+import hvdmagic.report as _report
+_flusher = getattr(_report, "_flusher", None)
+_flusher_cpu = _thread_cpu(_flusher) if _flusher is not None else None
+''' + _PROC_START + '''
+import os as _os
+RESULT = {{"rank": hvd.rank(), "size": hvd.size(), "steps": STEPS, "batch": BATCH,
+          "loop_s": _loop_s, "loop_cpu_s": _loop_cpu, "samples_per_s": STEPS * BATCH / _loop_s,
+          "cpu_ms_per_step": 1000 * _loop_cpu / STEPS, "flusher_cpu_s": _flusher_cpu,
+          "torch_threads": torch.get_num_threads(), "omp_num_threads": _os.environ.get("OMP_NUM_THREADS"),
+          "proc_start": _proc_start(), "first": _t_first, "imported": _t_imported, "init": _t_init,
+          "done": _t_done}}
+'''
+
+# What horovodrun's script adds: every rank writes RESULT to <dir>/rank<r>.json.
+SCRIPT_TRAILER = '''
+import json as _json, sys as _sys
+with open(_sys.argv[1] + "/rank%d.json" % RESULT["rank"], "w") as _f:
+    _json.dump(RESULT, _f)
+'''
+
+
+def trivial() -> str:
+    return TRIVIAL
+
+
+def train(steps: int, warmup: int = 20, batch: int = 64) -> str:
+    return TRAIN.format(steps=steps, warmup=warmup, batch=batch)
+
+
+def cell(np: int, body: str) -> str:
+    """A %%horovod cell whose value (rank 0's) is RESULT; every rank's is in last_run().results."""
+    return f"%%horovod --np {np}\n{body}RESULT\n"
+
+
+def script(body: str) -> str:
+    """The horovodrun script: the same body, then RESULT written to the directory in argv[1]."""
+    return body + SCRIPT_TRAILER
+
+
+# TorchDistributor runs a function, not a script: the equivalent trivial job with
+# torch.distributed (gloo), which is what TorchDistributor sets up for.
+def torch_distributed_trivial():
+    import time as _time
+    first = _time.time()
+    import torch
+    import torch.distributed as dist
+    imported = _time.time()
+    dist.init_process_group("gloo")
+    init = _time.time()
+    t = torch.tensor(1.0)
+    dist.all_reduce(t)
+    done = _time.time()
+    rank = dist.get_rank()
+    dist.destroy_process_group()
+    return {"rank": rank, "value": t.item(), "first": first, "imported": imported, "init": init, "done": done}
+
+
+__all__ = ["cell", "script", "torch_distributed_trivial", "train", "trivial"]
