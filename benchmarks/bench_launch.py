@@ -301,6 +301,20 @@ def first_statement(run: dict) -> dict:
 # 1. Launch latency
 # ---------------------------------------------------------------------------
 
+LAUNCH_PHASES = ("launch -> rank processes", "rank start -> user code", "import torch, horovod.torch",
+                 "hvd.init()", "allreduce", "job done -> launcher returns")
+
+
+def launch_phases(run: dict) -> dict:
+    """The critical path of one run from the ranks' stamps (the last rank to reach each point)."""
+    ranks = [r for r in run["ranks"] if "proc_start" in r]
+    if not ranks:
+        return {}
+    last = {k: max(r[k] for r in ranks) for k in ("proc_start", "first", "imported", "init", "done")}
+    points = [run["start"], last["proc_start"], last["first"], last["imported"], last["init"], last["done"], run["end"]]
+    return {name: b - a for name, a, b in zip(LAUNCH_PHASES, points, points[1:])}
+
+
 def bench_launch(sysm: Systems, nps: list[int], rounds: int, td_rounds: int, warmup: bool = True) -> dict:
     body = workloads.trivial()
     systems = {
@@ -344,6 +358,8 @@ def bench_launch(sysm: Systems, nps: list[int], rounds: int, td_rounds: int, war
                    if run["first_statement"]["last"] is not None else ""))
 
     summary = {key: stats([s["wall"] for s in runs]) for key, runs in samples.items()}
+    phases = {key: {name: stats([launch_phases(s).get(name) for s in runs]) for name in LAUNCH_PHASES}
+              for key, runs in samples.items() if key not in floors and not key.startswith("torch_distributor")}
     first = {key: stats([s["first_statement"]["last"] for s in runs if "first_statement" in s])
              for key, runs in samples.items() if key not in floors}
     ratios = {}
@@ -355,7 +371,7 @@ def bench_launch(sysm: Systems, nps: list[int], rounds: int, td_rounds: int, war
         for name in ("hvdmagic_spark", "hvdmagic_local", "horovodrun"):
             ratios[f"{name}/import_floor@{np}"] = stats(
                 paired_ratios([s["wall"] for s in samples[f"{name}@{np}"]], floor))
-    return {"samples": samples, "wall": summary, "first_statement": first, "ratios": ratios,
+    return {"samples": samples, "wall": summary, "first_statement": first, "ratios": ratios, "phases": phases,
             "import_split": {k: stats([s[k] for s in splits]) for k in ("torch", "horovod_torch")}}
 
 
@@ -385,7 +401,8 @@ def bench_training(sysm: Systems, rounds: int, steps: int, default_omp_steps: in
             run["total_samples_per_s"] = total_throughput(run)
             runs[name].append(run)
             log(f"training round {r + 1}/{rounds}: {name:24s} {run['total_samples_per_s']:8.0f} samples/s "
-                f"(torch threads per rank {[x['torch_threads'] for x in run['ranks']]}, launch+run {run['wall']:.1f} s)")
+                f"(torch threads per rank {[x['torch_threads'] for x in run['ranks']]}, "
+                f"launch+run {run['wall']:.1f} s)")
     thr = {name: [x["total_samples_per_s"] for x in rs] for name, rs in runs.items()}
     # CPU per step (all threads of the rank process, loop only): far less sensitive to other
     # work on the machine than samples/s, and it includes hvdmagic's flusher thread.
@@ -619,7 +636,8 @@ def profile_run(sysm: Systems, probe: Probe, np: int = 2) -> dict:
         points["last_task_launched"] = sparkt["last_task_launched"]
         detail["spark"] = {k: (v - t0 if isinstance(v, float) else v) for k, v in sparkt.items()}
     if points.get("spark_job_start") and sparkt.get("job_completed"):
-        detail["spark_job_end_after_last_exit_s"] = (probe.first("spark_job.end", t0, t1) or 0) - (points["last_exit"] or 0)
+        detail["spark_job_end_after_last_exit_s"] = ((probe.first("spark_job.end", t0, t1) or 0)
+                                                     - (points["last_exit"] or 0))
     phases = {}
     for label, a, b in PHASES:
         if points.get(a) is not None and points.get(b) is not None:
@@ -653,6 +671,20 @@ def bare_barrier(spark, np: int, gather: bool) -> float:
     t0 = time.time()
     spark.sparkContext.parallelize(range(np), np).barrier().mapPartitions(task).collect()
     return time.time() - t0
+
+
+EXIT_COST = ("import time, os, torch, horovod.torch as hvd\n"
+             "hvd.init(); hvd.allreduce(torch.tensor(1.0))\n"
+             "print(time.time(), flush=True)\n")
+
+
+def exit_cost(fast: bool) -> float:
+    """Seconds from a torch + horovod process's last statement to its exit as its parent sees it:
+    a normal interpreter exit, or ``os._exit(0)`` (no module teardown, no finalizers)."""
+    code = EXIT_COST + ("os._exit(0)\n" if fast else "")
+    proc = subprocess.run([PY, "-c", code], capture_output=True, text=True, check=True)
+    end = time.time()
+    return end - float(proc.stdout.split()[-1])
 
 
 def py_spy_profile(sysm: Systems, out_dir: Path, cells: int) -> dict:
@@ -759,11 +791,13 @@ def summarise_py_spy(raw: Path) -> dict:
 
 def bench_profile(sysm: Systems, cells: int, use_py_spy: bool, out_dir: Path) -> dict:
     result: dict = {}
-    runs, hr_runs, bare, gathered = [], [], [], []
+    runs, hr_runs, bare, gathered, exits, fast_exits = [], [], [], [], [], []
     with Probe() as probe:
         for i in range(cells):
             bare.append(bare_barrier(sysm.spark, 2, gather=False))
             gathered.append(bare_barrier(sysm.spark, 2, gather=True))
+            exits.append(exit_cost(fast=False))
+            fast_exits.append(exit_cost(fast=True))
             runs.append(profile_run(sysm, probe))
             hr_runs.append(horovodrun_profile(sysm))
             log(f"profile cell {i + 1}/{cells}: {runs[-1]['wall']:.2f} s (horovodrun {hr_runs[-1]['wall']:.2f} s)")
@@ -780,6 +814,8 @@ def bench_profile(sysm: Systems, cells: int, use_py_spy: bool, out_dir: Path) ->
     }
     result["bare_barrier_job_np2"] = stats(bare)
     result["bare_barrier_job_with_allgather_np2"] = stats(gathered)
+    result["exit_after_torch_horovod"] = stats(exits)
+    result["exit_after_torch_horovod_os_exit"] = stats(fast_exits)
     if use_py_spy:
         log("profile: py-spy over the driver's process tree")
         result["py_spy"] = py_spy_profile(sysm, out_dir, max(2, cells // 2))
@@ -810,11 +846,15 @@ def print_tables(res: dict) -> None:
         out.append(f"{'python -c pass':32s} {fmt(launch['wall']['python_bare']):>34s}")
         out.append(f"{'import torch, horovod.torch':32s} {fmt(launch['wall']['import_floor']):>34s}")
         split = launch["import_split"]
-        out.append(f"   (in-process: import torch {fmt(split['torch'])}, then horovod.torch {fmt(split['horovod_torch'])})")
+        out.append(f"   (in-process: import torch {fmt(split['torch'])}, "
+                   f"then horovod.torch {fmt(split['horovod_torch'])})")
         out.append("launch -> user code running on every rank (s):")
         for name, label in LABELS.items():
             out.append(f"  {label:30s} " + "".join(f"{fmt(launch['first_statement'].get(f'{name}@{np}')):>34s}"
                                                 for np in res["config"]["nps"]))
+        out.append("critical path per system (median s): " + " | ".join(LAUNCH_PHASES))
+        for key, ph in launch["phases"].items():
+            out.append(f"  {key:24s} " + "  ".join(f"{ph[n].get('median', float('nan')):6.2f}" for n in LAUNCH_PHASES))
         out.append("paired ratios (same round):")
         for key, s in launch["ratios"].items():
             out.append(f"  {key:40s} {fmt(s, unit='x')}")
@@ -832,16 +872,21 @@ def print_tables(res: dict) -> None:
         out.append("  CPU ms per step and rank (all threads of the rank, loop only):")
         for name, s in tr["cpu_ms_per_step"].items():
             out.append(f"    {name:26s} {fmt(s, unit='', digits=2):>30s}")
-        out.append(f"  hvdmagic's flusher thread, CPU s per rank over the whole run: {fmt(tr['flusher_cpu_s_per_rank'], digits=3)}")
-        out.append(f"  ratio hvdmagic / horovodrun (OMP matched): {fmt(tr['ratio_hvdmagic_vs_horovodrun_matched'], unit='x', digits=3)}"
+        out.append("  hvdmagic's flusher thread, CPU s per rank over the whole run: "
+                   f"{fmt(tr['flusher_cpu_s_per_rank'], digits=3)}")
+        out.append("  ratio hvdmagic / horovodrun (OMP matched): "
+                   f"{fmt(tr['ratio_hvdmagic_vs_horovodrun_matched'], unit='x', digits=3)}"
                    f"; CPU per step {fmt(tr['cpu_ratio_hvdmagic_vs_horovodrun_matched'], unit='x', digits=3)}")
         if "ratio_hvdmagic_vs_horovodrun_unset" in tr:
-            out.append(f"  ratio hvdmagic / horovodrun (OMP unset):   {fmt(tr['ratio_hvdmagic_vs_horovodrun_unset'], unit='x', digits=3)}")
+            out.append("  ratio hvdmagic / horovodrun (OMP unset):   "
+                       f"{fmt(tr['ratio_hvdmagic_vs_horovodrun_unset'], unit='x', digits=3)}")
     sc = res.get("scaling")
     if sc:
-        out.append(f"\n== 3. Scaling under %%horovod (Spark), total samples/s, {sc['steps_per_rank']} steps per rank ==")
+        out.append(f"\n== 3. Scaling under %%horovod (Spark), total samples/s, "
+                   f"{sc['steps_per_rank']} steps per rank ==")
         for np, s in sc["samples_per_s"].items():
-            out.append(f"  np={np:7s}: {fmt(s, unit='', digits=0):>30s}  speed-up vs np=1 {fmt(sc['speedup_vs_np1'][np], unit='x')}"
+            out.append(f"  np={np:7s}: {fmt(s, unit='', digits=0):>30s}  "
+                       f"speed-up vs np=1 {fmt(sc['speedup_vs_np1'][np], unit='x')}"
                        f"  torch threads/rank {sc['torch_threads'][np]}, OMP_NUM_THREADS={sc['omp_env'][np]}")
     prof = res.get("profile")
     if prof:
@@ -851,6 +896,9 @@ def print_tables(res: dict) -> None:
             out.append(f"  {label:52s} {fmt(s, digits=3)}")
         out.append(f"  (bare barrier job np=2: {fmt(prof['bare_barrier_job_np2'], digits=3)}; "
                    f"with one allGather: {fmt(prof['bare_barrier_job_with_allgather_np2'], digits=3)})")
+        out.append("  (a torch + horovod process's exit after its last statement: "
+                   f"{fmt(prof['exit_after_torch_horovod'], digits=3)}; "
+                   f"with os._exit(0): {fmt(prof['exit_after_torch_horovod_os_exit'], digits=3)})")
         h = prof["horovodrun_np2"]
         out.append(f"horovodrun -np 2 in the same rounds (wall {fmt(h['wall'])}):")
         for label, s in h["phases"].items():
@@ -871,7 +919,8 @@ def print_tables(res: dict) -> None:
     load = res.get("load")
     if load:
         out.append(f"\nmachine: {CORES} cores; other processes used {load.get('others_cores', 0):.2f} cores on average "
-                   f"during the run (this benchmark {load.get('ours_cores', 0):.2f}); load1 {fmt(load.get('load1'), unit='')}")
+                   f"during the run (this benchmark {load.get('ours_cores', 0):.2f}); "
+                   f"load1 {fmt(load.get('load1'), unit='')}")
     print("\n".join(out), flush=True)
 
 
@@ -925,6 +974,9 @@ def plot(res: dict, path: Path) -> None:
         floor = launch["wall"]["import_floor"]["median"]
         ax.axhline(floor, color="k", ls=":", lw=1, label=f"import floor {floor:.1f} s")
         ax.axhline(2 * floor, color="k", ls="--", lw=1, label=f"goal: 2 x floor {2 * floor:.1f} s")
+        hr2 = (launch["wall"].get("horovodrun@2") or {}).get("median")
+        if hr2:
+            ax.axhline(0.5 * hr2, color="C3", ls="--", lw=1, label=f"goal: 0.5 x horovodrun np=2 {0.5 * hr2:.1f} s")
         ax.set_xticks([i + width * (len(nps) - 1) / 2 for i in range(len(names))])
         ax.set_xticklabels([LABELS[n].replace(" (", "\n(") for n in names], fontsize=8)
         ax.set_ylim(0, ycap * 1.08)
@@ -987,7 +1039,8 @@ def plot(res: dict, path: Path) -> None:
         ax.plot(xs, [meds[0] * min(x, CORES) for x in xs], "k:", label=f"linear up to {CORES} cores")
         local = sc["samples_per_s"].get("local-1")
         if local and local.get("n"):
-            ax.errorbar([1], [local["median"]], yerr=[[local["median"] - local["min"]], [local["max"] - local["median"]]],
+            err = [[local["median"] - local["min"]], [local["max"] - local["median"]]]
+            ax.errorbar([1], [local["median"]], yerr=err,
                         marker="s", color="C2", capsize=4, ls="none",
                         label=f"--np -1 (local; {sc['torch_threads']['local-1'][0]} torch threads)")
         ax.set_xticks(xs)
