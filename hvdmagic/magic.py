@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib.util
+
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
@@ -27,6 +29,9 @@ class HorovodMagics(Magics):
               help="Record a Horovod Timeline (a Chrome trace written by rank 0) at PATH. It costs throughput.")
     @argument("--metrics", metavar="NAME",
               help="Store the run's metrics history (a pandas DataFrame, all ranks) in the variable NAME.")
+    @argument("--mlflow", nargs="?", const="", metavar="EXPERIMENT",
+              help="After a successful run, log rank 0's metrics, the params and the duration to MLflow "
+                   "(experiment EXPERIMENT, else MLflow's default); see hvdmagic.callbacks.mlflow.")
     @cell_magic
     def horovod(self, line: str, cell: str):
         """Run the cell on Horovod ranks and return rank 0's result.
@@ -57,6 +62,9 @@ class HorovodMagics(Magics):
                 raise UsageError(f"--data needs the name of a Spark DataFrame in the notebook; "
                                  f"{args.data!r} is {'undefined' if data is None else type(data).__name__}.")
 
+        if args.mlflow is not None and importlib.util.find_spec("mlflow") is None:
+            raise UsageError("--mlflow needs MLflow in the notebook's environment: pip install mlflow-skinny.")
+
         capture = capture_cell(cell_source(self.shell, cell), self.shell.user_ns, set(self.shell.user_ns_hidden))
         print(capture.summary(), flush=True)
         record = execute(capture.payload, args.np, timeout=args.timeout, stall_timeout=args.stall_timeout,
@@ -65,6 +73,11 @@ class HorovodMagics(Magics):
             self.shell.user_ns[args.out] = record.result
         if args.metrics:
             self.shell.user_ns[args.metrics] = record.metrics
+        if args.mlflow is not None:
+            from hvdmagic.callbacks.mlflow import log_run
+
+            run_id = log_run(record, experiment=args.mlflow or None)
+            print(f"hvdmagic: logged rank 0's metrics to MLflow run {run_id}", flush=True)
         return record.result
 
 

@@ -74,7 +74,11 @@ install_horovod() {
 
 install_project() {
     say "installing hvdmagic[$extras] (editable)"
-    "$venv/bin/python" -m pip install -q -e "$here[$extras]"
+    # Pin the torch that horovod was just built against: an extra that wants another
+    # torch (lightning) must fail here, not silently replace it and break horovod.
+    local torch_version
+    torch_version="$("$venv/bin/python" -c 'import importlib.metadata as md; print(md.version("torch"))')"
+    "$venv/bin/python" -m pip install -q -c <(echo "torch==$torch_version") -e "$here[$extras]"
 }
 
 check_java
