@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 export SPARK_LOCAL_IP ?= 127.0.0.1
 
-.PHONY: setup demo test clean
+.PHONY: setup demo test bench clean
 
 setup:
 	@bash scripts/setup.sh
@@ -13,6 +13,12 @@ demo: setup
 
 test: setup
 	$(PY) -m pytest -p no:cacheprovider --nbval-lax tests notebooks
+
+# The benchmarks of docs/performance*.md: tables on stdout, every figure in artifacts/*.json.
+bench: setup
+	$(PY) -m pip install -q -e '.[dev,bench]'
+	$(PY) benchmarks/bench_launch.py
+	$(PY) benchmarks/bench_report.py
 
 clean:
 	rm -rf $(VENV) artifacts

@@ -585,7 +585,7 @@ PHASES = [
     ("view, session lookup + slot check", "capture_end", "job_start"),
     ("channel + rendezvous start", "job_start", "spark_job_start"),
     ("Spark: submit barrier stage -> tasks launched", "spark_job_start", "last_task_launched"),
-    ("task: python worker + connect + allGather + hello", "last_task_launched", "go"),
+    ("task: python worker + connect + hello -> go", "last_task_launched", "go"),
     ("go -> rank processes created", "go", "proc_start"),
     ("rank interpreter start -> user code", "proc_start", "first"),
     ("import torch, horovod.torch", "first", "imported"),

@@ -65,7 +65,10 @@ class Link:
         return hmac.new(self._secret, msg, hashlib.sha256).digest()
 
     def send(self, event: dict[str, Any]) -> None:
-        payload = json.dumps(event, separators=(",", ":")).encode()
+        self.send_raw(json.dumps(event, separators=(",", ":")).encode())
+
+    def send_raw(self, payload: bytes) -> None:
+        """Send an already encoded JSON object (a relayed rank event) as one frame."""
         if len(payload) > MAX_FRAME:
             raise ValueError(f"event of {len(payload)} bytes exceeds the channel limit of {MAX_FRAME} bytes")
         with self._send_lock:

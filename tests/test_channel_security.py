@@ -105,3 +105,24 @@ def test_a_job_under_attack_still_completes_correctly():
         thread.join(10)
     assert result.results == [3.0, 3.0]
     assert not SENTINEL.exists(), "a hostile payload was unpickled"
+
+
+def test_a_relayed_rank_event_cannot_claim_another_rank():
+    """The supervisor forwards event lines as text and appends its own rank number."""
+    import io
+
+    from hvdmagic.launcher.layout import Slot
+    from hvdmagic.launcher.supervisor import Supervisor
+
+    secret = channel.new_secret()
+    ours, theirs = socket.socketpair()
+    with ours, theirs:
+        nonce = b"n" * channel.NONCE_SIZE
+        sender = channel.Link(ours, secret, nonce, is_server=False)
+        receiver = channel.Link(theirs, secret, nonce, is_server=True)
+        supervisor = Supervisor(spec=None, task_index=1)
+        supervisor.slot = Slot(rank=1, size=2, local_rank=1, local_size=2, cross_rank=0, cross_size=1, host="h")
+        lines = b'{"type":"report","rank":0,"progress":{}}\n' b"not json\n" b"{}\n" b'{"type":"heartbeat"}\n'
+        supervisor._relay_events(sender, io.BytesIO(lines))
+        assert receiver.recv() == {"type": "report", "rank": 1, "progress": {}}
+        assert receiver.recv() == {"type": "heartbeat", "rank": 1}

@@ -182,12 +182,12 @@ def test_supervisor_marks_only_its_own_kills_as_aborted():
 
     from hvdmagic.launcher.supervisor import Supervisor
 
-    ours = Supervisor(spec=None, task_index=0, gather=None)
+    ours = Supervisor(spec=None, task_index=0)
     ours.proc = subprocess.Popen(["sleep", "30"], start_new_session=True)
     ours.kill()
     assert ours.proc.returncode == -signal.SIGTERM and -ours.proc.returncode in ours._sent
 
-    oom = Supervisor(spec=None, task_index=0, gather=None)
+    oom = Supervisor(spec=None, task_index=0)
     oom.proc = subprocess.Popen(["sleep", "30"], start_new_session=True)
     oom.proc.send_signal(signal.SIGKILL)  # the OOM killer got there first
     oom.proc.wait()
@@ -209,3 +209,16 @@ def test_unauthenticated_peer_cannot_announce_a_large_frame():
         assert server.rejected == 1
     finally:
         server.close()
+
+
+def test_rank_environment_drops_only_sparks_own_pythonpath_entries():
+    from hvdmagic.launcher.layout import rank_base_environment
+
+    spark_path = ":".join([
+        "/opt/spark/python/lib/pyspark.zip", "/opt/spark/python/lib/py4j-0.10.9.9-src.zip",
+        "/opt/spark/jars/spark-core_2.13-4.0.0.jar", "/work/userfiles/deps.zip", "/work/src",
+    ])
+    env = rank_base_environment({"PYTHONPATH": spark_path, "HOME": "/root"})
+    assert env["PYTHONPATH"] == "/work/userfiles/deps.zip:/work/src"
+    assert env["HOME"] == "/root"
+    assert "PYTHONPATH" not in rank_base_environment({"PYTHONPATH": "/x/pyspark.zip:/x/spark-core.jar"})

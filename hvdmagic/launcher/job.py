@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 from hvdmagic import channel
 from hvdmagic.errors import JobFailed, JobInterrupted, JobTimeout, LaunchError, RankFailure
-from hvdmagic.launcher.layout import Slot, horovod_plan
+from hvdmagic.launcher.layout import Slot, compute_layout, horovod_plan, visible_devices
 from hvdmagic.launcher.rendezvous import Rendezvous
 from hvdmagic.launcher.supervisor import TaskSpec
 
@@ -41,6 +41,7 @@ class JobResult:
 @dataclass
 class _State:
     np: int
+    hellos: dict[int, tuple[Any, dict]] = field(default_factory=dict)  # by task index: (link, hello)
     slots: dict[int, Slot] = field(default_factory=dict)  # by task index
     hosts: dict[int, str] = field(default_factory=dict)  # by rank, for messages
     results: dict[int, Any] = field(default_factory=dict)
@@ -119,10 +120,10 @@ class Job:
             elif now - aborted_at > ABORT_GRACE:
                 break
             try:
-                _, event = server.events.get(timeout=POLL)
+                link, event = server.events.get(timeout=POLL)
             except queue.Empty:
                 continue
-            self._handle(event, state, server, rendezvous)
+            self._handle(event, state, rendezvous, link)
 
         if state.failures or verdict:
             failed = {f.rank for f in state.failures}
@@ -153,7 +154,7 @@ class Job:
     def _stuck(self, state: _State, now: float) -> str:
         """Which running ranks went quiet, and whether they are still alive (heartbeats)."""
         if state.go_at is None:
-            return f": only {len(state.slots)} of {self.np} tasks had started"
+            return f": only {len(state.hellos)} of {self.np} tasks had started"
         parts = []
         for rank in state.running():
             silent = now - state.last_progress.get(rank, state.go_at)
@@ -163,22 +164,14 @@ class Job:
                 parts.append(f"rank {rank} stopped progressing {silent:.0f} s ago ({alive})")
         return "".join("; " + part for part in parts)
 
-    def _handle(self, event: dict, state: _State, server, rendezvous: Rendezvous) -> None:
+    def _handle(self, event: dict, state: _State, rendezvous: Rendezvous, link) -> None:
         kind = event.get("type")
         if kind == "hello":
-            slot = Slot(**event["slot"])
-            state.slots[int(event["task"])] = slot
-            state.hosts[slot.rank] = event.get("hostname", slot.host)
-            if "rows" in event:
-                state.rows[slot.rank] = (int(event["rows"]), int(event.get("padded", 0)))
-            if len(state.slots) == self.np and state.go_at is None:
-                # Horovod's rendezvous must know the plan before any rank joins it.
-                rendezvous.init(horovod_plan(list(state.slots.values())))
-                server.broadcast({"type": "go"})
-                state.go_at = time.monotonic()
-                if state.rows:
-                    self.on_event({"type": "note", "rank": 0, "text": _data_note(state.rows)})
-            self.on_event({"type": "placed", "rank": slot.rank, "host": state.hosts[slot.rank]})
+            task = event.get("task")
+            if isinstance(task, int) and 0 <= task < self.np and task not in state.hellos:
+                state.hellos[task] = (link, event)
+                if len(state.hellos) == self.np:
+                    self._place(state, rendezvous)
             return
         rank = event.get("rank")
         if not isinstance(rank, int) or not 0 <= rank < self.np:
@@ -204,6 +197,33 @@ class Job:
                 state.failures.append(RankFailure(rank, _describe_exit(code), "", state.hosts.get(rank, "")))
         if kind != "heartbeat":
             self.on_event(event)
+
+    def _place(self, state: _State, rendezvous: Rendezvous) -> None:
+        """Every task has said hello: lay the ranks out and send each task its go."""
+        hellos = [state.hellos[task][1] for task in range(self.np)]
+        layout = compute_layout([h["host"] for h in hellos])
+        gpus = [list(h.get("gpus") or []) for h in hellos]
+        rows = [h.get("rows") for h in hellos]
+        rows_per_rank = max(rows) if None not in rows else None  # every rank runs the same steps
+        for task, slot in enumerate(layout):
+            state.slots[task] = slot
+            state.hosts[slot.rank] = hellos[task].get("hostname", slot.host)
+            if rows_per_rank is not None:
+                state.rows[slot.rank] = (int(rows[task]), rows_per_rank - rows[task])
+        # Horovod's rendezvous must know the plan before any rank joins it.
+        rendezvous.init(horovod_plan(layout))
+        for task, slot in enumerate(layout):
+            link = state.hellos[task][0]
+            try:
+                link.send({"type": "go", "slot": slot.to_dict(), "devices": visible_devices(layout, gpus, task),
+                           "rows_per_rank": rows_per_rank})
+            except OSError:
+                pass  # that task is gone; its missing exit ends the job
+        state.go_at = time.monotonic()
+        if state.rows:
+            self.on_event({"type": "note", "rank": 0, "text": _data_note(state.rows)})
+        for slot in layout:
+            self.on_event({"type": "placed", "rank": slot.rank, "host": state.hosts[slot.rank]})
 
     def _shutdown(self, server: channel.ChannelServer, rendezvous: Rendezvous, state: _State) -> None:
         """Abort whatever still runs, cancel the backend, close the services.

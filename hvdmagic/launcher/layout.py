@@ -88,6 +88,29 @@ def visible_devices(slots: list[Slot], task_gpus: list[list[str]], task: int) ->
     return ",".join(devices), first
 
 
+def _spark_only(entry: str) -> bool:
+    name = os.path.basename(entry.rstrip("/"))
+    return name.endswith(".jar") or name == "pyspark.zip" or (name.startswith("py4j-") and name.endswith(".zip"))
+
+
+def rank_base_environment(task_env: dict[str, str]) -> dict[str, str]:
+    """The task's environment for its rank, without Spark's own PYTHONPATH entries.
+
+    A Spark Python worker has pyspark.zip, py4j and a 16 MB Spark jar on its
+    PYTHONPATH. Ranks need none of them, and zipimport consulting them made every
+    rank's ``import torch`` 0.5 s slower. The user's own entries (--py-files) stay.
+    """
+    env = dict(task_env)
+    path = env.get("PYTHONPATH")
+    if path:
+        kept = [entry for entry in path.split(os.pathsep) if entry and not _spark_only(entry)]
+        if kept:
+            env["PYTHONPATH"] = os.pathsep.join(kept)
+        else:
+            del env["PYTHONPATH"]
+    return env
+
+
 def rank_environment(slot: Slot, rendezvous: tuple[str, int], iface: str) -> dict[str, str]:
     """Horovod's Gloo variables for one rank process."""
     env = {

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import shutil
 import tempfile
 import threading
@@ -22,9 +21,6 @@ class LocalBackend:
         self._threads: list[threading.Thread] = []
         self._errors: list[str] = []
         self._shard_dir: str | None = None
-        # What BarrierTaskContext.allGather does for Spark tasks, for threads.
-        self._messages: list[str | None] = [None] * np
-        self._barrier = threading.Barrier(np)
 
     def describe(self) -> str:
         return f"local mode, {self.np} processes on the driver"
@@ -49,16 +45,10 @@ class LocalBackend:
             self._threads.append(thread)
             thread.start()
 
-    def _gather(self, task: int, message: str) -> list[str]:
-        self._messages[task] = message
-        self._barrier.wait()
-        return list(self._messages)  # type: ignore[arg-type]
-
     def _run(self, spec: TaskSpec, task: int, shard: tuple[str, int] | None) -> None:
         try:
-            run_task(spec, task, functools.partial(self._gather, task), shard=shard)
+            run_task(spec, task, shard=shard)
         except Exception as exc:  # reported through failure(); the job loop decides
-            self._barrier.abort()  # no task waits forever for this one
             self._errors.append(f"local task {task} failed: {type(exc).__name__}: {exc}")
 
     def failure(self) -> str | None:

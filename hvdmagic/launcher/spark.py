@@ -170,7 +170,7 @@ def _barrier_task(spec: TaskSpec):
         from pyspark import BarrierTaskContext
 
         context = BarrierTaskContext.get()
-        code = run_task(spec, context.partitionId(), context.allGather, task_gpus(context))
+        code = run_task(spec, context.partitionId(), task_gpus(context))
         yield context.partitionId(), code
 
     return task
@@ -193,7 +193,7 @@ def _sharded_barrier_task(spec: TaskSpec, schema):
         try:
             path = directory / "shard.arrow"
             rows = write_shard(batches, schema, path)
-            code = run_task(spec, context.partitionId(), context.allGather, task_gpus(context), (str(path), rows))
+            code = run_task(spec, context.partitionId(), task_gpus(context), (str(path), rows))
         finally:
             shutil.rmtree(directory, ignore_errors=True)
         yield pa.RecordBatch.from_pydict({"task": [context.partitionId()], "code": [code]})

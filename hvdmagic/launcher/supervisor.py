@@ -1,9 +1,9 @@
 """One task's side of a job: start a rank process and relay everything it says.
 
 The same code runs inside a Spark barrier task and, in local mode, in a thread
-on the driver. It connects to the driver's channel, learns the layout, waits
-for the driver's go (the rendezvous must be initialised before any rank
-touches it), spawns a fresh interpreter for the rank in its own session, and
+on the driver. It connects to the driver's channel, says hello, waits for the
+driver's go with its place in the layout (the rendezvous must be initialised
+before any rank touches it), spawns a fresh interpreter for the rank in its own session, and
 forwards its output and events until it exits or the driver says abort.
 """
 
@@ -21,10 +21,9 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 from hvdmagic import channel
-from hvdmagic.launcher.layout import Slot, compute_layout, rank_environment, visible_devices
+from hvdmagic.launcher.layout import Slot, rank_base_environment, rank_environment
 from hvdmagic.launcher.network import interface_for
 from hvdmagic.shards import SHARD_ENV, pad_shard
 
@@ -92,15 +91,13 @@ class LineSplitter:
 
 
 class Supervisor:
-    """``gather`` sends this task's message to every task and returns all of them in
-    task order (BarrierTaskContext.allGather on Spark); ``gpus`` are the GPU addresses
-    Spark assigned to this task, already mapped to physical device numbers."""
+    """``gpus`` are the GPU addresses Spark assigned to this task, already mapped to
+    physical device numbers."""
 
-    def __init__(self, spec: TaskSpec, task_index: int, gather: Callable[[str], list[str]],
-                 gpus: list[str] | None = None, shard: tuple[str, int] | None = None):
+    def __init__(self, spec: TaskSpec, task_index: int, gpus: list[str] | None = None,
+                 shard: tuple[str, int] | None = None):
         self.spec = spec
         self.task_index = task_index
-        self.gather = gather
         self.gpus = list(gpus or [])
         self.shard = shard  # (path of this task's Arrow shard, its rows) with --data
         self.proc: subprocess.Popen | None = None
@@ -117,28 +114,25 @@ class Supervisor:
 
     def _run(self, link: channel.Link) -> int:
         # The address this host uses to reach the driver names the host, and its
-        # interface is the one the ranks can reach each other on.
+        # interface is the one the ranks can reach each other on. The driver
+        # places every task from the hellos and answers each with its own go; a
+        # Spark barrier allGather would do the same but costs a second (it polls).
         host_ip = link.sock.getsockname()[0]
-        rows = self.shard[1] if self.shard else None
-        peers = [json.loads(m) for m in self.gather(json.dumps({"host": host_ip, "gpus": self.gpus, "rows": rows}))]
-        layout = compute_layout([p["host"] for p in peers])
-        self.slot = slot = layout[self.task_index]
-        devices = visible_devices(layout, [p["gpus"] for p in peers], self.task_index)
-        hello = {"type": "hello", "task": self.task_index, "slot": slot.to_dict(),
-                 "hostname": socket.gethostname(), "pid": os.getpid()}
-        if self.shard:
-            # Every rank runs the same number of steps: pad to the longest shard.
-            target = max(p["rows"] for p in peers)
-            pad_shard(Path(self.shard[0]), target)
-            hello["rows"], hello["padded"] = rows, target - rows
-        link.send(hello)
+        link.send({"type": "hello", "task": self.task_index, "host": host_ip, "gpus": self.gpus,
+                   "rows": self.shard[1] if self.shard else None,
+                   "hostname": socket.gethostname(), "pid": os.getpid()})
         reply = link.recv()
         if reply.get("type") != "go":
             return -1
+        self.slot = slot = Slot(**reply["slot"])
+        devices = reply.get("devices")
+        if self.shard:
+            # Every rank runs the same number of steps: pad to the longest shard.
+            pad_shard(Path(self.shard[0]), int(reply["rows_per_rank"]))
         threading.Thread(target=self._listen, args=(link,), name="hvdmagic-abort-listener", daemon=True).start()
 
         events_r, events_w = os.pipe()
-        env = dict(os.environ)
+        env = rank_base_environment(os.environ)
         env.update(self.spec.env)
         env.update(rank_environment(slot, (self.spec.driver_host, self.spec.rendezvous_port), interface_for(host_ip)))
         env["HVDMAGIC_EVENT_FD"] = str(events_w)
@@ -163,7 +157,7 @@ class Supervisor:
         relays = [
             threading.Thread(target=self._relay_stream, args=(link, self.proc.stdout, "stdout"), daemon=True),
             threading.Thread(target=self._relay_stream, args=(link, self.proc.stderr, "stderr"), daemon=True),
-            threading.Thread(target=self._relay_events, args=(link, os.fdopen(events_r, "r", encoding="utf-8")), daemon=True),
+            threading.Thread(target=self._relay_events, args=(link, os.fdopen(events_r, "rb")), daemon=True),
         ]
         for thread in relays:
             thread.start()
@@ -239,16 +233,34 @@ class Supervisor:
             self._send(link, {"type": "output", "rank": rank, "stream": stream, "lines": tail, "transient": None})
 
     def _relay_events(self, link: channel.Link, events) -> None:
-        rank = self.slot.rank
+        tail = b',"rank":%d}' % self.slot.rank
         for line in events:
-            try:
-                event = json.loads(line)
-            except ValueError:
+            frame = relayed(line, tail)
+            if frame is None:
                 continue
-            event["rank"] = rank
-            self._send(link, event)
+            try:
+                link.send_raw(frame)
+            except OSError:
+                self.abort()  # the driver is gone: nobody will read our output, so stop the rank
+            except ValueError as exc:  # over the frame limit: fail the rank, never drop silently
+                self._send(link, {"type": "error", "rank": self.slot.rank, "time": time.time(),
+                                  "exc_type": "ValueError", "message": str(exc), "traceback": ""})
 
 
-def run_task(spec: TaskSpec, task_index: int, gather: Callable[[str], list[str]],
-             gpus: list[str] | None = None, shard: tuple[str, int] | None = None) -> int:
-    return Supervisor(spec, task_index, gather, gpus, shard).run()
+def relayed(line: bytes, tail: bytes) -> bytes | None:
+    """A rank's event line as the frame the driver gets, ``tail`` naming the rank; None to skip it.
+
+    Relayed as text: appending the rank is all an event needs, and decoding then
+    re-encoding every metric row here cost more than everything else on its way.
+    The appended key comes last, and JSON keeps the last of duplicate keys, so a
+    rank cannot claim another rank's number.
+    """
+    line = line.rstrip(b"\n")
+    if len(line) > 2 and line.startswith(b"{") and line.endswith(b"}"):
+        return line[:-1] + tail
+    return None
+
+
+def run_task(spec: TaskSpec, task_index: int, gpus: list[str] | None = None,
+             shard: tuple[str, int] | None = None) -> int:
+    return Supervisor(spec, task_index, gpus, shard).run()
