@@ -343,9 +343,9 @@ class DriverMonitor:
                 continue
             procs[proc.pid] = (kind, times.user + times.system)
         record = hvdmagic.last_run()
-        rows = len(record.metric_rows) if record is not None else 0
+        rows = len(record.history) if record is not None else 0
         now = time.time()
-        lag = now - record.metric_rows[-1][2] if rows else None
+        lag = now - record.history.times[-1] if rows else None
         machine = psutil.cpu_times()
         idle = machine.idle + getattr(machine, "iowait", 0.0)
         self.samples.append({"t": now, "procs": procs, "rows": rows, "record": id(record), "lag": lag,
@@ -422,7 +422,7 @@ def measure_call_costs(rounds: int, batch: int) -> dict:
     wall = time.perf_counter() - started
     assert live["live"], "the rank had no event pipe"
     record = hvdmagic.last_run()
-    delivered = len(record.metric_rows)
+    delivered = len(record.history)
     for where, result in (("rank", live), ("noop", noop)):
         samples = result["ns_per_call"]
         loop = statistics.median(samples["empty_loop"])
@@ -448,8 +448,8 @@ def driver_path_costs(batches: int, per_batch: int) -> dict:
     """Microseconds per metric event for each hop of its way to the run record, in this process.
 
     It replays what one flush carries (``per_batch`` log_metrics rows) through the
-    same code the run uses: the rank's JSON encoding (report.flush), the
-    supervisor's decode and re-send (supervisor._relay_events, channel.Link.send),
+    same code the run uses: the rank's columnar batch and JSON encoding
+    (report.flush), the supervisor's text relay (supervisor.relayed, channel.Link.send_raw),
     the driver's authenticated receive (channel.Link.recv) and RunRecord.apply;
     the link runs over a socketpair instead of TCP. It also measures the record's
     memory per row with tracemalloc and one widget dashboard redraw (without a
@@ -459,13 +459,22 @@ def driver_path_costs(batches: int, per_batch: int) -> dict:
     import tracemalloc
 
     from hvdmagic import channel
+    from hvdmagic.launcher.supervisor import relayed
     from hvdmagic.record import RunRecord
 
-    def batch_event(b: int) -> dict:
+    def buffer_rows(b: int) -> None:  # what log_metrics leaves in the rank's buffer
         now = time.time()
-        metrics = [[b * per_batch + i, {"loss": 1.0 / (1 + b * per_batch + i)}, now + i * 1e-4]
-                   for i in range(per_batch)]
-        return {"type": "report", "metrics": metrics, "progress": {"": [b * per_batch, batches * per_batch, now]}}
+        for i in range(per_batch):
+            report._metrics.extend((b * per_batch + i, {"loss": 1.0 / (1 + b * per_batch + i)}, now + i * 1e-4))
+
+    def encode(b: int) -> str:  # report.flush
+        event = {"type": "report", "progress": {"": [b * per_batch, batches * per_batch, time.time()]},
+                 "metrics": report._metric_batch(per_batch)}
+        return json.dumps(event, separators=(",", ":")) + "\n"
+
+    def batch_event(b: int) -> dict:
+        buffer_rows(b)
+        return json.loads(encode(b))
 
     secret, nonce = channel.new_secret(), b"n" * channel.NONCE_SIZE
     a, b_sock = socket.socketpair()
@@ -490,15 +499,15 @@ def driver_path_costs(batches: int, per_batch: int) -> dict:
     gc.collect()
     tracked_before = len(gc.get_objects())
     gc.callbacks.append(on_gc)
+    tail = b',"rank":0}'
     for b in range(batches):
-        batch = batch_event(b)
+        buffer_rows(b)
         t0 = clock()
-        line = json.dumps(batch, separators=(",", ":")) + "\n"  # report.flush
+        line = encode(b)
         t1 = clock()
-        event = json.loads(line)  # supervisor._relay_events
-        event["rank"] = 0
+        frame = relayed(line.encode(), tail)  # supervisor._relay_events
         t2 = clock()
-        sender.send(event)
+        sender.send_raw(frame)
         t3 = clock()
         received = receiver.recv()  # channel.ChannelServer._read_loop
         t4 = clock()
@@ -520,7 +529,7 @@ def driver_path_costs(batches: int, per_batch: int) -> dict:
     out["tracked_objects_with_record"] = len(gc.get_objects())
     out["tracked_objects_before"] = tracked_before
     out["bytes_per_event_on_the_wire"] = len(line) / per_batch
-    rows = len(record.metric_rows)
+    rows = len(record.history)
     # Memory the record keeps per row: apply fresh decoded events under tracemalloc.
     fresh = RunRecord(-2)
     lines = [json.dumps(batch_event(b), separators=(",", ":")) for b in range(min(batches, 100))]
@@ -533,7 +542,7 @@ def driver_path_costs(batches: int, per_batch: int) -> dict:
     del e  # the batch wrapper goes; what the record holds stays
     after = tracemalloc.get_traced_memory()[0]
     tracemalloc.stop()
-    out["record_bytes_per_row"] = (after - before) / len(fresh.metric_rows)
+    out["record_bytes_per_row"] = (after - before) / len(fresh.history)
     try:
         from hvdmagic.ui.dashboard import Dashboard
 
@@ -588,8 +597,8 @@ def training_run(mode: str, np: int, variant: str, cfg: dict) -> dict:
     }
     if segment_s:
         out["segment_ratios"] = segment_ratios(results[0]["segments"])
-    rows = record.metric_rows
-    rank0_steps = [step for rank, step, _, _ in rows if rank == 0]
+    rows = record.history
+    rank0_steps = [step for rank, step in zip(rows.ranks, rows.steps) if rank == 0]
     out["metric_rows"] = len(rows)
     out["rank0_metric_rows"] = len(rank0_steps)
     sent = results[0]["events"]
@@ -658,9 +667,9 @@ def print_tables(result: dict) -> None:
              "supervisor_send": "supervisor: driver in local mode", "driver_recv": "driver (channel reader)",
              "record_apply": "driver (job loop)"}
     total = 0.0
-    for name, label in (("rank_encode", "json.dumps of the batch (report.flush)"),
-                        ("supervisor_decode", "json.loads in supervisor._relay_events"),
-                        ("supervisor_send", "channel.Link.send (JSON + HMAC + send)"),
+    for name, label in (("rank_encode", "columns + json.dumps (report.flush)"),
+                        ("supervisor_decode", "text relay (supervisor.relayed)"),
+                        ("supervisor_send", "channel.Link.send_raw (HMAC + send)"),
                         ("driver_recv", "channel.Link.recv (HMAC + JSON)"),
                         ("record_apply", "RunRecord.apply")):
         total += path[name]["median"]

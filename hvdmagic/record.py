@@ -12,6 +12,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from hvdmagic.history import MetricHistory
+
 STATES = ("launching", "running", "finished", "failed", "cancelled")
 
 
@@ -62,9 +64,8 @@ class RunRecord:
         self.started = time.time()
         self.ended: float | None = None
         self.ranks = [RankRecord(r) for r in range(self.np)]
-        self.metric_rows: list[tuple[int, int, float, dict[str, float]]] = []  # (rank, step, time, metrics)
-        # Rank 0's series and the merged log, kept incrementally so a redraw never rescans history.
-        self.rank0_series: dict[str, list[tuple[int, float]]] = {}
+        self.history = MetricHistory()
+        # The merged log, kept incrementally so a redraw never rescans every rank's.
         self.all_logs: list[tuple[int, str, str]] = []  # (rank, stream, line) in arrival order
         self.result: Any = None
         self.results: list[Any] = []
@@ -112,12 +113,10 @@ class RunRecord:
                         "stopped" if event.get("aborted") else "failed")
 
     def _apply_report(self, rank: int, record: RankRecord, event: dict) -> None:
-        for step, metrics, stamp in event.get("metrics") or []:
-            if isinstance(metrics, dict):
-                self.metric_rows.append((rank, step, stamp, metrics))
-                if rank == 0:
-                    for name, value in metrics.items():
-                        self.rank0_series.setdefault(name, []).append((step, value))
+        batch = event.get("metrics")
+        if batch:
+            t0 = batch["t0"]
+            self.history.extend(rank, batch["steps"], (t0 + ms / 1000 for ms in batch["ms"]), batch["values"])
         for desc, (step, total, stamp) in (event.get("progress") or {}).items():
             bar = record.bars.get(desc)
             if bar is None or step < bar.step:  # a new bar, or the same name restarted (next epoch)
@@ -143,18 +142,20 @@ class RunRecord:
     def elapsed(self) -> float:
         return (self.ended or time.time()) - self.started
 
-    def latest_metrics(self) -> dict[str, tuple[int, float]]:
+    def latest_metrics(self) -> dict[str, tuple[int | float, float]]:
         """name -> (step, value): the newest value of each of rank 0's metrics."""
-        return {name: points[-1] for name, points in self.rank0_series.items() if points}
+        return self.history.latest()
+
+    @property
+    def rank0_series(self) -> dict:
+        """name -> (steps, values) arrays of rank 0's full history of that metric."""
+        return self.history.rank0
 
     @property
     def metrics(self):
-        """The full metrics history of every rank as a pandas DataFrame (one row per call)."""
-        import pandas as pd
-
-        rows = [{"rank": rank, "step": step, "time": stamp, **metrics}
-                for rank, step, stamp, metrics in self.metric_rows]
-        return pd.DataFrame(rows, columns=None if rows else ["rank", "step", "time"])
+        """The full metrics history of every rank as a pandas DataFrame (one row per call;
+        metric values are floats, NaN where a call did not log that metric)."""
+        return self.history.frame()
 
     @property
     def logs(self) -> dict[int, str]:
@@ -167,7 +168,7 @@ class RunRecord:
 
     def __repr__(self) -> str:
         return (f"<RunRecord {self.state} np={self.np} ({self.mode}) elapsed={self.elapsed:.1f}s "
-                f"metrics={len(self.metric_rows)} rows>")
+                f"metrics={len(self.history)} rows>")
 
 
 _last: RunRecord | None = None

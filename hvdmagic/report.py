@@ -20,14 +20,16 @@ from typing import Iterable, Iterator, TypeVar
 FLUSH_INTERVAL = 0.1
 HEARTBEAT_INTERVAL = 1.0  # tells the driver's watchdog this rank is alive even when it reports nothing
 MAX_BUFFERED_METRICS = 1_000_000  # beyond this a caller waits for a flush: memory stays bounded, nothing is dropped
+ROWS_PER_WRITE = 2_000  # one flush encodes at most this many rows per lock hold, so a backlog never blocks a caller long
 
 T = TypeVar("T")
 _PLAIN = (int, float)
 
 _write_lock = threading.Lock()
 _events = None  # the event pipe, opened by the rank process
-# [step, {name: value}, time] in call order; deque append/popleft are atomic, so the
-# flusher never loses an entry appended while it drains.
+# Flat step, {name: value}, time, step, ... in call order. deque.extend of a tuple is
+# one atomic step, so the buffer always holds whole triples, and no container per
+# call outlives it (a list per row kept rank 0's garbage collector busy).
 _metrics: deque = deque()
 _progress: dict = {}  # desc -> [step, total, time]: only the newest state matters
 _progress_sent: dict = {}
@@ -78,10 +80,10 @@ def log_metrics(step: int | None = None, **metrics: float) -> None:
     if step is None:
         step = _metric_steps
     _metric_steps = step + 1
-    _metrics.append([step, metrics, time.time()])
-    if len(_metrics) >= MAX_BUFFERED_METRICS:
+    _metrics.extend((step, metrics, time.time()))
+    if len(_metrics) >= 3 * MAX_BUFFERED_METRICS:
         _wake.set()
-        while len(_metrics) >= MAX_BUFFERED_METRICS and _events is not None:
+        while len(_metrics) >= 3 * MAX_BUFFERED_METRICS and _events is not None:
             time.sleep(0.001)
 
 
@@ -99,20 +101,46 @@ def track(iterable: Iterable[T], desc: str | None = None, total: int | None = No
         progress(step, total, desc)
 
 
+def _metric_batch(rows: int) -> dict:
+    """The oldest ``rows`` buffered metric calls as columns, which the driver's record appends as they are.
+
+    Times travel as whole milliseconds after the batch's first one: the float
+    repr of a full timestamp was most of the encoding cost.
+    """
+    pop = _metrics.popleft
+    steps, stamps, dicts = [], [], []
+    for _ in range(rows):
+        steps.append(pop())
+        dicts.append(pop())
+        stamps.append(pop())
+    t0 = stamps[0]
+    names = dict.fromkeys(name for metrics in dicts for name in metrics) if len(dicts) > 1 else dicts[0]
+    return {"steps": steps, "t0": t0, "ms": [round((t - t0) * 1000) for t in stamps],
+            "values": {name: [metrics.get(name) for metrics in dicts] for name in names}}
+
+
 def flush() -> None:
     """Send what is buffered now; the rank calls it before reporting its result."""
     global _progress_sent
     if _events is None:
         return
     with _write_lock:
-        metrics = [_metrics.popleft() for _ in range(len(_metrics))]
         snapshot = dict(_progress)
         bars = {desc: state for desc, state in snapshot.items() if _progress_sent.get(desc) != state}
         _progress_sent = snapshot
-        if metrics or bars:
-            batch = {"type": "report", "metrics": metrics, "progress": bars}
+    while True:
+        with _write_lock:
+            rows = min(len(_metrics) // 3, ROWS_PER_WRITE)
+            if not rows and not bars:
+                return
+            batch = {"type": "report", "progress": bars}
+            if rows:
+                batch["metrics"] = _metric_batch(rows)
             _events.write(json.dumps(batch, separators=(",", ":")) + "\n")
             _events.flush()
+            bars = {}
+            if rows < ROWS_PER_WRITE:
+                return
 
 
 def _flush_loop() -> None:

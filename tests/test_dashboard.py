@@ -94,7 +94,8 @@ def _fed_record() -> RunRecord:
     for rank in (0, 1):
         record.apply({"type": "placed", "rank": rank, "host": "127.0.0.1"})
         record.apply({"type": "report", "rank": rank, "progress": {"train": [5, 10, 1.0]},
-                      "metrics": [[s, {"loss": 1.0 / (s + 1)}, 1.0 + s] for s in range(1000)]})
+                      "metrics": {"steps": list(range(1000)), "t0": 1.0, "ms": [1000 * s for s in range(1000)],
+                                  "values": {"loss": [1.0 / (s + 1) for s in range(1000)]}}})
         record.apply({"type": "output", "rank": rank, "stream": "stdout", "lines": ["hello"] * 300})
     return record
 
@@ -111,7 +112,7 @@ def test_dashboard_draws_rows_charts_logs_and_the_error_panel():
     assert 'class="hvdmagic-chart" data-metric="loss"' in board.charts.value
     points = board.charts.value.split('points="')[1].split('"')[0].split()
     assert len(points) <= CHART_POINTS + 1  # downsampled for the screen ...
-    assert len(record.rank0_series["loss"]) == 1000  # ... while the history stays whole
+    assert len(record.rank0_series["loss"][0]) == 1000  # ... while the history stays whole
     assert "100 older line(s) not shown" in board.panes[1].value
     assert "hvdmagic-abc" in board.header.value
 
@@ -139,7 +140,7 @@ def test_dashboard_redraws_at_most_ten_times_a_second():
         step = 0
         while not stop.is_set():
             step += 1
-            record.apply({"type": "report", "rank": 0, "progress": {"train": [step, None, 2.0]}, "metrics": []})
+            record.apply({"type": "report", "rank": 0, "progress": {"train": [step, None, 2.0]}})
 
     feeder = threading.Thread(target=flood)
     board.start()
@@ -184,3 +185,33 @@ def test_dashboard_in_a_real_kernel_reaches_its_final_state(tmp_path, monkeypatc
     bars = [m for m in models if m.get("_model_name") == "FloatProgressModel"]
     assert len(bars) == 2 and all(b["value"] == b["max"] == 30 and b["bar_style"] == "success" for b in bars)
     assert any('data-metric="loss"' in str(m.get("value", "")) for m in models)
+
+
+def test_history_keeps_columns_with_gaps_and_no_python_object_per_row():
+    import gc
+    import math
+
+    record = RunRecord(2)
+    record.apply({"type": "report", "rank": 0, "metrics": {
+        "steps": [0, 1, 2], "t0": 100.0, "ms": [0, 10, 20], "values": {"loss": [3.0, None, 1.0]}}})
+    record.apply({"type": "report", "rank": 1, "metrics": {
+        "steps": [0], "t0": 100.0, "ms": [5], "values": {"acc": [0.5]}}})
+    frame = record.metrics
+    assert frame["step"].tolist() == [0, 1, 2, 0] and frame["rank"].tolist() == [0, 0, 0, 1]
+    assert frame["time"].tolist() == pytest.approx([100.0, 100.01, 100.02, 100.005])
+    assert math.isnan(frame["loss"][1]) and math.isnan(frame["acc"][0]) and frame["acc"][3] == 0.5
+    steps, values = record.rank0_series["loss"]
+    assert list(steps) == [0, 2] and list(values) == [3.0, 1.0]  # rank 0's chart skips the gap
+    assert "acc" not in record.rank0_series  # only rank 0 is charted
+    assert record.latest_metrics() == {"loss": (2, 1.0)}
+
+    # A long history must not give the kernel's garbage collector more to walk.
+    gc.collect()
+    before = len(gc.get_objects())
+    batch = {"steps": list(range(1000)), "t0": 0.0, "ms": list(range(1000)),
+             "values": {"loss": [0.5] * 1000, "lr": [0.1] * 1000}}
+    for _ in range(100):
+        record.apply({"type": "report", "rank": 0, "metrics": batch})
+    gc.collect()
+    assert len(record.history) == 100_004
+    assert len(gc.get_objects()) - before < 1000, "the record keeps Python objects per metric row"

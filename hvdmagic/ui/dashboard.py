@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextvars
 import html
 import threading
+from typing import Sequence
 
 import ipywidgets as widgets
 from IPython.display import display
@@ -34,13 +35,18 @@ def _duration(seconds: float | None) -> str:
     return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}" if seconds >= 3600 else f"{seconds // 60}:{seconds % 60:02d}"
 
 
-def svg_chart(name: str, points: list[tuple[int, float]], width: int = 300, height: int = 120) -> str:
-    """An inline SVG line chart of ``points`` (step, value), downsampled for display."""
-    if len(points) > CHART_POINTS:
-        stride = -(-len(points) // CHART_POINTS)
-        points = points[::stride] + [points[-1]]
-    xs = [p[0] for p in points]
-    ys = [p[1] for p in points]
+def _label(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else f"{x:.4g}"
+
+
+def svg_chart(name: str, steps: Sequence[float], values: Sequence[float], width: int = 300, height: int = 120) -> str:
+    """An inline SVG line chart of ``values`` against ``steps``, downsampled for display."""
+    xs, ys = list(steps[-1:]), list(values[-1:])
+    if len(steps) > CHART_POINTS:
+        stride = -(-len(steps) // CHART_POINTS)
+        xs, ys = list(steps[::stride]) + xs, list(values[::stride]) + ys
+    else:
+        xs, ys = list(steps), list(values)
     x0, x1 = min(xs), max(xs)
     y0, y1 = min(ys), max(ys)
     pad = 24
@@ -61,8 +67,8 @@ def svg_chart(name: str, points: list[tuple[int, float]], width: int = 300, heig
         f'<text x="{width - pad}" y="14" font-size="10" text-anchor="end">{ys[-1]:.4g}</text>'
         f'<text x="2" y="{pad + 4}" font-size="9">{y1:.3g}</text>'
         f'<text x="2" y="{height - pad}" font-size="9">{y0:.3g}</text>'
-        f'<text x="{pad}" y="{height - 6}" font-size="9">{x0}</text>'
-        f'<text x="{width - pad}" y="{height - 6}" font-size="9" text-anchor="end">{x1}</text>'
+        f'<text x="{pad}" y="{height - 6}" font-size="9">{_label(x0)}</text>'
+        f'<text x="{width - pad}" y="{height - 6}" font-size="9" text-anchor="end">{_label(x1)}</text>'
         f'<polyline fill="none" stroke="#1f77b4" stroke-width="1.5" points="{path}"/>'
         f"</svg></div>"
     )
@@ -178,11 +184,11 @@ class Dashboard:
         )
 
     def _draw_metrics(self) -> None:
-        series = {name: points for name, points in self.record.rank0_series.items() if points}
+        series = {name: xy for name, xy in self.record.rank0_series.items() if len(xy[0])}
         if not series:
             return
         self.charts.value = "<div style='display:flex;flex-wrap:wrap;gap:6px'>" + "".join(
-            svg_chart(name, points) for name, points in sorted(series.items())) + "</div>"
+            svg_chart(name, xs, ys) for name, (xs, ys) in sorted(series.items())) + "</div>"
         rows = "".join(f"<tr><td>{html.escape(name)}</td><td>{step}</td><td>{value:.5g}</td></tr>"
                        for name, (step, value) in sorted(self.record.latest_metrics().items()))
         self.table.value = (f"<table class='hvdmagic-metrics'><tr><th>metric (rank 0)</th><th>step</th>"
