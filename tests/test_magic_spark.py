@@ -153,3 +153,29 @@ def test_output_reaches_the_driver_while_the_job_runs(tmp_path):
 
     result = launch(cloudpickle.dumps((wait_for_driver, (), {})), 2, on_event=on_event)
     assert result.results == ["done", "done"]
+
+
+def test_consecutive_cells_share_nothing_but_the_spark_session(ip):
+    """Launch reuses the SparkSession only: each cell's ranks are fresh processes."""
+    first, error = run(ip, """%%horovod --np 2
+import os, sys, horovod.torch as hvd
+hvd.init()
+os.environ["LEAKED_VAR"] = "1"
+os.environ["CUDA_VISIBLE_DEVICES"] = "7"
+sys.modules["leaked_module"] = sys
+leaked_file = open(os.devnull)
+(os.getpid(), hvd.rank())
+""")
+    assert error is None
+    second, error = run(ip, """%%horovod --np 2
+import os, sys
+(os.getpid(), "LEAKED_VAR" in os.environ, os.environ.get("CUDA_VISIBLE_DEVICES"),
+ "leaked_module" in sys.modules, "PYTHONPATH" in os.environ and ".jar" in os.environ["PYTHONPATH"],
+ len(os.listdir("/proc/self/fd")))
+""")
+    assert error is None
+    pid, leaked_env, cuda, leaked_module, spark_jar, fds = second
+    assert pid != first[0], "the second cell ran in the first cell's rank process"
+    assert not leaked_env and cuda is None and not leaked_module
+    assert not spark_jar, "a rank inherited the Spark jar on its PYTHONPATH"
+    assert fds < 20, f"a fresh rank has {fds} open file descriptors"
