@@ -150,6 +150,8 @@ def test_spark_errors_are_reduced_to_the_python_exception_line():
     line = first_line(RuntimeError(text))
     assert line.startswith("ModuleNotFoundError: No module named 'hvdmagic' on the executors")
     assert "docs/clusters.md" in line
+    pyarrow = first_line(RuntimeError(text.replace("'hvdmagic'", "'pyarrow'")))
+    assert "on the executors" in pyarrow and "PYSPARK_PYTHON" in pyarrow
 
 
 def test_job_failed_puts_the_root_cause_before_its_fallout():

@@ -138,9 +138,11 @@ def first_line(exc: BaseException) -> str:
         errors = [line for line in lines if _EXCEPTION_LINE.match(line)]
         if errors or lines:
             line = (errors or lines)[-1]
-            if "No module named 'hvdmagic'" in line or "No module named 'horovod'" in line:
+            if re.search(r"No module named '(hvdmagic|horovod|torch|pyarrow)\b", line):
                 line += (f" on the executors: their Python ({os.environ.get('PYSPARK_PYTHON', 'python3')}, "
-                         "set by PYSPARK_PYTHON) needs hvdmagic, horovod and torch installed; see docs/clusters.md")
+                         "set by PYSPARK_PYTHON before the session starts) needs hvdmagic, horovod, torch and "
+                         "pyarrow installed; on one machine, set PYSPARK_PYTHON to this kernel's Python "
+                         f"({sys.executable}); see docs/clusters.md")
             return line
     for line in text.splitlines():
         if line.strip():
@@ -196,7 +198,9 @@ def _sharded_barrier_task(spec: TaskSpec, schema):
             code = run_task(spec, context.partitionId(), task_gpus(context), (str(path), rows))
         finally:
             shutil.rmtree(directory, ignore_errors=True)
-        yield pa.RecordBatch.from_pydict({"task": [context.partitionId()], "code": [code]})
+        # Typed as the stage declares them: pyarrow's default int64 makes Spark fail reading "int".
+        yield pa.RecordBatch.from_pydict({"task": [context.partitionId()], "code": [code]},
+                                         schema=pa.schema([("task", pa.int32()), ("code", pa.int32())]))
 
     return task
 
