@@ -9,7 +9,6 @@ forwards its output and events until it exits or the driver says abort.
 
 from __future__ import annotations
 
-import json
 import os
 import pickle
 import re
