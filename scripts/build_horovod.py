@@ -4,6 +4,14 @@ horovod 0.28.1's CMakeLists pins C++14, but torch >= 2.1 headers need C++17.
 We build with a compiler wrapper that rewrites the flag, and keep the wheel in
 the user's cache keyed by everything that changes the binary, so only the first
 set-up on a machine pays the ~6 minute build. Prints the wheel's path on stdout.
+
+The source gets one fix (PATCHES): horovod 0.28.1 builds the Gloo context of
+every process set, the global one included, on an empty interface name, so Gloo
+falls back to the address the machine's hostname resolves to. Where that is a
+loopback address (Debian's "127.0.1.1 hostname" line, containers), ranks on
+other hosts are told to connect to 127.0.0.1 and the first collective aborts.
+The fix uses the global context's interface (HOROVOD_GLOO_IFACE), as every other
+context already does. tests/test_multihost.py fails without it.
 """
 
 from __future__ import annotations
@@ -24,7 +32,6 @@ BUILD_FLAGS = {
     "HOROVOD_WITH_GLOO": "1",
     "HOROVOD_WITHOUT_TENSORFLOW": "1",
     "HOROVOD_WITHOUT_MXNET": "1",
-    "HOROVOD_WITHOUT_MPI": "1",
 }
 
 WRAPPER = """#!/bin/sh
@@ -36,6 +43,17 @@ for a in "$@"; do
 done
 exec {cxx} "$@"
 """
+
+
+# (file, text in 0.28.1, replacement): applied to the sdist before building.
+PATCHES = [
+    ("horovod/common/gloo/gloo_context.cc",
+     "  attr device_attr;\n  device_attr.iface = gloo_iface_;\n  device_attr.ai_family = AF_UNSPEC;\n"
+     "  auto dev = CreateDevice(device_attr);\n\n  global_ctx = global_context.ctx;",
+     "  gloo_iface_ = global_context.gloo_iface_;\n"
+     "  attr device_attr;\n  device_attr.iface = gloo_iface_;\n  device_attr.ai_family = AF_UNSPEC;\n"
+     "  auto dev = CreateDevice(device_attr);\n\n  global_ctx = global_context.ctx;"),
+]
 
 
 def log(msg: str) -> None:
@@ -56,6 +74,7 @@ def cache_key(version: str, flags: dict[str, str]) -> str:
         "python": sysconfig.get_python_version(),
         "platform": sysconfig.get_platform(),
         "flags": flags,
+        "patches": PATCHES,
     }
     digest = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
     return f"horovod-{version}-torch-{torch.__version__}-py{sysconfig.get_python_version()}-{digest}"
@@ -74,9 +93,10 @@ def build(version: str, flags: dict[str, str], dest: Path) -> Path:
         env = dict(os.environ, **flags, CXX=str(wrapper))
         env.setdefault("MAKEFLAGS", f"-j{os.cpu_count() or 2}")
         out = Path(tmp) / "wheel"
+        source = patched_source(version, Path(tmp))
         log(f"building horovod {version} (takes several minutes; later set-ups reuse the cached wheel)")
-        cmd = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
-               "--no-binary", "horovod", "-w", str(out), f"horovod=={version}"]
+        cmd = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-cache-dir",
+               "-w", str(out), str(source)]
         result = subprocess.run(cmd, env=env, stdout=sys.stderr, stderr=sys.stderr)
         if result.returncode != 0:
             sys.exit(f"[build_horovod] the horovod build failed (exit {result.returncode}); see the compiler output above.")
@@ -90,11 +110,39 @@ def build(version: str, flags: dict[str, str], dest: Path) -> Path:
         return final
 
 
+def patched_source(version: str, tmp: Path) -> Path:
+    """horovod's sdist, unpacked, with PATCHES applied."""
+    import tarfile
+
+    download = tmp / "sdist"
+    result = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+                             "-d", str(download), f"horovod=={version}"], stdout=sys.stderr, stderr=sys.stderr)
+    if result.returncode != 0:
+        sys.exit(f"[build_horovod] could not download the horovod {version} source (exit {result.returncode}).")
+    (archive,) = download.glob("horovod-*.tar.gz")
+    with tarfile.open(archive) as tar:
+        tar.extractall(tmp / "src", filter="data")
+    (source,) = (tmp / "src").iterdir()
+    for name, old, new in PATCHES:
+        path = source / name
+        text = path.read_text()
+        if text.count(old) != 1:
+            sys.exit(f"[build_horovod] {name} does not look like horovod {version}'s: cannot apply the Gloo fix.")
+        path.write_text(text.replace(old, new))
+    return source
+
+
 def build_flags() -> dict[str, str]:
-    """Gloo always; NCCL as well when torch is a CUDA build and nvcc is on PATH."""
+    """Gloo always; MPI as well when an MPI compiler is on PATH; NCCL when torch
+    is a CUDA build and nvcc is on PATH."""
     import torch
 
     flags = dict(BUILD_FLAGS)
+    if shutil.which("mpicxx") and shutil.which("mpirun"):
+        flags["HOROVOD_WITH_MPI"] = "1"
+        log("MPI found: building with the MPI controller as well as Gloo")
+    else:
+        flags["HOROVOD_WITHOUT_MPI"] = "1"
     if torch.version.cuda and shutil.which("nvcc"):
         flags["HOROVOD_GPU_OPERATIONS"] = "NCCL"
         log(f"CUDA torch ({torch.version.cuda}) and nvcc found: building with NCCL")

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# One idempotent set-up for a fresh machine: Java check, virtualenv, torch, the
-# cached horovod build, and hvdmagic itself. `make demo` and `make test` call it.
+# One idempotent set-up for a fresh machine: Java check, Open MPI, virtualenv,
+# torch, the cached horovod build, and hvdmagic itself. `make demo` and `make test` call it.
 set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -40,6 +40,19 @@ check_java() {
     fi
 }
 
+# Optional: the MPI controller (--controller mpi). Gloo needs none of it, so a
+# machine where we may not install it only loses that option.
+install_mpi() {
+    command -v mpirun >/dev/null 2>&1 && command -v mpicxx >/dev/null 2>&1 && return
+    if [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then
+        say "installing Open MPI for --controller mpi (apt-get install openmpi-bin libopenmpi-dev)"
+        apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openmpi-bin libopenmpi-dev >/dev/null \
+            || say "could not install Open MPI: horovod is built with Gloo only, and --controller mpi is unavailable"
+    else
+        say "Open MPI not found: horovod is built with Gloo only (install openmpi-bin and libopenmpi-dev, then re-run, for --controller mpi)"
+    fi
+}
+
 make_venv() {
     if [ ! -x "$venv/bin/python" ]; then
         say "creating virtualenv $venv"
@@ -53,23 +66,19 @@ install_build_deps() {
     "$venv/bin/python" -m pip install -q "$torch_spec" numpy cloudpickle psutil pyyaml packaging cffi
 }
 
-horovod_installed() {
-    "$venv/bin/python" - "$horovod_version" <<'PY' 2>/dev/null
-import sys, importlib.metadata as md
-sys.exit(0 if md.version("horovod") == sys.argv[1] else 1)
-PY
-}
-
+# The wheel's cache path names everything it was built with (torch, MPI, NCCL):
+# a venv holding another build of the same version gets this one instead.
 install_horovod() {
-    if horovod_installed; then
-        say "horovod $horovod_version already installed"
+    local wheel marker="$venv/.hvdmagic-horovod-wheel"
+    wheel="$("$venv/bin/python" "$here/scripts/build_horovod.py" --version "$horovod_version")"
+    if [ -f "$marker" ] && [ "$(cat "$marker")" = "$wheel" ] && "$venv/bin/python" -c 'import horovod' 2>/dev/null; then
+        say "horovod $horovod_version already installed ($wheel)"
         return
     fi
-    local wheel
-    wheel="$("$venv/bin/python" "$here/scripts/build_horovod.py" --version "$horovod_version")"
     say "installing $wheel"
-    "$venv/bin/python" -m pip install -q --no-deps "$wheel"
+    "$venv/bin/python" -m pip install -q --no-deps --force-reinstall "$wheel"
     "$venv/bin/python" -m pip install -q cloudpickle psutil pyyaml packaging cffi
+    echo "$wheel" > "$marker"
 }
 
 install_project() {
@@ -82,6 +91,7 @@ install_project() {
 }
 
 check_java
+install_mpi
 make_venv
 install_build_deps
 install_horovod
