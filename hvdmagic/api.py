@@ -19,15 +19,17 @@ _VERBOSITIES = ("all", "log_callback_only")
 
 
 def run(fn: Callable, np: int, *args, timeout: float | None = None, stall_timeout: float | None = None,
-        data=None, **kwargs) -> list:
+        data=None, controller: str = "gloo", **kwargs) -> list:
     """Run ``fn(*args, **kwargs)`` on |np| ranks and return every rank's result in rank order.
 
     np > 0 runs a Spark barrier stage (the active SparkSession or an embedded local
     one); np < 0 runs |np| processes on the driver. ``data`` (a Spark DataFrame)
     gives each rank an equal-size shard, read in the rank with ``hvdmagic.shard()``.
+    ``controller="mpi"`` runs the ranks under Open MPI's mpirun instead of Gloo.
     """
     payload = _dumps((fn, args, kwargs), fn)
-    return execute(payload, np, timeout=timeout, stall_timeout=stall_timeout, data=data).results
+    return execute(payload, np, timeout=timeout, stall_timeout=stall_timeout, data=data,
+                   controller=controller).results
 
 
 def _is_users_own(module) -> bool:

@@ -29,6 +29,9 @@ class HorovodMagics(Magics):
               help="Record a Horovod Timeline (a Chrome trace written by rank 0) at PATH. It costs throughput.")
     @argument("--metrics", metavar="NAME",
               help="Store the run's metrics history (a pandas DataFrame, all ranks) in the variable NAME.")
+    @argument("--controller", choices=("gloo", "mpi"), default="gloo",
+              help="How the ranks talk: Gloo (the default), or Open MPI, whose mpirun starts the ranks "
+                   "through the Spark tasks (no ssh), as HorovodRunner did.")
     @argument("--mlflow", nargs="?", const="", metavar="EXPERIMENT",
               help="After a successful run, log rank 0's metrics, the params and the duration to MLflow "
                    "(experiment EXPERIMENT, else MLflow's default); see hvdmagic.callbacks.mlflow.")
@@ -68,7 +71,7 @@ class HorovodMagics(Magics):
         capture = capture_cell(cell_source(self.shell, cell), self.shell.user_ns, set(self.shell.user_ns_hidden))
         print(capture.summary(), flush=True)
         record = execute(capture.payload, args.np, timeout=args.timeout, stall_timeout=args.stall_timeout,
-                         timeline=args.timeline, data=data)
+                         timeline=args.timeline, data=data, controller=args.controller)
         if args.out:
             self.shell.user_ns[args.out] = record.result
         if args.metrics:

@@ -14,7 +14,7 @@ from hvdmagic.ui import make_view
 
 
 def execute(payload: bytes, np: int, *, timeout: float | None = None, stall_timeout: float | None = None,
-            timeline: str | None = None, data=None, session=None, view=None) -> RunRecord:
+            timeline: str | None = None, data=None, session=None, view=None, controller: str = "gloo") -> RunRecord:
     """Run a cloudpickled ``(fn, args, kwargs)`` on |np| ranks; return its record.
 
     ``timeline``: a path where rank 0 records a Horovod Timeline. Raises the job's
@@ -36,7 +36,7 @@ def execute(payload: bytes, np: int, *, timeout: float | None = None, stall_time
     view.start()
     try:
         result = launch(payload, np, timeout=timeout, stall_timeout=stall_timeout, env=env, on_event=on_event,
-                        session=session, data=data)
+                        session=session, data=data, controller=controller)
     except JobInterrupted as exc:
         record.finish(error=exc, cancelled=True)
         raise

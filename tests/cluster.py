@@ -1,8 +1,10 @@
-"""A real Spark standalone cluster on 127.0.0.1, started from the installed pyspark.
+"""A real Spark standalone cluster, started from the installed pyspark.
 
-One master and two workers with 2 cores each. Each worker also reports two fake
-GPUs through a resource discovery script (worker 0: "0","1"; worker 1: "2","3"),
-so the GPU-pinning path runs on machines without GPUs.
+One master and two workers with 2 cores each, on 127.0.0.1 by default. Each
+worker also reports two fake GPUs through a resource discovery script (worker 0:
+"0","1"; worker 1: "2","3"), so the GPU-pinning path runs on machines without
+GPUs. With ``worker_hosts`` each worker runs inside its own network namespace
+(see netns.py), as if on its own host.
 """
 
 from __future__ import annotations
@@ -21,37 +23,47 @@ import pyspark
 SPARK_HOME = Path(pyspark.__file__).parent
 
 
-def _free_port() -> int:
+def _free_port(host: str) -> int:
     with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
+        sock.bind((host, 0))
         return sock.getsockname()[1]
 
 
 class StandaloneCluster:
-    def __init__(self, workdir: Path, workers: int = 2, cores: int = 2):
+    """``worker_hosts``: (address, network namespace) per worker; by default all on ``host``."""
+
+    def __init__(self, workdir: Path, workers: int = 2, cores: int = 2, host: str = "127.0.0.1",
+                 worker_hosts: list[tuple[str, str | None]] | None = None):
         self.workdir = workdir
-        self.workers = workers
         self.cores = cores
-        self.port = _free_port()
-        self.ui_port = _free_port()
-        self.url = f"spark://127.0.0.1:{self.port}"
+        self.host = host
+        self.worker_hosts = worker_hosts or [(host, None)] * workers
+        self.workers = len(self.worker_hosts)
+        self.port = _free_port(host)
+        self.ui_port = _free_port(host)
+        self.url = f"spark://{host}:{self.port}"
         self.procs: list[subprocess.Popen] = []
 
-    def _start(self, name: str, args: list[str], extra_env: dict[str, str] | None = None) -> None:
-        env = dict(os.environ, SPARK_HOME=str(SPARK_HOME), SPARK_LOCAL_IP="127.0.0.1",
+    def _start(self, name: str, args: list[str], extra_env: dict[str, str] | None = None,
+               host: str | None = None, netns: str | None = None) -> None:
+        env = dict(os.environ, SPARK_HOME=str(SPARK_HOME), SPARK_LOCAL_IP=host or self.host,
                    SPARK_LOG_DIR=str(self.workdir), SPARK_NO_DAEMONIZE="1", **(extra_env or {}))
         log = open(self.workdir / f"{name}.log", "wb")
-        self.procs.append(subprocess.Popen([str(SPARK_HOME / "bin" / "spark-class"), *args], env=env,
+        # A simulated host gets its own network and its own hostname (Open MPI names
+        # shared-memory segments after it); each step execs, so the pid stays Spark's.
+        prefix = (["ip", "netns", "exec", netns, "unshare", "--uts", "sh", "-c", f'hostname {netns} && exec "$0" "$@"']
+                  if netns else [])
+        self.procs.append(subprocess.Popen([*prefix, str(SPARK_HOME / "bin" / "spark-class"), *args], env=env,
                                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
 
     def _state(self) -> dict:
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.ui_port}/json/", timeout=2) as reply:
+        with urllib.request.urlopen(f"http://{self.host}:{self.ui_port}/json/", timeout=2) as reply:
             return json.load(reply)
 
     def start(self, timeout: float = 90) -> "StandaloneCluster":
-        self._start("master", ["org.apache.spark.deploy.master.Master", "--host", "127.0.0.1",
+        self._start("master", ["org.apache.spark.deploy.master.Master", "--host", self.host,
                                "--port", str(self.port), "--webui-port", str(self.ui_port)])
-        for i in range(self.workers):
+        for i, (worker_host, netns) in enumerate(self.worker_hosts):
             script = self.workdir / f"gpus{i}.sh"
             addresses = json.dumps([str(2 * i), str(2 * i + 1)])
             script.write_text(f"#!/bin/sh\necho '{{\"name\": \"gpu\", \"addresses\": {addresses}}}'\n")
@@ -59,9 +71,9 @@ class StandaloneCluster:
             opts = f"-Dspark.worker.resource.gpu.amount=2 -Dspark.worker.resource.gpu.discoveryScript={script}"
             (self.workdir / f"worker{i}").mkdir()
             self._start(f"worker{i}", ["org.apache.spark.deploy.worker.Worker", self.url,
-                                       "--cores", str(self.cores), "--memory", "2g", "--host", "127.0.0.1",
+                                       "--cores", str(self.cores), "--memory", "2g", "--host", worker_host,
                                        "--webui-port", "0", "--work-dir", str(self.workdir / f"worker{i}")],
-                        {"SPARK_WORKER_OPTS": opts})
+                        {"SPARK_WORKER_OPTS": opts}, worker_host, netns)
         deadline = time.monotonic() + timeout
         alive = 0
         while time.monotonic() < deadline:

@@ -40,3 +40,24 @@ def kernel_resources() -> dict[str, int]:
         "fds": me.num_fds(),
         "children": len(me.children(recursive=True)),
     }
+
+
+def mpi_processes(within: float = 10.0) -> list[str]:
+    """mpirun, its daemons, agents and rank shims still running anywhere on the machine
+    ``within`` seconds from now (orted daemonizes, so it is nobody's child here)."""
+    deadline = time.monotonic() + within
+    while (found := _mpi_processes()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return found
+
+
+def _mpi_processes() -> list[str]:
+    found = []
+    for proc in psutil.process_iter(["name", "cmdline", "status", "ppid"]):
+        cmdline = " ".join(proc.info["cmdline"] or [])
+        if proc.info["status"] == psutil.STATUS_ZOMBIE:
+            continue  # exited; its new parent (init) reaps it in its own time
+        if proc.info["name"] in ("mpirun", "orterun", "orted") or "hvdmagic.launcher.mpi_" in cmdline:
+            found.append(f"{proc.info['name']} {proc.pid} ({proc.info['status']}, parent {proc.info['ppid']}) "
+                         f"{cmdline[:120]}")
+    return found

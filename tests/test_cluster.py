@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 
 from cluster import StandaloneCluster
 from conftest import run
 from hvdmagic.errors import LaunchError
-from procs import rank_processes
+from procs import mpi_processes, rank_processes
 
 
 def _stop_active_session():
@@ -75,6 +77,27 @@ hvd.allgather_object(row)
     assert sorted(r[7] for r in rows) == sorted(physical.values())
     assert len({r[6] for r in rows}) == 1  # every rank on the host sees the same ordered list
     assert rank_processes() == []
+
+
+@pytest.mark.skipif(shutil.which("mpirun") is None, reason="Open MPI is not installed")
+def test_mpi_controller_across_both_executors(cluster_shell):
+    result, error = run(cluster_shell, """%%horovod --np 4 --controller mpi
+import os, torch, horovod.torch as hvd
+hvd.init()
+total = hvd.allreduce(torch.tensor([float(hvd.rank())]), op=hvd.Sum).item()
+row = (hvd.rank(), hvd.local_rank(), hvd.local_size(), hvd.mpi_enabled(), os.getcwd(),
+       os.environ["HVDMAGIC_TASK_GPUS"], total)
+hvd.allgather_object(row)
+""")
+    assert error is None, error
+    rows = sorted(result)
+    assert [r[:4] for r in rows] == [(i, i, 4, True) for i in range(4)]
+    assert all(r[6] == 6.0 for r in rows), "wrong allreduce result"
+    # mpirun's one daemon for the host started all four, yet each rank works in its own task's executor.
+    assert len({r[4] for r in rows}) == 2, f"ranks ran in {set(r[4] for r in rows)}, not in both executors"
+    assert sorted(r[5] for r in rows) == ["4", "5", "6", "7"]
+    assert rank_processes() == []
+    assert mpi_processes() == []
 
 
 def test_slot_check_on_the_cluster_fails_fast(cluster_shell):

@@ -22,6 +22,7 @@ from typing import Any, Callable
 from hvdmagic import channel
 from hvdmagic.errors import JobFailed, JobInterrupted, JobTimeout, LaunchError, RankFailure
 from hvdmagic.launcher.layout import Slot, compute_layout, horovod_plan, visible_devices
+from hvdmagic.launcher.mpi import MpiDriver
 from hvdmagic.launcher.rendezvous import Rendezvous
 from hvdmagic.launcher.supervisor import TaskSpec
 
@@ -63,13 +64,15 @@ class _State:
 class Job:
     def __init__(self, backend, payload: bytes, *, timeout: float | None = None,
                  stall_timeout: float | None = None, env: dict[str, str] | None = None,
-                 on_event: Callable[[dict], None] | None = None):
+                 controller: str = "gloo", on_event: Callable[[dict], None] | None = None):
         self.backend = backend
         self.np = backend.np
         self.payload = payload
         self.timeout = timeout
         self.stall_timeout = stall_timeout
         self.env = tuple(sorted((env or {}).items()))
+        self.controller = controller
+        self.mpi: MpiDriver | None = None
         self.on_event = on_event or (lambda event: None)
         self.job_id = uuid.uuid4().hex[:12]
 
@@ -83,10 +86,13 @@ class Job:
         server = channel.ChannelServer(self.backend.bind_host, secret)
         rendezvous = Rendezvous(self.backend.bind_host)
         state = _State(self.np)
+        if self.controller == "mpi":
+            self.mpi = MpiDriver(self.np, server.address, secret)
         try:
             spec = TaskSpec(
                 job_id=self.job_id, driver_host=self.backend.bind_host, channel_port=server.address[1],
                 rendezvous_port=rendezvous.port, secret=secret, payload=self.payload, env=self.env,
+                controller=self.controller,
             )
             self.on_event({"type": "launching", "description": self.backend.describe(),
                            "job_group": getattr(self.backend, "job_group", None),
@@ -115,7 +121,7 @@ class Job:
                     # Fail fast: stop the others now, then give them a moment to report.
                     server.broadcast({"type": "abort"})
                     aborted_at = now
-                elif error := self.backend.failure():
+                elif error := self.backend.failure() or (self.mpi and self.mpi.failure()):
                     raise LaunchError(error)
             elif now - aborted_at > ABORT_GRACE:
                 break
@@ -173,6 +179,9 @@ class Job:
                 if len(state.hellos) == self.np:
                     self._place(state, rendezvous)
             return
+        if self.mpi is not None and kind in MpiDriver.EVENTS:
+            self.mpi.handle(link, event)
+            return
         rank = event.get("rank")
         if not isinstance(rank, int) or not 0 <= rank < self.np:
             return
@@ -212,6 +221,8 @@ class Job:
                 state.rows[slot.rank] = (int(rows[task]), rows_per_rank - rows[task])
         # Horovod's rendezvous must know the plan before any rank joins it.
         rendezvous.init(horovod_plan(layout))
+        if self.mpi is not None:
+            self.mpi.placed(layout, [state.hellos[task][0] for task in range(self.np)])
         for task, slot in enumerate(layout):
             link = state.hellos[task][0]
             try:
@@ -245,6 +256,8 @@ class Job:
         except KeyboardInterrupt:
             pass
         finally:
+            if self.mpi is not None:
+                self.mpi.stop(state.clean)
             if not state.clean:
                 self.backend.cancel()
             self.backend.join(timeout=30)

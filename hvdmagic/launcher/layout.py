@@ -111,23 +111,29 @@ def rank_base_environment(task_env: dict[str, str]) -> dict[str, str]:
     return env
 
 
-def rank_environment(slot: Slot, rendezvous: tuple[str, int], iface: str) -> dict[str, str]:
-    """Horovod's Gloo variables for one rank process."""
-    env = {
-        "HOROVOD_RANK": str(slot.rank),
-        "HOROVOD_SIZE": str(slot.size),
-        "HOROVOD_LOCAL_RANK": str(slot.local_rank),
-        "HOROVOD_LOCAL_SIZE": str(slot.local_size),
-        "HOROVOD_CROSS_RANK": str(slot.cross_rank),
-        "HOROVOD_CROSS_SIZE": str(slot.cross_size),
-        "HOROVOD_HOSTNAME": slot.host,
-        "HOROVOD_GLOO_RENDEZVOUS_ADDR": rendezvous[0],
-        "HOROVOD_GLOO_RENDEZVOUS_PORT": str(rendezvous[1]),
-        "HOROVOD_GLOO_IFACE": iface,
-        "HOROVOD_CONTROLLER": "gloo",
-        "HOROVOD_CPU_OPERATIONS": "gloo",
-        "PYTHONUNBUFFERED": "1",
-    }
+def rank_environment(slot: Slot, rendezvous: tuple[str, int], iface: str, controller: str = "gloo") -> dict[str, str]:
+    """Horovod's variables for one rank process.
+
+    Under MPI, Open MPI tells each rank where it sits; under Gloo these variables do.
+    """
+    if controller == "mpi":
+        env = {"HOROVOD_CONTROLLER": "mpi", "HOROVOD_CPU_OPERATIONS": "mpi"}
+    else:
+        env = {
+            "HOROVOD_RANK": str(slot.rank),
+            "HOROVOD_SIZE": str(slot.size),
+            "HOROVOD_LOCAL_RANK": str(slot.local_rank),
+            "HOROVOD_LOCAL_SIZE": str(slot.local_size),
+            "HOROVOD_CROSS_RANK": str(slot.cross_rank),
+            "HOROVOD_CROSS_SIZE": str(slot.cross_size),
+            "HOROVOD_HOSTNAME": slot.host,
+            "HOROVOD_GLOO_RENDEZVOUS_ADDR": rendezvous[0],
+            "HOROVOD_GLOO_RENDEZVOUS_PORT": str(rendezvous[1]),
+            "HOROVOD_GLOO_IFACE": iface,
+            "HOROVOD_CONTROLLER": "gloo",
+            "HOROVOD_CPU_OPERATIONS": "gloo",
+        }
+    env["PYTHONUNBUFFERED"] = "1"
     if "OMP_NUM_THREADS" not in os.environ:
         # Without this every rank's torch starts one thread per core, and ranks
         # sharing a host fight over the same cores.

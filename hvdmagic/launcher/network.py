@@ -13,3 +13,14 @@ def interface_for(ip: str) -> str:
         if any(a.family == socket.AF_INET and a.address == ip for a in addrs):
             return name
     raise RuntimeError(f"no network interface on {socket.gethostname()} holds the address {ip}")
+
+
+def network_of(ip: str) -> str:
+    """The subnet (CIDR) of the interface that holds ``ip``, e.g. 10.0.0.0/24."""
+    import ipaddress
+
+    for addrs in psutil.net_if_addrs().values():
+        for a in addrs:
+            if a.family == socket.AF_INET and a.address == ip and a.netmask:
+                return str(ipaddress.ip_interface(f"{ip}/{a.netmask}").network)
+    return f"{ip}/32"

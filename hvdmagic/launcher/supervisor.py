@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hvdmagic import channel
+from hvdmagic.launcher import mpi
 from hvdmagic.launcher.layout import Slot, rank_base_environment, rank_environment
 from hvdmagic.launcher.network import interface_for
 from hvdmagic.shards import SHARD_ENV, pad_shard
@@ -43,6 +44,7 @@ class TaskSpec:
     secret: bytes
     payload: bytes
     env: tuple[tuple[str, str], ...] = ()  # job-wide extra variables for every rank (e.g. HOROVOD_TIMELINE)
+    controller: str = "gloo"  # or "mpi": mpirun starts the ranks, and this task adopts its own (launcher.mpi)
 
 
 class LineSplitter:
@@ -103,12 +105,14 @@ class Supervisor:
         self.slot: Slot | None = None
         self._aborted = threading.Event()
         self._sent: set[int] = set()  # the signals kill() delivered to a live rank
+        self._daemons: list[subprocess.Popen] = []  # mpirun's daemon, when this task leads its host
 
     def run(self) -> int:
         link = channel.connect(self.spec.driver_host, self.spec.channel_port, self.spec.secret)
         try:
             return self._run(link)
         finally:
+            self._end_daemons()
             link.close()
 
     def _run(self, link: channel.Link) -> int:
@@ -128,12 +132,14 @@ class Supervisor:
         if self.shard:
             # Every rank runs the same number of steps: pad to the longest shard.
             pad_shard(Path(self.shard[0]), int(reply["rows_per_rank"]))
+        listener = mpi.listen_for_rank(self.spec.job_id, slot.rank) if self.spec.controller == "mpi" else None
         threading.Thread(target=self._listen, args=(link,), name="hvdmagic-abort-listener", daemon=True).start()
 
         events_r, events_w = os.pipe()
         env = rank_base_environment(os.environ)
         env.update(self.spec.env)
-        env.update(rank_environment(slot, (self.spec.driver_host, self.spec.rendezvous_port), interface_for(host_ip)))
+        env.update(rank_environment(slot, (self.spec.driver_host, self.spec.rendezvous_port), interface_for(host_ip),
+                                    self.spec.controller))
         env["HVDMAGIC_EVENT_FD"] = str(events_w)
         env["HVDMAGIC_JOB_ID"] = self.spec.job_id
         if self.shard:
@@ -143,14 +149,24 @@ class Supervisor:
             env["HVDMAGIC_TASK_GPUS"] = ",".join(self.gpus)
             env["HVDMAGIC_CUDA_DEVICE"] = str(first)
         try:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "hvdmagic.rank"],
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                pass_fds=(events_w,), env=env,
-                start_new_session=True,  # its own process group, so cleanup takes the whole tree
-            )
+            if listener is None:
+                self.proc = subprocess.Popen(
+                    [sys.executable, "-m", "hvdmagic.rank"],
+                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                    pass_fds=(events_w,), env=env,
+                    start_new_session=True,  # its own process group, so cleanup takes the whole tree
+                )
+            else:
+                self._send(link, {"type": "ready", "task": self.task_index})
+                self.proc = mpi.adopt_rank(listener, self._token(), env, events_w, self._aborted)
         finally:
             os.close(events_w)
+            if listener is not None:
+                mpi.close_listener(listener)
+        if self.proc is None:  # aborted before mpirun started this rank
+            os.close(events_r)
+            self._send(link, {"type": "exit", "rank": slot.rank, "code": -signal.SIGTERM, "aborted": True})
+            return -signal.SIGTERM
         if self._aborted.is_set():
             self.kill()
         relays = [
@@ -188,8 +204,9 @@ class Supervisor:
 
     def _listen(self, link: channel.Link) -> None:
         try:
-            while link.recv().get("type") != "abort":
-                pass
+            while (message := link.recv()).get("type") != "abort":
+                if message.get("type") == "exec":
+                    self._exec(link, message)
         except (channel.ChannelError, OSError):
             pass  # a lost driver means the same as abort
         self.abort()
@@ -197,6 +214,43 @@ class Supervisor:
     def abort(self) -> None:
         self._aborted.set()
         self.kill()
+        self._end_daemons(grace=0)
+
+    def _token(self) -> str:
+        return mpi.rank_token(self.spec.secret, self.spec.job_id)
+
+    def _exec(self, link: channel.Link, message: dict) -> None:
+        """Run mpirun's daemon for this host, as ssh would, and report its exit."""
+        env = rank_base_environment(os.environ)
+        env.update(mpi.as_root_env())
+        env.update({mpi.SOCKET_DIR_ENV: str(mpi.socket_dir(self.spec.job_id)), mpi.TOKEN_ENV: self._token(),
+                    mpi.PYTHON_ENV: sys.executable})
+        daemon = subprocess.Popen(["/bin/sh", "-c", str(message.get("command", ""))], env=env,
+                                  stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                  start_new_session=True)
+        self._daemons.append(daemon)
+
+        def report() -> None:
+            for line in daemon.stdout:
+                text = line.decode("utf-8", "replace").rstrip()[:MAX_LINE]
+                self._send(link, {"type": "output", "rank": self.slot.rank, "stream": "stderr",
+                                  "lines": [f"[mpi daemon] {text}"], "transient": None})
+            self._send(link, {"type": "rsh_exit", "id": message.get("id"), "code": daemon.wait()})
+
+        threading.Thread(target=report, name="hvdmagic-mpi-daemon", daemon=True).start()
+
+    def _end_daemons(self, grace: float = 30.0) -> None:
+        """mpirun ends its daemons once every rank is done; one still here after ``grace`` is stopped."""
+        for daemon in self._daemons:
+            try:
+                daemon.wait(timeout=grace)
+            except subprocess.TimeoutExpired:
+                pass
+            if daemon.poll() is None:
+                try:
+                    os.killpg(daemon.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
 
     def kill(self) -> None:
         """Stop the rank's whole process group: TERM, then KILL after a grace period."""
