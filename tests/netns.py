@@ -1,0 +1,66 @@
+"""Two simulated hosts: network namespaces joined to this one by a bridge.
+
+    root namespace: bridge hvdbr0 10.77.0.1/24 (the driver and the Spark master)
+    hvdmagic-h1:    veth  10.77.0.2/24          (a Spark worker)
+    hvdmagic-h2:    veth  10.77.0.3/24          (a Spark worker)
+
+Each namespace has only its loopback and its veth, so a rank there can reach the
+others only over 10.77.0.0/24, and never through ``lo``. Everything is created
+by the test and removed afterwards; it needs root (CAP_NET_ADMIN).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+
+SUBNET = "10.77.0"
+BRIDGE = "hvdbr0"
+
+
+def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    return subprocess.run(["ip", *args], capture_output=True, text=True, check=check)
+
+
+def available() -> str | None:
+    """None when namespaces can be made here, else why not."""
+    if os.geteuid() != 0:
+        return "network namespaces need root"
+    probe = "hvdmagic-probe"
+    result = _ip("netns", "add", probe, check=False)
+    if result.returncode != 0:
+        return f"'ip netns add' failed: {result.stderr.strip()}"
+    _ip("netns", "del", probe, check=False)
+    return None
+
+
+class TwoHosts:
+    def __init__(self, hosts: int = 2):
+        self.driver = f"{SUBNET}.1"
+        self.hosts = [(f"{SUBNET}.{i + 2}", f"hvdmagic-h{i + 1}") for i in range(hosts)]
+
+    def __enter__(self) -> "TwoHosts":
+        try:
+            _ip("link", "add", BRIDGE, "type", "bridge")
+            _ip("addr", "add", f"{self.driver}/24", "dev", BRIDGE)
+            _ip("link", "set", BRIDGE, "up")
+            for i, (address, ns) in enumerate(self.hosts):
+                outside, inside = f"hvdv{i}o", f"hvdv{i}i"
+                _ip("netns", "add", ns)
+                _ip("link", "add", outside, "type", "veth", "peer", "name", inside)
+                _ip("link", "set", outside, "master", BRIDGE)
+                _ip("link", "set", outside, "up")
+                _ip("link", "set", inside, "netns", ns)
+                _ip("-n", ns, "addr", "add", f"{address}/24", "dev", inside)
+                _ip("-n", ns, "link", "set", inside, "up")
+                _ip("-n", ns, "link", "set", "lo", "up")
+        except subprocess.CalledProcessError as exc:
+            self.__exit__(None, None, None)
+            raise RuntimeError(f"could not build the test network: {' '.join(exc.cmd)}: {exc.stderr.strip()}") from None
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for i, (_, ns) in enumerate(self.hosts):
+            _ip("netns", "del", ns, check=False)  # takes the inside veth, and with it the pair
+            _ip("link", "del", f"hvdv{i}o", check=False)
+        _ip("link", "del", BRIDGE, check=False)

@@ -1,0 +1,86 @@
+"""Two simulated hosts: Spark workers in their own network namespaces (see netns.py).
+
+Ranks on different hosts must get the layout of their host (local_rank,
+local_size, cross_rank, cross_size) and talk over the interface that reaches
+the other host, never ``lo``: only 10.77.0.0/24 joins the namespaces.
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+import netns
+from cluster import StandaloneCluster
+from conftest import run
+from procs import mpi_processes, rank_processes
+from test_cluster import _stop_active_session
+
+_why_not = netns.available()
+pytestmark = pytest.mark.skipif(_why_not is not None, reason=f"no simulated hosts: {_why_not}")
+
+LAYOUT_CELL = """%%horovod --np 4{flags}
+import os, torch, horovod.torch as hvd
+hvd.init()
+total = hvd.allreduce(torch.tensor([float(hvd.rank())]), op=hvd.Sum).item()
+row = (hvd.rank(), hvd.local_rank(), hvd.local_size(), hvd.cross_rank(), hvd.cross_size(),
+       os.readlink("/proc/self/ns/net"), sorted(os.listdir("/sys/class/net")), total,
+       os.environ.get("HOROVOD_GLOO_IFACE"))
+hvd.allgather_object(row)
+"""
+
+
+@pytest.fixture(scope="module")
+def two_host_shell(shell, tmp_path_factory):
+    _stop_active_session()
+    with netns.TwoHosts() as network:
+        cluster = StandaloneCluster(tmp_path_factory.mktemp("two-hosts"), host=network.driver,
+                                    worker_hosts=network.hosts).start()
+        shell.user_ns.update(MASTER=cluster.url, DRIVER=network.driver)
+        outcome = shell.run_cell("""
+import os, sys
+from pyspark.sql import SparkSession
+os.environ["PYSPARK_PYTHON"] = sys.executable
+spark = (SparkSession.builder.master(MASTER).appName("hvdmagic-two-hosts")
+         .config("spark.driver.host", DRIVER).config("spark.driver.bindAddress", DRIVER)
+         .config("spark.executor.cores", "2").config("spark.executor.memory", "1g")
+         .getOrCreate())
+""")
+        try:
+            assert outcome.error_in_exec is None, outcome.error_in_exec
+            yield shell
+        finally:
+            _stop_active_session()
+            cluster.stop()
+
+
+def _check_layout(rows):
+    rows = sorted(rows)
+    assert [r[0] for r in rows] == [0, 1, 2, 3]
+    assert all(r[7] == 6.0 for r in rows), "wrong allreduce result"
+    hosts = [r[5] for r in rows]
+    assert len(set(hosts)) == 2, f"the ranks ran in {set(hosts)}, not in both simulated hosts"
+    # Ranks sharing a host are contiguous, as Horovod expects: 0,1 on one host, 2,3 on the other.
+    assert hosts[0] == hosts[1] != hosts[2] == hosts[3]
+    assert [(r[1], r[2], r[3], r[4]) for r in rows] == [(0, 2, 0, 2), (1, 2, 0, 2), (0, 2, 1, 2), (1, 2, 1, 2)]
+    for row in rows:
+        assert [name for name in row[6] if name != "lo"] in (["hvdv0i"], ["hvdv1i"]), row[6]
+
+
+def test_gloo_layout_follows_the_hosts(two_host_shell):
+    result, error = run(two_host_shell, LAYOUT_CELL.format(flags=""))
+    assert error is None, error
+    _check_layout(result)
+    for row in result:  # Gloo is told the interface that holds the rank's own address
+        assert row[8] == [name for name in row[6] if name != "lo"][0], row
+    assert rank_processes() == []
+
+
+@pytest.mark.skipif(shutil.which("mpirun") is None, reason="Open MPI is not installed")
+def test_mpi_layout_follows_the_hosts(two_host_shell):
+    result, error = run(two_host_shell, LAYOUT_CELL.format(flags=" --controller mpi"))
+    assert error is None, error
+    _check_layout(result)
+    assert rank_processes() == []
+    assert mpi_processes() == []
