@@ -5,7 +5,14 @@ The standalone-cluster variant is in test_cluster.py.
 
 from __future__ import annotations
 
+import json
+import os
 import shutil
+import socket
+import stat
+import subprocess
+import tempfile
+import threading
 
 import pytest
 
@@ -74,3 +81,70 @@ def test_unknown_controller_is_a_usage_error(ip):
 
     _, error = run(ip, "%%horovod --np 2 --controller nccl\n1")
     assert isinstance(error, UsageError), error
+
+
+def test_mpirun_command_names_every_host_as_remote_and_stays_on_the_driver_network(monkeypatch):
+    from hvdmagic.launcher import mpi
+
+    monkeypatch.delenv("OMPI_MCA_btl_tcp_if_include", raising=False)
+    monkeypatch.setenv("OMPI_MCA_oob_tcp_if_include", "eth9")  # the user's choice wins
+    command = mpi.mpirun_command([3, 1], "127.0.0.1")
+    assert command[command.index("-H") + 1] == "hvdmagic-host-0:3,hvdmagic-host-1:1"
+    assert command[command.index("-np") + 1] == "4"
+    assert [mpi.host_index(mpi.host_alias(i)) for i in range(3)] == [0, 1, 2]
+    assert mpi.host_index("some-other-host") is None
+    joined = " ".join(command)
+    assert "btl_tcp_if_include 127.0.0.0/8" in joined
+    assert "oob_tcp_if_include" not in joined
+    assert "plm_rsh_no_tree_spawn 1" in joined  # only the driver can run the agent
+    assert ("--allow-run-as-root" in command) == (os.geteuid() == 0)
+
+
+def test_rank_socket_hands_the_pipes_only_to_a_shim_of_the_job(tmp_path, monkeypatch):
+    """A local process without the job's token gets nothing; the shim gets the rank's pipes."""
+    from hvdmagic.launcher import mpi
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    listener = mpi.listen_for_rank("job1", 0)
+    assert stat.S_IMODE(mpi.socket_dir("job1").stat().st_mode) == 0o700
+    token = mpi.rank_token(b"s" * 32, "job1")
+    aborted = threading.Event()
+    adopted = []
+    events_r, events_w = os.pipe()
+    waiter = threading.Thread(target=lambda: adopted.append(
+        mpi.adopt_rank(listener, token, {"RANK_ENV": "1"}, events_w, aborted)))
+    waiter.start()
+    path = str(mpi.socket_dir("job1") / "rank-0.sock")
+    rank = subprocess.Popen(["sleep", "30"], start_new_session=True)
+    try:
+        intruder = socket.socket(socket.AF_UNIX)
+        intruder.connect(path)
+        intruder.sendall(json.dumps({"token": "guess"}).encode() + b"\n")
+        data, fds, _, _ = socket.recv_fds(intruder, 1, 4)
+        assert (data, fds) == (b"", []), "a process without the token got the rank's pipes"
+
+        shim = socket.socket(socket.AF_UNIX)
+        shim.connect(path)
+        shim.sendall(json.dumps({"token": token}).encode() + b"\n")
+        _, fds, _, _ = socket.recv_fds(shim, 1, 4)
+        assert len(fds) == 4
+        assert mpi.read_message(shim) == {"env": {"RANK_ENV": "1"}, "cwd": os.getcwd()}
+        shim.sendall(json.dumps({"pid": rank.pid}).encode() + b"\n")
+        waiter.join(timeout=10)
+        (proc,) = adopted
+        assert proc.pid == rank.pid and proc.poll() is None
+        # The shim's end of the rank's stdout reaches the supervisor's.
+        os.write(fds[1], b"hello\n")
+        assert proc.stdout.read1(100) == b"hello\n"
+        shim.sendall(json.dumps({"code": 3}).encode() + b"\n")
+        assert proc.wait(timeout=10) == 3
+        for fd in fds:
+            os.close(fd)
+    finally:
+        aborted.set()
+        rank.kill()
+        rank.wait()
+        mpi.close_listener(listener)
+        os.close(events_r)
+        os.close(events_w)
+    assert not mpi.socket_dir("job1").exists()
