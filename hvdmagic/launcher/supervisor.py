@@ -220,7 +220,11 @@ class Supervisor:
         return mpi.rank_token(self.spec.secret, self.spec.job_id)
 
     def _exec(self, link: channel.Link, message: dict) -> None:
-        """Run mpirun's daemon for this host, as ssh would, and report its exit."""
+        """Run mpirun's daemon for this host, as ssh would, and report its exit.
+
+        Open MPI 4's orted daemonizes, so the shell usually returns at once and
+        mpirun itself stops the daemon; the shell is tracked for those that do not.
+        """
         env = rank_base_environment(os.environ)
         env.update(mpi.as_root_env())
         env.update({mpi.SOCKET_DIR_ENV: str(mpi.socket_dir(self.spec.job_id)), mpi.TOKEN_ENV: self._token(),
