@@ -162,7 +162,8 @@ def read_message(sock: socket.socket) -> dict:
     return json.loads(data)
 
 
-def _send_message(sock: socket.socket, message: dict) -> None:
+def send_message(sock: socket.socket, message: dict) -> None:
+    """One JSON line, as read_message reads it."""
     sock.sendall(json.dumps(message).encode() + b"\n")
 
 
@@ -207,7 +208,7 @@ def adopt_rank(listener: socket.socket, token: str, env: dict[str, str], events_
             child_ends = [stdin_r, out_w, err_w, events_w]
             try:
                 socket.send_fds(conn, [b"F"], child_ends)
-                _send_message(conn, {"env": env, "cwd": os.getcwd()})
+                send_message(conn, {"env": env, "cwd": os.getcwd()})
             finally:
                 for fd in child_ends[:3]:
                     os.close(fd)

@@ -11,14 +11,13 @@ and its exit code (from us).
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import socket
 import subprocess
 import sys
 
-from hvdmagic.launcher.mpi import SOCKET_DIR_ENV, TOKEN_ENV, read_message
+from hvdmagic.launcher.mpi import SOCKET_DIR_ENV, TOKEN_ENV, read_message, send_message
 
 _MPI_PREFIXES = ("OMPI_", "PMIX_", "OPAL_", "ORTE_")
 FDS = 4  # the rank's stdin, stdout, stderr and event pipe
@@ -28,7 +27,7 @@ def main() -> int:
     rank = os.environ["OMPI_COMM_WORLD_RANK"]
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.connect(os.path.join(os.environ[SOCKET_DIR_ENV], f"rank-{rank}.sock"))
-    sock.sendall(json.dumps({"token": os.environ[TOKEN_ENV]}).encode() + b"\n")
+    send_message(sock, {"token": os.environ[TOKEN_ENV]})
     _, fds, _, _ = socket.recv_fds(sock, 1, FDS)
     if len(fds) != FDS:
         raise ConnectionError("the supervisor refused this process")
@@ -44,9 +43,9 @@ def main() -> int:
         os.close(fd)
     # Open MPI stops its processes with SIGTERM: pass it on to the rank's own group.
     signal.signal(signal.SIGTERM, lambda sig, _frame: os.killpg(proc.pid, sig))
-    sock.sendall(json.dumps({"pid": proc.pid}).encode() + b"\n")
+    send_message(sock, {"pid": proc.pid})
     code = proc.wait()
-    sock.sendall(json.dumps({"code": code}).encode() + b"\n")
+    send_message(sock, {"code": code})
     return code if code >= 0 else 128 - code
 
 
