@@ -8,17 +8,9 @@ arrays hold the same numbers with no Python object per row.
 
 from __future__ import annotations
 
-import math
 from array import array
-from typing import Iterable
 
-_NAN = math.nan
-
-
-def _floats(values: list) -> array:
-    if None in values:  # a row that did not log this metric
-        return array("d", [_NAN if v is None else v for v in values])
-    return array("d", values)
+from hvdmagic.metric_rows import GAP_ROW, present
 
 
 def _step(value: float) -> int | float:
@@ -32,36 +24,36 @@ class MetricHistory:
         self.ranks = array("i")
         self.steps = array("d")
         self.times = array("d")
-        self.columns: dict[str, array] = {}  # NaN where a row lacks the metric
+        self.columns: dict[str, array] = {}  # a NaN (metric_rows.GAP_BITS) where a row lacks the metric
         self.rank0: dict[str, tuple[array, array]] = {}  # name -> (steps, values), rows that have it
 
     def __len__(self) -> int:
         return len(self.ranks)
 
-    def extend(self, rank: int, steps: list, times: Iterable[float], values: dict[str, list]) -> None:
-        """Append one batch of rows from ``rank``: ``values[name][i]`` is row i's value or None."""
+    def extend(self, rank: int, steps: array, times: array, values: dict[str, array]) -> None:
+        """Append one batch of rows from ``rank``, as ``metric_rows.decode`` returns it."""
         rows = len(steps)
         before = len(self.ranks)
         self.ranks.extend(array("i", [rank]) * rows)
-        self.steps.extend(array("d", steps))
-        self.times.extend(array("d", times))
+        self.steps.extend(steps)
+        self.times.extend(times)
         for name, column in values.items():
             if name not in self.columns:
-                self.columns[name] = array("d", [_NAN]) * before
-            self.columns[name].extend(_floats(column))
+                self.columns[name] = GAP_ROW * before
+            self.columns[name].extend(column)
         for name, column in self.columns.items():
             if len(column) < before + rows:
-                column.extend(array("d", [_NAN]) * rows)
+                column.extend(GAP_ROW * rows)
         if rank == 0:
             for name, column in values.items():
                 xs, ys = self.rank0.setdefault(name, (array("d"), array("d")))
-                if None in column:
-                    pairs = [(s, v) for s, v in zip(steps, column) if v is not None]
-                    xs.extend(array("d", [s for s, _ in pairs]))
-                    ys.extend(array("d", [v for _, v in pairs]))
+                rows_with_it = present(column)
+                if rows_with_it is None:
+                    xs.extend(steps)
+                    ys.extend(column)
                 else:
-                    xs.extend(array("d", steps))
-                    ys.extend(array("d", column))
+                    xs.extend(array("d", [steps[i] for i in rows_with_it]))
+                    ys.extend(array("d", [column[i] for i in rows_with_it]))
 
     def latest(self) -> dict[str, tuple[float, float]]:
         """name -> (step, value): rank 0's newest value of each metric."""

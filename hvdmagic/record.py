@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from hvdmagic import metric_rows
 from hvdmagic.history import MetricHistory
 
 STATES = ("launching", "running", "finished", "failed", "cancelled")
@@ -115,8 +116,11 @@ class RunRecord:
     def _apply_report(self, rank: int, record: RankRecord, event: dict) -> None:
         batch = event.get("metrics")
         if batch:
-            t0 = batch["t0"]
-            self.history.extend(rank, batch["steps"], (t0 + ms / 1000 for ms in batch["ms"]), batch["values"])
+            try:
+                self.history.extend(rank, *metric_rows.decode(batch))
+            except (KeyError, TypeError, ValueError, AttributeError) as exc:
+                # A dashboard problem must not end the training run; say what was dropped instead.
+                self.notes.append(f"rank {rank} sent a malformed metrics batch, which was dropped: {exc}")
         for desc, (step, total, stamp) in (event.get("progress") or {}).items():
             bar = record.bars.get(desc)
             if bar is None or step < bar.step:  # a new bar, or the same name restarted (next epoch)

@@ -1,9 +1,9 @@
 """What code inside a rank calls to talk to the notebook.
 
-``progress``, ``log_metrics`` and ``track`` only touch memory: a call appends to a
-buffer (metrics) or overwrites the latest state (progress), and a background
-thread flushes everything as one JSON line on the event pipe every
-``FLUSH_INTERVAL`` seconds. No call waits for the network. Outside a
+``progress``, ``log_metrics`` and ``track`` only touch memory: a call appends to
+typed columns (metrics, see ``metric_rows``) or overwrites the latest state
+(progress), and a background thread flushes everything as one JSON line on the
+event pipe every ``FLUSH_INTERVAL`` seconds. No call waits for the network. Outside a
 ``%%horovod`` run (no event pipe) they are no-ops, so the same code runs on a
 single node.
 """
@@ -14,23 +14,21 @@ import json
 import os
 import threading
 import time
-from collections import deque
 from typing import Iterable, Iterator, TypeVar
+
+from hvdmagic.metric_rows import GAP_ROW, MetricRows
 
 FLUSH_INTERVAL = 0.1
 HEARTBEAT_INTERVAL = 1.0  # tells the driver's watchdog this rank is alive even when it reports nothing
 MAX_BUFFERED_METRICS = 1_000_000  # beyond this a caller waits for a flush: memory stays bounded, nothing is dropped
-ROWS_PER_WRITE = 2_000  # one flush encodes at most this many rows per lock hold, so a backlog never blocks a caller long
 
 T = TypeVar("T")
-_PLAIN = (int, float)
 
 _write_lock = threading.Lock()
 _events = None  # the event pipe, opened by the rank process
-# Flat step, {name: value}, time, step, ... in call order. deque.extend of a tuple is
-# one atomic step, so the buffer always holds whole triples, and no container per
-# call outlives it (a list per row kept rank 0's garbage collector busy).
-_metrics: deque = deque()
+# The flusher swaps in fresh rows under this lock, so a call never writes into rows already sent.
+_rows_lock = threading.Lock()
+_rows = MetricRows()
 _progress: dict = {}  # desc -> [step, total, time]: only the newest state matters
 _progress_sent: dict = {}
 _metric_steps = 0
@@ -70,20 +68,34 @@ def log_metrics(step: int | None = None, **metrics: float) -> None:
     global _metric_steps
     if _events is None:
         return
-    for name, value in metrics.items():
-        if type(value) not in _PLAIN:
-            # numpy scalars, 0-d tensors, Decimals...: plain floats for the JSON frame.
-            try:
-                metrics[name] = float(value)
-            except (TypeError, ValueError):
-                raise TypeError(f"log_metrics({name}=...) needs a number, not {type(value).__name__}") from None
     if step is None:
         step = _metric_steps
+    _rows_lock.acquire()  # not ``with``: its __exit__ call cost as much as the lock here
+    try:
+        rows = _rows
+        row = len(rows.steps)
+        columns = rows.columns
+        name = "step"
+        try:
+            rows.steps.append(step)
+            for name, value in metrics.items():
+                column = columns.get(name)
+                if column is None:
+                    column = columns[name] = GAP_ROW * row
+                elif len(column) != row:  # the metric skipped the rows since its last value
+                    column.extend(GAP_ROW * (row - len(column)))
+                column.append(value)  # array converts numpy scalars and 0-d tensors, and refuses the rest
+        except Exception as exc:
+            rows.drop_row(row)
+            kind = type(step if name == "step" else metrics[name]).__name__
+            raise TypeError(f"log_metrics({name}=...) needs a number, not {kind}") from exc
+        rows.times.append(time.time())
+    finally:
+        _rows_lock.release()
     _metric_steps = step + 1
-    _metrics.extend((step, metrics, time.time()))
-    if len(_metrics) >= 3 * MAX_BUFFERED_METRICS:
+    if row >= MAX_BUFFERED_METRICS:
         _wake.set()
-        while len(_metrics) >= 3 * MAX_BUFFERED_METRICS and _events is not None:
+        while len(_rows.steps) >= MAX_BUFFERED_METRICS and _events is not None:
             time.sleep(0.001)
 
 
@@ -101,22 +113,17 @@ def track(iterable: Iterable[T], desc: str | None = None, total: int | None = No
         progress(step, total, desc)
 
 
-def _metric_batch(rows: int) -> dict:
-    """The oldest ``rows`` buffered metric calls as columns, which the driver's record appends as they are.
+def _take_rows() -> MetricRows:
+    global _rows
+    with _rows_lock:
+        taken, _rows = _rows, MetricRows()
+    return taken
 
-    Times travel as whole milliseconds after the batch's first one: the float
-    repr of a full timestamp was most of the encoding cost.
-    """
-    pop = _metrics.popleft
-    steps, stamps, dicts = [], [], []
-    for _ in range(rows):
-        steps.append(pop())
-        dicts.append(pop())
-        stamps.append(pop())
-    t0 = stamps[0]
-    names = dict.fromkeys(name for metrics in dicts for name in metrics) if len(dicts) > 1 else dicts[0]
-    return {"steps": steps, "t0": t0, "ms": [round((t - t0) * 1000) for t in stamps],
-            "values": {name: [metrics.get(name) for metrics in dicts] for name in names}}
+
+def report_line(bars: dict, rows: MetricRows) -> str:
+    """The event line of one flush: the progress bars that changed and the rows taken."""
+    metrics = f',"metrics":{rows.to_json()}' if rows else ""
+    return f'{{"type":"report","progress":{json.dumps(bars, separators=(",", ":"))}{metrics}}}\n'
 
 
 def flush() -> None:
@@ -124,23 +131,15 @@ def flush() -> None:
     global _progress_sent
     if _events is None:
         return
-    with _write_lock:
+    with _write_lock:  # take and write as one step, so two flushes cannot reorder batches
         snapshot = dict(_progress)
         bars = {desc: state for desc, state in snapshot.items() if _progress_sent.get(desc) != state}
         _progress_sent = snapshot
-    while True:
-        with _write_lock:
-            rows = min(len(_metrics) // 3, ROWS_PER_WRITE)
-            if not rows and not bars:
-                return
-            batch = {"type": "report", "progress": bars}
-            if rows:
-                batch["metrics"] = _metric_batch(rows)
-            _events.write(json.dumps(batch, separators=(",", ":")) + "\n")
-            _events.flush()
-            bars = {}
-            if rows < ROWS_PER_WRITE:
-                return
+        rows = _take_rows()
+        if not rows and not bars:
+            return
+        _events.write(report_line(bars, rows))
+        _events.flush()
 
 
 def _flush_loop() -> None:

@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
+import io
+import json
+import math
 import os
 import sys
 import threading
+from array import array
 
 import pytest
 
 import hvdmagic
 from conftest import run
+from hvdmagic import report
 from hvdmagic.errors import JobFailed, RankFailure
+from hvdmagic.metric_rows import GAP_ROW, MetricRows, decode
 from hvdmagic.record import RunRecord
 from hvdmagic.ui import text as text_ui
 
@@ -43,6 +49,79 @@ def test_log_metrics_rejects_what_is_not_a_number(ip):
     _, error = run(ip, "%%horovod --np -1\nimport hvdmagic\nhvdmagic.log_metrics(loss='low')")
     assert isinstance(error, JobFailed)
     assert "log_metrics(loss=...) needs a number, not str" in str(error)
+
+
+def test_sparse_metrics_a_logged_nan_and_a_refused_call_keep_the_history_exact(ip):
+    result, error = run(ip, """%%horovod --np -1 --metrics history
+import hvdmagic
+hvdmagic.log_metrics(step=0, loss=3.0)
+hvdmagic.log_metrics(step=1, val=0.5)
+try:
+    hvdmagic.log_metrics(step=2, loss=1.0, extra="high")
+except TypeError as e:
+    refused = str(e)
+hvdmagic.log_metrics(step=2, loss=float("nan"))
+refused
+""")
+    assert error is None and result == "log_metrics(extra=...) needs a number, not str"
+    history = ip.user_ns["history"]
+    assert history["step"].tolist() == [0, 1, 2] and "extra" not in history, "the refused call left a row behind"
+    assert history["loss"][0] == 3.0 and math.isnan(history["loss"][1]) and math.isnan(history["loss"][2])
+    assert math.isnan(history["val"][0]) and history["val"][1] == 0.5
+    record = hvdmagic.last_run()
+    steps, values = record.rank0_series["loss"]
+    assert list(steps) == [0, 2] and values[0] == 3.0 and math.isnan(values[1])  # the row without loss is skipped
+    step, latest = record.latest_metrics()["loss"]
+    assert step == 2 and math.isnan(latest), "a NaN the user logged must show as the latest value"
+
+
+def test_rows_taken_while_a_rank_logs_are_neither_lost_nor_repeated(monkeypatch):
+    sent = io.StringIO()
+    monkeypatch.setattr(report, "_events", sent)
+    monkeypatch.setattr(report, "_rows", MetricRows())
+    monkeypatch.setattr(report, "_progress_sent", {})
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # the threads interleave as often as the interpreter allows
+    stop = threading.Event()
+
+    def flusher():
+        while not stop.is_set():
+            report.flush()
+
+    thread = threading.Thread(target=flusher)
+    thread.start()
+    try:
+        for i in range(30000):
+            report.log_metrics(step=i, **({"loss": i} if i % 3 else {"acc": -i}))
+    finally:
+        stop.set()
+        sys.setswitchinterval(switch)
+        thread.join(timeout=30)
+    assert not thread.is_alive(), "the flushing thread did not stop"
+    report.flush()
+    steps, loss, acc, batches = array("d"), array("d"), array("d"), 0
+    for line in sent.getvalue().splitlines():
+        event = json.loads(line)
+        if "metrics" in event:
+            batch_steps, _, columns = decode(event["metrics"])
+            steps.extend(batch_steps)
+            loss.extend(columns.get("loss", GAP_ROW * len(batch_steps)))
+            acc.extend(columns.get("acc", GAP_ROW * len(batch_steps)))
+            batches += 1
+    assert batches > 1, "the flusher never took rows while the loop logged"
+    assert list(steps) == list(range(30000))
+    assert all((loss[i] == i and math.isnan(acc[i])) if i % 3 else (acc[i] == -i and math.isnan(loss[i]))
+               for i in range(30000)), "a value landed in the wrong row"
+
+
+def test_a_malformed_metrics_batch_is_dropped_whole_and_noted():
+    record = RunRecord(1)
+    batch = metric_batch([0, 1], [1.0, 2.0], {"loss": [1.0, 2.0]})
+    batch["rows"] = 3  # every column is one row short
+    record.apply({"type": "report", "rank": 0, "metrics": batch})
+    assert len(record.history) == 0 and not record.history.columns, "part of a bad batch reached the history"
+    assert record.notes == ["rank 0 sent a malformed metrics batch, which was dropped: "
+                            "metric column of 16 bytes for 3 rows"]
 
 
 def test_track_reports_progress_and_the_text_twin_is_deterministic(ip, capfd):
@@ -88,14 +167,26 @@ def test_text_twin_caps_live_output_but_keeps_every_line(capsys):
     assert record.logs[0].count("\n") == 9
 
 
+def metric_batch(steps: list, times: list, values: dict[str, list]) -> dict:
+    """A metrics batch as a rank sends it; None marks a row that did not log the metric."""
+    rows = MetricRows()
+    rows.steps.extend(steps)
+    rows.times.extend(times)
+    for name, column in values.items():
+        rows.columns[name] = packed = array("d")
+        for value in column:
+            packed.extend(GAP_ROW if value is None else array("d", [value]))
+    return json.loads(rows.to_json())
+
+
 def _fed_record() -> RunRecord:
     record = RunRecord(2)
     record.apply({"type": "launching", "description": "test", "job_group": "hvdmagic-abc"})
     for rank in (0, 1):
         record.apply({"type": "placed", "rank": rank, "host": "127.0.0.1"})
         record.apply({"type": "report", "rank": rank, "progress": {"train": [5, 10, 1.0]},
-                      "metrics": {"steps": list(range(1000)), "t0": 1.0, "ms": [1000 * s for s in range(1000)],
-                                  "values": {"loss": [1.0 / (s + 1) for s in range(1000)]}}})
+                      "metrics": metric_batch(list(range(1000)), [1.0 + s for s in range(1000)],
+                                              {"loss": [1.0 / (s + 1) for s in range(1000)]})})
         record.apply({"type": "output", "rank": rank, "stream": "stdout", "lines": ["hello"] * 300})
     return record
 
@@ -192,10 +283,9 @@ def test_history_keeps_columns_with_gaps_and_no_python_object_per_row():
     import math
 
     record = RunRecord(2)
-    record.apply({"type": "report", "rank": 0, "metrics": {
-        "steps": [0, 1, 2], "t0": 100.0, "ms": [0, 10, 20], "values": {"loss": [3.0, None, 1.0]}}})
-    record.apply({"type": "report", "rank": 1, "metrics": {
-        "steps": [0], "t0": 100.0, "ms": [5], "values": {"acc": [0.5]}}})
+    record.apply({"type": "report", "rank": 0,
+                  "metrics": metric_batch([0, 1, 2], [100.0, 100.01, 100.02], {"loss": [3.0, None, 1.0]})})
+    record.apply({"type": "report", "rank": 1, "metrics": metric_batch([0], [100.005], {"acc": [0.5]})})
     frame = record.metrics
     assert frame["step"].tolist() == [0, 1, 2, 0] and frame["rank"].tolist() == [0, 0, 0, 1]
     assert frame["time"].tolist() == pytest.approx([100.0, 100.01, 100.02, 100.005])
@@ -208,8 +298,7 @@ def test_history_keeps_columns_with_gaps_and_no_python_object_per_row():
     # A long history must not give the kernel's garbage collector more to walk.
     gc.collect()
     before = len(gc.get_objects())
-    batch = {"steps": list(range(1000)), "t0": 0.0, "ms": list(range(1000)),
-             "values": {"loss": [0.5] * 1000, "lr": [0.1] * 1000}}
+    batch = metric_batch(list(range(1000)), [s / 1000 for s in range(1000)], {"loss": [0.5] * 1000, "lr": [0.1] * 1000})
     for _ in range(100):
         record.apply({"type": "report", "rank": 0, "metrics": batch})
     gc.collect()
