@@ -3,7 +3,7 @@
 
 One command, from the repository root:
 
-    .venv/bin/python benchmarks/bench_report.py           # the full run (12 to 14 minutes on 2 cores)
+    .venv/bin/python benchmarks/bench_report.py           # the full run (about 12 minutes on 2 cores)
     .venv/bin/python benchmarks/bench_report.py --quick   # a smoke run in local mode (under a minute)
 
 It prints a table and writes every figure to ``artifacts/bench_report.json``;
@@ -21,7 +21,10 @@ docs/performance.md explains the figures. What is measured:
    (Linear 256->256, ReLU, Linear 256->256, batch 64, SGD; one torch thread) for
    ``--duration`` seconds, with and without the reporting calls, alternating
    bare/report runs ``--pairs`` times per mode (local ``np=-N`` and Spark ``np=N``),
-   then one run that switches reporting off and on every ``--segment`` seconds.
+   then one ``--interleaved``-second run per mode made of blocks of three
+   ``--segment``-second segments (bare, bare again, report) in random order: the
+   report/bare ratio per block is the A/B, the bare-again/bare ratio is an A/A
+   control that shows the noise of the same statistic.
    With reporting, rank 0 calls ``log_metrics`` after each step as many times as
    keeps it at ``--rate`` events per second, and every rank calls ``progress``
    once per step. After each reporting run the driver's record must hold exactly
@@ -49,6 +52,7 @@ import subprocess
 import sys
 import threading
 import time
+from array import array
 from pathlib import Path
 
 os.environ["HVDMAGIC_NONINTERACTIVE"] = "1"  # the text view: no widgets in a benchmark
@@ -58,6 +62,7 @@ import psutil  # noqa: E402
 
 import hvdmagic  # noqa: E402
 from hvdmagic import report  # noqa: E402
+from hvdmagic.metric_rows import MetricRows  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -128,11 +133,14 @@ def train(duration: float, batch: int, rate: float, reporting: bool, segment_s: 
     ``log_metrics`` after each step as many times as keeps it at ``rate`` calls per
     second of training (the number per step follows the step time).
 
-    ``segment_s`` > 0 turns the reporting calls off and on every ``segment_s`` seconds
-    (off first) within this one run and also returns each segment's throughput.
+    ``segment_s`` > 0 makes this one run a series of blocks of three ``segment_s``
+    segments, "bare", "bare again" and "report", in a fresh random order per block,
+    and also returns each segment's throughput. The two bare segments of a block
+    are an A/A control: their ratio shows how far two identical segments differ.
     """
     import gc
     import os
+    import random
     import time
 
     import horovod.torch as hvd
@@ -186,8 +194,12 @@ def train(duration: float, batch: int, rate: float, reporting: bool, segment_s: 
     is_rank0 = rank == 0
     steps = events = 0
     budget = 0.0
-    segments = []  # [reporting, steps, seconds, main-thread CPU seconds]
-    on = reporting and not segment_s
+    segments = []  # [label, steps, seconds, main-thread CPU seconds]
+    labels, shuffled, block, label = ("bare", "bare again", "report"), random.Random(20261122), [], None
+    if segment_s:
+        block = shuffled.sample(labels, 3)
+        label = block.pop()
+    on = label == "report" if segment_s else reporting
     gc.collect()  # both variants start from a collected heap (a first full collection would land in the window)
     gc.callbacks.append(on_gc)
     wall_start = time.time()
@@ -214,8 +226,10 @@ def train(duration: float, batch: int, rate: float, reporting: bool, segment_s: 
             seg_steps += 1
             if now - seg_start >= segment_s:
                 cpu_now = time.thread_time()
-                segments.append([on, seg_steps, now - seg_start, cpu_now - seg_cpu])
-                on, seg_steps, seg_start, seg_cpu = not on, 0, now, cpu_now
+                segments.append([label, seg_steps, now - seg_start, cpu_now - seg_cpu])
+                block = block or shuffled.sample(labels, 3)
+                label = block.pop()
+                on, seg_steps, seg_start, seg_cpu = label == "report", 0, now, cpu_now
     elapsed = now - start
     cpu = time.process_time() - cpu_start
     main_cpu = time.thread_time() - main_cpu_start
@@ -462,19 +476,18 @@ def driver_path_costs(batches: int, per_batch: int) -> dict:
     from hvdmagic.launcher.supervisor import relayed
     from hvdmagic.record import RunRecord
 
-    def buffer_rows(b: int) -> None:  # what log_metrics leaves in the rank's buffer
-        now = time.time()
-        for i in range(per_batch):
-            report._metrics.extend((b * per_batch + i, {"loss": 1.0 / (1 + b * per_batch + i)}, now + i * 1e-4))
+    def buffer_rows(b: int) -> MetricRows:  # what log_metrics leaves in the rank's buffer
+        rows, first, now = MetricRows(), b * per_batch, time.time()
+        rows.steps.extend(range(first, first + per_batch))
+        rows.times.extend(now + i * 1e-4 for i in range(per_batch))
+        rows.columns["loss"] = array("d", (1.0 / (1 + s) for s in range(first, first + per_batch)))
+        return rows
 
-    def encode(b: int) -> str:  # report.flush
-        event = {"type": "report", "progress": {"": [b * per_batch, batches * per_batch, time.time()]},
-                 "metrics": report._metric_batch(per_batch)}
-        return json.dumps(event, separators=(",", ":")) + "\n"
+    def encode(b: int, rows: MetricRows) -> str:  # report.flush
+        return report.report_line({"": [b * per_batch, batches * per_batch, time.time()]}, rows)
 
     def batch_event(b: int) -> dict:
-        buffer_rows(b)
-        return json.loads(encode(b))
+        return json.loads(encode(b, buffer_rows(b)))
 
     secret, nonce = channel.new_secret(), b"n" * channel.NONCE_SIZE
     a, b_sock = socket.socketpair()
@@ -501,9 +514,9 @@ def driver_path_costs(batches: int, per_batch: int) -> dict:
     gc.callbacks.append(on_gc)
     tail = b',"rank":0}'
     for b in range(batches):
-        buffer_rows(b)
+        rows = buffer_rows(b)
         t0 = clock()
-        line = encode(b)
+        line = encode(b, rows)
         t1 = clock()
         frame = relayed(line.encode(), tail)  # supervisor._relay_events
         t2 = clock()
@@ -612,19 +625,30 @@ def training_run(mode: str, np: int, variant: str, cfg: dict) -> dict:
 
 
 def segment_ratios(segments: list) -> dict:
-    """Each reporting segment over the mean of the bare segments either side of it.
+    """Per block, report/bare (A/B) and bare again/bare (A/A), with the median's 95 % interval.
 
     For steps/s and for the main thread's CPU time per step; the latter does not
     count time the thread spent descheduled, so it is less exposed to other load.
+    The interval is a bootstrap over blocks: the A/A row shows what the same
+    statistic reads when nothing differs.
     """
-    out = {}
+    blocks = [dict((seg[0], seg[1:]) for seg in segments[i:i + 3]) for i in range(0, len(segments) - 2, 3)]
+    out = {"blocks": len(blocks)}
     for key, value in (("steps_per_s", lambda steps, seconds, cpu: steps / seconds),
                        ("main_cpu_per_step", lambda steps, seconds, cpu: cpu / steps)):
-        vals = [(seg[0], value(*seg[1:])) for seg in segments]
-        ratios = [v / ((vals[i - 1][1] + vals[i + 1][1]) / 2)
-                  for i, (on, v) in enumerate(vals) if on and 0 < i < len(vals) - 1]
-        out[key] = {"ratios": ratios, **summarise(ratios)} if ratios else {"ratios": []}
+        for test, label in (("ab", "report"), ("aa", "bare again")):
+            ratios = [value(*b[label]) / value(*b["bare"]) for b in blocks]
+            out[f"{key}_{test}"] = {"ratios": ratios, **summarise(ratios), "ci95": bootstrap_median_ci(ratios)} \
+                if ratios else {"ratios": []}
     return out
+
+
+def bootstrap_median_ci(values: list, resamples: int = 4000) -> tuple[float, float]:
+    import random
+
+    draw = random.Random(1)
+    medians = sorted(statistics.median(draw.choices(values, k=len(values))) for _ in range(resamples))
+    return medians[int(0.025 * resamples)], medians[int(0.975 * resamples) - 1]
 
 
 def compare(runs: list[dict]) -> dict:
@@ -726,13 +750,15 @@ def print_tables(result: dict) -> None:
             print(f"  {mode:6} {label:28} {s['median']:.3f} [{s['min']:.3f}, {s['max']:.3f}]   ({each})")
     for mode, block in result["training"].items():
         segs = block.get("interleaved", {}).get("segment_ratios", {})
-        for key, label in (("steps_per_s", "rank 0 steps/s, alternating"),
-                           ("main_cpu_per_step", "r0 main CPU/step, alternating")):
-            seg = segs.get(key, {})
-            if seg.get("ratios"):
-                print(f"  {mode:6} {label:28} {seg['median']:.3f} [{seg['min']:.3f}, {seg['max']:.3f}]   "
-                      f"({seg['n']} report segments of {result['config']['segment_s']:g} s, each over the mean "
-                      f"of its bare neighbours, in one run)")
+        if segs.get("blocks"):
+            print(f"Interleaved run, {mode}: {segs['blocks']} blocks of three {result['config']['segment_s']:g} s "
+                  "segments (bare, bare again, report) in random order; median per block [95 % interval]")
+        for key, label in (("steps_per_s", "rank 0 steps/s"), ("main_cpu_per_step", "rank 0 main-thread CPU/step")):
+            for test, what in (("ab", "report / bare"), ("aa", "bare again / bare (A/A control)")):
+                seg = segs.get(f"{key}_{test}", {})
+                if seg.get("ratios"):
+                    low, high = seg["ci95"]
+                    print(f"  {mode:6} {label:28} {what:32} {seg['median']:.3f} [{low:.3f}, {high:.3f}]")
     print()
     print("Driver during the training window, median over runs (report | bare):")
     for mode, block in result["training"].items():
@@ -816,13 +842,15 @@ def main(argv=None) -> int:
     parser.add_argument("--modes", help="comma-separated: local, spark (default both; quick: local only, "
                         "since starting Spark alone takes 20-35 s)")
     parser.add_argument("--segment", type=float, help="seconds per segment of the interleaved run "
-                        "(default 1; 0 skips that run, as --quick does)")
+                        "(default 0.5; 0 skips that run, as --quick does)")
+    parser.add_argument("--interleaved", type=float, default=90.0,
+                        help="seconds of the interleaved run per mode (default 90)")
     parser.add_argument("--out", default=str(ROOT / "artifacts" / "bench_report.json"))
     args = parser.parse_args(argv)
     duration = args.duration or (2.0 if args.quick else 20.0)
     pairs = args.pairs if args.pairs is not None else (1 if args.quick else 4)
     rounds = args.rounds or (20 if args.quick else 400)
-    segment_s = args.segment if args.segment is not None else (0.0 if args.quick else 1.0)
+    segment_s = args.segment if args.segment is not None else (0.0 if args.quick else 0.5)
     modes = [m.strip() for m in (args.modes or ("local" if args.quick else "local,spark")).split(",") if m.strip()]
     for mode in modes:
         if mode not in ("local", "spark"):
@@ -831,7 +859,7 @@ def main(argv=None) -> int:
     began = time.perf_counter()
     result: dict = {"environment": environment(), "command": " ".join([sys.executable] + sys.argv),
                     "config": {"np": args.np, "duration": duration, "pairs": pairs, "rate": args.rate,
-                               "segment_s": segment_s,
+                               "segment_s": segment_s, "interleaved_s": args.interleaved,
                                "batch": args.batch, "rounds": rounds, "calls": args.calls, "modes": modes,
                                "quick": args.quick}}
     log("driver-side cost per metric event (in this process) ...")
@@ -855,8 +883,8 @@ def main(argv=None) -> int:
                     log(f"  metrics NOT complete: {run['metric_rows']} rows for {run['rank0_events_sent']} sent")
         block = {"runs": runs, "ratios": compare(runs), "driver_summary": driver_summary(runs)}
         if cfg["segment_s"]:
-            log(f"{mode}: one run alternating bare/report every {cfg['segment_s']:g} s, {duration:g} s ...")
-            block["interleaved"] = training_run(mode, args.np, "interleaved", cfg)
+            log(f"{mode}: one interleaved run, {args.interleaved:g} s in blocks of 3 x {cfg['segment_s']:g} s ...")
+            block["interleaved"] = training_run(mode, args.np, "interleaved", {**cfg, "duration": args.interleaved})
             if not block["interleaved"]["metrics_complete"]:
                 log("  metrics NOT complete in the interleaved run")
         result["training"][mode] = block
