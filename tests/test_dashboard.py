@@ -73,6 +73,11 @@ refused
     assert list(steps) == [0, 2] and values[0] == 3.0 and math.isnan(values[1])  # the row without loss is skipped
     step, latest = record.latest_metrics()["loss"]
     assert step == 2 and math.isnan(latest), "a NaN the user logged must show as the latest value"
+    pytest.importorskip("ipywidgets")
+    from hvdmagic.ui.dashboard import svg_chart
+
+    chart = svg_chart("loss", steps, values)
+    assert ">nan<" in chart and "nan" not in chart.split('points="')[1], "the NaN must be labelled, not plotted"
 
 
 def test_rows_taken_while_a_rank_logs_are_neither_lost_nor_repeated(monkeypatch):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextvars
 import html
+import math
 import threading
 from typing import Sequence
 
@@ -47,6 +48,10 @@ def svg_chart(name: str, steps: Sequence[float], values: Sequence[float], width:
         xs, ys = list(steps[::stride]) + xs, list(values[::stride]) + ys
     else:
         xs, ys = list(steps), list(values)
+    latest = ys[-1]
+    # A logged NaN or inf shows as the latest value but has no place on the axes.
+    points = [(x, y) for x, y in zip(xs, ys) if math.isfinite(y)] or [(xs[-1], 0.0)]
+    xs, ys = [x for x, _ in points], [y for _, y in points]
     x0, x1 = min(xs), max(xs)
     y0, y1 = min(ys), max(ys)
     pad = 24
@@ -64,7 +69,7 @@ def svg_chart(name: str, steps: Sequence[float], values: Sequence[float], width:
         f'<svg width="{width}" height="{height}" viewBox="0 0 {width} {height}" role="img" aria-label="{label}">'
         f'<rect x="0" y="0" width="{width}" height="{height}" fill="white" stroke="#ddd"/>'
         f'<text x="{pad}" y="14" font-size="12" font-weight="bold">{label}</text>'
-        f'<text x="{width - pad}" y="14" font-size="10" text-anchor="end">{ys[-1]:.4g}</text>'
+        f'<text x="{width - pad}" y="14" font-size="10" text-anchor="end">{latest:.4g}</text>'
         f'<text x="2" y="{pad + 4}" font-size="9">{y1:.3g}</text>'
         f'<text x="2" y="{height - pad}" font-size="9">{y0:.3g}</text>'
         f'<text x="{pad}" y="{height - 6}" font-size="9">{_label(x0)}</text>'
