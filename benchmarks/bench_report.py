@@ -691,7 +691,7 @@ def print_tables(result: dict) -> None:
              "supervisor_send": "supervisor: driver in local mode", "driver_recv": "driver (channel reader)",
              "record_apply": "driver (job loop)"}
     total = 0.0
-    for name, label in (("rank_encode", "columns + json.dumps (report.flush)"),
+    for name, label in (("rank_encode", "base64 columns, one line (report.flush)"),
                         ("supervisor_decode", "text relay (supervisor.relayed)"),
                         ("supervisor_send", "channel.Link.send_raw (HMAC + send)"),
                         ("driver_recv", "channel.Link.recv (HMAC + JSON)"),
