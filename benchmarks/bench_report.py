@@ -47,6 +47,7 @@ import io
 import json
 import os
 import platform
+import random
 import statistics
 import subprocess
 import sys
@@ -644,8 +645,6 @@ def segment_ratios(segments: list) -> dict:
 
 
 def bootstrap_median_ci(values: list, resamples: int = 4000) -> tuple[float, float]:
-    import random
-
     draw = random.Random(1)
     medians = sorted(statistics.median(draw.choices(values, k=len(values))) for _ in range(resamples))
     return medians[int(0.025 * resamples)], medians[int(0.975 * resamples) - 1]

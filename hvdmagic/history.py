@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from array import array
 
-from hvdmagic.metric_rows import GAP_ROW, present
+from hvdmagic.metric_rows import GAP_ROW, pad, present
 
 
 def _step(value: float) -> int | float:
@@ -41,9 +41,8 @@ class MetricHistory:
             if name not in self.columns:
                 self.columns[name] = GAP_ROW * before
             self.columns[name].extend(column)
-        for name, column in self.columns.items():
-            if len(column) < before + rows:
-                column.extend(GAP_ROW * rows)
+        for column in self.columns.values():
+            pad(column, before + rows)
         if rank == 0:
             for name, column in values.items():
                 xs, ys = self.rank0.setdefault(name, (array("d"), array("d")))

@@ -23,11 +23,18 @@ GAP_ROW = array("d", array("Q", [GAP_BITS]).tobytes())  # ``GAP_ROW * n``: n row
 _GAP_BYTES = GAP_ROW.tobytes()
 
 
+def pad(column: array, rows: int) -> None:
+    """Fill ``column`` up to ``rows`` rows with gaps: the rows since its metric was last logged."""
+    if len(column) < rows:
+        column.extend(GAP_ROW * (rows - len(column)))
+
+
 def present(column: array) -> list[int] | None:
     """Indices of the rows that logged this metric, or None when all of them did."""
-    if _GAP_BYTES not in column.tobytes():  # the usual case, at the speed of a byte search
+    raw = column.tobytes()
+    if _GAP_BYTES not in raw:  # the usual case, at the speed of a byte search
         return None
-    return [i for i, bits in enumerate(array("Q", column.tobytes())) if bits != GAP_BITS]
+    return [i for i, bits in enumerate(array("Q", raw)) if bits != GAP_BITS]
 
 
 class MetricRows:
@@ -64,8 +71,7 @@ class MetricRows:
         """
         rows = len(self.steps)
         for column in self.columns.values():
-            if len(column) < rows:
-                column.extend(GAP_ROW * (rows - len(column)))
+            pad(column, rows)
         values = ",".join(f'{json.dumps(name)}:"{_pack(column)}"' for name, column in self.columns.items())
         return f'{{"rows":{rows},"steps":"{_pack(self.steps)}","times":"{_pack(self.times)}","values":{{{values}}}}}'
 

@@ -16,7 +16,7 @@ import threading
 import time
 from typing import Iterable, Iterator, TypeVar
 
-from hvdmagic.metric_rows import GAP_ROW, MetricRows
+from hvdmagic.metric_rows import GAP_ROW, MetricRows, pad
 
 FLUSH_INTERVAL = 0.1
 HEARTBEAT_INTERVAL = 1.0  # tells the driver's watchdog this rank is alive even when it reports nothing
@@ -83,7 +83,7 @@ def log_metrics(step: int | None = None, **metrics: float) -> None:
                 if column is None:
                     column = columns[name] = GAP_ROW * row
                 elif len(column) != row:  # the metric skipped the rows since its last value
-                    column.extend(GAP_ROW * (row - len(column)))
+                    pad(column, row)
                 column.append(value)  # array converts numpy scalars and 0-d tensors, and refuses the rest
         except Exception as exc:
             rows.drop_row(row)
