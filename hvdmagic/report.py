@@ -87,6 +87,8 @@ def log_metrics(step: int | None = None, **metrics: float) -> None:
                 column.append(value)  # array converts numpy scalars and 0-d tensors, and refuses the rest
         except Exception as exc:
             rows.drop_row(row)
+            if isinstance(exc, OverflowError):  # an int beyond a double's range
+                raise OverflowError(f"log_metrics({name}=...) is too large for a float") from exc
             kind = type(step if name == "step" else metrics[name]).__name__
             raise TypeError(f"log_metrics({name}=...) needs a number, not {kind}") from exc
         rows.times.append(time.time())

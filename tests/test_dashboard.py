@@ -119,6 +119,39 @@ def test_rows_taken_while_a_rank_logs_are_neither_lost_nor_repeated(monkeypatch)
                for i in range(30000)), "a value landed in the wrong row"
 
 
+def test_log_metrics_counts_steps_converts_values_at_once_and_marks_gaps(monkeypatch):
+    import weakref
+
+    import numpy as np
+    import torch
+
+    sent = io.StringIO()
+    monkeypatch.setattr(report, "_events", sent)
+    monkeypatch.setattr(report, "_rows", MetricRows())
+    monkeypatch.setattr(report, "_metric_steps", 0)
+    monkeypatch.setattr(report, "_progress_sent", {})
+    loss = torch.tensor(0.5)
+    tensor = weakref.ref(loss)
+    report.log_metrics(a=1.0, b=2)  # no step: 0
+    report.log_metrics(b=True, a=loss)  # the other order of names; a tensor and a bool
+    del loss
+    assert tensor() is None, "log_metrics kept the tensor alive until the flush"
+    report.flush()
+    report.log_metrics(step=10, epoch=3)  # an int becomes a float
+    report.log_metrics(a=np.float32(4.5))  # a numpy scalar, no step: one after the previous call's
+    with pytest.raises(TypeError, match=r"^log_metrics\(step=...\) needs a number, not str$"):
+        report.log_metrics(step="x", a=1.0)
+    with pytest.raises(OverflowError, match=r"^log_metrics\(a=...\) is too large for a float$"):
+        report.log_metrics(a=10**400, b=1.0)
+    report.flush()
+    batches = [decode(json.loads(line)["metrics"]) for line in sent.getvalue().splitlines()]
+    assert [list(steps) for steps, _, _ in batches] == [[0, 1], [10, 11]], "refused calls left rows behind"
+    first, second = batches[0][2], batches[1][2]
+    assert list(first) == ["a", "b"] and list(first["a"]) == [1.0, 0.5] and list(first["b"]) == [2.0, 1.0]
+    assert list(second) == ["epoch", "a"] and second["epoch"][0] == 3.0 and second["a"][1] == 4.5
+    assert math.isnan(second["epoch"][1]) and math.isnan(second["a"][0]), "a metric a call skipped needs a gap"
+
+
 def test_a_malformed_metrics_batch_is_dropped_whole_and_noted():
     record = RunRecord(1)
     batch = metric_batch([0, 1], [1.0, 2.0], {"loss": [1.0, 2.0]})
