@@ -54,6 +54,15 @@ class MetricRows:
     def __len__(self) -> int:
         return len(self.steps)
 
+    @classmethod
+    def from_bytes(cls, steps: bytes, times: bytes, columns: list[tuple[str, bytes]]) -> MetricRows:
+        """Rows from the C ``log_metrics``'s buffers (``_rowlog.take()``: native doubles)."""
+        rows = cls()
+        rows.steps.frombytes(steps)
+        rows.times.frombytes(times)
+        rows.columns = {name: array("d", column) for name, column in columns}
+        return rows
+
     def drop_row(self, row: int) -> None:
         """Undo a row that failed part-way (``report.log_metrics`` appends column by column)."""
         del self.steps[row:]

@@ -80,11 +80,32 @@ refused
     assert ">nan<" in chart and "nan" not in chart.split('points="')[1], "the NaN must be labelled, not plotted"
 
 
-def test_rows_taken_while_a_rank_logs_are_neither_lost_nor_repeated(monkeypatch):
+@pytest.fixture(params=["c", "python"])
+def live_report(request, monkeypatch):
+    """report as inside a rank, with the C log_metrics or the Python one; yields what it sends."""
     sent = io.StringIO()
     monkeypatch.setattr(report, "_events", sent)
     monkeypatch.setattr(report, "_rows", MetricRows())
+    monkeypatch.setattr(report, "_metric_steps", 0)
     monkeypatch.setattr(report, "_progress_sent", {})
+    if request.param == "python":
+        monkeypatch.setattr(report, "_rowlog", None)
+        monkeypatch.setattr(report, "log_metrics", report._log_metrics)
+        yield sent
+        return
+    assert report._rowlog is not None, "the C log_metrics was not built: see hatch_build.py's warning"
+    assert report.log_metrics is report._rowlog.log_metrics
+    report._rowlog.take()
+    report._rowlog.enable(True, report.MAX_BUFFERED_METRICS, report._wait_for_flush, GAP_ROW[0], 0)
+    try:
+        yield sent
+    finally:
+        report._rowlog.enable(False, report.MAX_BUFFERED_METRICS, None, GAP_ROW[0], 0)
+        report._rowlog.take()
+
+
+def test_rows_taken_while_a_rank_logs_are_neither_lost_nor_repeated(live_report):
+    sent = live_report
     switch = sys.getswitchinterval()
     sys.setswitchinterval(1e-6)  # the threads interleave as often as the interpreter allows
     stop = threading.Event()
@@ -119,17 +140,13 @@ def test_rows_taken_while_a_rank_logs_are_neither_lost_nor_repeated(monkeypatch)
                for i in range(30000)), "a value landed in the wrong row"
 
 
-def test_log_metrics_counts_steps_converts_values_at_once_and_marks_gaps(monkeypatch):
+def test_log_metrics_counts_steps_converts_values_at_once_and_marks_gaps(live_report):
     import weakref
 
     import numpy as np
     import torch
 
-    sent = io.StringIO()
-    monkeypatch.setattr(report, "_events", sent)
-    monkeypatch.setattr(report, "_rows", MetricRows())
-    monkeypatch.setattr(report, "_metric_steps", 0)
-    monkeypatch.setattr(report, "_progress_sent", {})
+    sent = live_report
     loss = torch.tensor(0.5)
     tensor = weakref.ref(loss)
     report.log_metrics(a=1.0, b=2)  # no step: 0
