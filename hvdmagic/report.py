@@ -3,11 +3,13 @@
 ``progress``, ``log_metrics`` and ``track`` only touch memory: a call appends to
 typed columns (metrics, see ``metric_rows``) or overwrites the latest state
 (progress), and a background thread flushes everything as one JSON line on the
-event pipe every ``FLUSH_INTERVAL`` seconds. ``log_metrics`` is the C function of
-``_rowlog.c`` where the package was built with a compiler, and ``_log_metrics``
-below otherwise (or with ``HVDMAGIC_PURE_PYTHON=1``): the same rows and errors. No call waits for the network. Outside a
-``%%horovod`` run (no event pipe) they are no-ops, so the same code runs on a
-single node.
+event pipe every ``FLUSH_INTERVAL`` seconds. No call waits for the network.
+Outside a ``%%horovod`` run (no event pipe) they are no-ops, so the same code
+runs on a single node.
+
+``log_metrics`` is the C function of ``_rowlog.c`` where the package was built
+with a compiler, and ``_log_metrics`` below otherwise (or with
+``HVDMAGIC_PURE_PYTHON=1``): the same rows and the same errors.
 """
 
 from __future__ import annotations
