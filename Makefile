@@ -12,7 +12,8 @@ demo: setup
 	$(PY) scripts/run_notebook.py notebooks/quickstart.ipynb
 
 test: setup
-	$(PY) -m pytest -p no:cacheprovider --nbval-lax tests notebooks
+	$(PY) -m ruff check .
+	$(PY) -m pytest -p no:cacheprovider -ra --nbval-lax tests notebooks
 
 # The benchmarks of docs/performance*.md: tables on stdout, every figure in artifacts/*.json.
 bench: setup

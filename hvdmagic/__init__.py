@@ -2,33 +2,46 @@
 
 ``%load_ext hvdmagic`` registers the ``%%horovod`` cell magic. Inside a rank,
 ``progress``, ``log_metrics`` and ``track`` feed the live dashboard; they are
-no-ops elsewhere. Importing this package in a rank stays cheap: IPython, Spark
-and widgets are only imported by the driver-side modules that need them.
+no-ops elsewhere.
+
+The package is laid out by the process its code runs in:
+
+- ``kernel/``: the notebook kernel: the magic, capture, the run record, the views;
+- ``launch/``: the driver's side of a job: the launcher core and its backends;
+- ``task/``: a Spark barrier task: the supervisor of one rank;
+- ``rank/``: a rank process, and what user code calls there;
+- ``protocol`` (what travels between them), ``channel`` (the authenticated stream),
+  ``metric_rows`` (the metric columns' wire form) and ``errors`` are shared.
+
+Importing this package in a rank stays cheap: the kernel's API (``run``,
+``HorovodRunner``, ``last_run``) is imported on first use.
 """
 
 from __future__ import annotations
 
-from hvdmagic.record import last_run
-from hvdmagic.report import log_metrics, progress, track
-from hvdmagic.shards import shard
-from hvdmagic.training import load_checkpoint, save_checkpoint, scale_lr
+from hvdmagic.rank.report import log_metrics, progress, track
+from hvdmagic.rank.shards import shard
+from hvdmagic.rank.training import load_checkpoint, save_checkpoint, scale_lr
 
 __version__ = "0.1.0"
 __all__ = ["HorovodRunner", "last_run", "load_checkpoint", "log_metrics", "progress", "run", "save_checkpoint",
            "scale_lr", "shard", "track"]
 
+_KERNEL_API = {"run": "hvdmagic.kernel.api", "HorovodRunner": "hvdmagic.kernel.api",
+               "last_run": "hvdmagic.kernel.record"}
+
 
 def load_ipython_extension(ipython) -> None:
-    from hvdmagic.magic import HorovodMagics
+    from hvdmagic.kernel.magic import HorovodMagics
 
     ipython.register_magics(HorovodMagics)
 
 
 def __getattr__(name: str):
-    # The driver-side API imports cloudpickle and the launcher; ranks importing
+    # The kernel's API imports cloudpickle and the launcher; ranks importing
     # hvdmagic for progress() should not pay for that.
-    if name in ("run", "HorovodRunner"):
-        from hvdmagic import api
+    if name in _KERNEL_API:
+        import importlib
 
-        return getattr(api, name)
+        return getattr(importlib.import_module(_KERNEL_API[name]), name)
     raise AttributeError(f"module 'hvdmagic' has no attribute {name!r}")

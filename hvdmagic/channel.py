@@ -146,7 +146,8 @@ class ChannelServer:
                     link.close()
                     return
                 self._links.append(link)
-                reader = threading.Thread(target=self._read_loop, args=(link,), name="hvdmagic-channel-reader", daemon=True)
+                reader = threading.Thread(target=self._read_loop, args=(link,), name="hvdmagic-channel-reader",
+                                          daemon=True)
                 self._threads.append(reader)
             reader.start()
 

@@ -40,11 +40,11 @@ def present(column: array) -> list[int] | None:
 class MetricRows:
     """The rows logged since the last flush: steps, times and one column per metric.
 
-    The Python ``report._log_metrics`` appends to the arrays itself: on the training thread a
+    ``report.log_metrics`` appends to the arrays itself: on the training thread a
     method call cost more than the append.
     """
 
-    __slots__ = ("steps", "times", "columns")
+    __slots__ = ("columns", "steps", "times")
 
     def __init__(self):
         self.steps = array("d")
@@ -54,17 +54,8 @@ class MetricRows:
     def __len__(self) -> int:
         return len(self.steps)
 
-    @classmethod
-    def from_bytes(cls, steps: bytes, times: bytes, columns: list[tuple[str, bytes]]) -> MetricRows:
-        """Rows from the C ``log_metrics``'s buffers (``_rowlog.take()``: native doubles)."""
-        rows = cls()
-        rows.steps.frombytes(steps)
-        rows.times.frombytes(times)
-        rows.columns = {name: array("d", column) for name, column in columns}
-        return rows
-
     def drop_row(self, row: int) -> None:
-        """Undo a row that failed part-way (``report._log_metrics`` appends column by column)."""
+        """Undo a row that failed part-way (``report.log_metrics`` appends column by column)."""
         del self.steps[row:]
         del self.times[row:]
         for name, column in list(self.columns.items()):

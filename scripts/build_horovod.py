@@ -85,7 +85,8 @@ def build(version: str, flags: dict[str, str], dest: Path) -> Path:
     if not cxx:
         sys.exit("[build_horovod] no C++ compiler found: install g++ (e.g. 'apt-get install -y g++') and cmake.")
     if not shutil.which("cmake"):
-        sys.exit("[build_horovod] cmake was not found: install it (e.g. 'apt-get install -y cmake' or 'pip install cmake').")
+        sys.exit("[build_horovod] cmake was not found: install it "
+                 "(e.g. 'apt-get install -y cmake' or 'pip install cmake').")
     with tempfile.TemporaryDirectory(prefix="hvd-build-") as tmp:
         wrapper = Path(tmp) / "cxx17"
         wrapper.write_text(WRAPPER.format(cxx=cxx))
@@ -99,7 +100,8 @@ def build(version: str, flags: dict[str, str], dest: Path) -> Path:
                "-w", str(out), str(source)]
         result = subprocess.run(cmd, env=env, stdout=sys.stderr, stderr=sys.stderr)
         if result.returncode != 0:
-            sys.exit(f"[build_horovod] the horovod build failed (exit {result.returncode}); see the compiler output above.")
+            sys.exit(f"[build_horovod] the horovod build failed (exit {result.returncode}); "
+                     "see the compiler output above.")
         (wheel,) = out.glob("horovod-*.whl")
         dest.mkdir(parents=True, exist_ok=True)
         # Copy then rename, so an interrupted build never leaves a half wheel in the cache.

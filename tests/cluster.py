@@ -60,7 +60,7 @@ class StandaloneCluster:
         with urllib.request.urlopen(f"http://{self.host}:{self.ui_port}/json/", timeout=2) as reply:
             return json.load(reply)
 
-    def start(self, timeout: float = 90) -> "StandaloneCluster":
+    def start(self, timeout: float = 90) -> StandaloneCluster:
         self._start("master", ["org.apache.spark.deploy.master.Master", "--host", self.host,
                                "--port", str(self.port), "--webui-port", str(self.ui_port)])
         for i, (worker_host, netns) in enumerate(self.worker_hosts):

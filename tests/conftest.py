@@ -8,6 +8,19 @@ import pytest
 
 os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
 
+# CI's machine can run every test: there, .ci/run sets this and a skip is a failure.
+FAIL_ON_SKIP = os.environ.get("HVDMAGIC_FAIL_ON_SKIP") == "1"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if FAIL_ON_SKIP and report.skipped and not hasattr(report, "wasxfail"):
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        report.outcome = "failed"
+        report.longrepr = f"skipped, and HVDMAGIC_FAIL_ON_SKIP=1 forbids skips on this machine: {reason}"
+
 
 @pytest.fixture(scope="session")
 def shell():
@@ -31,3 +44,17 @@ def run(ip, cell: str):
     """Run a cell; return (result, error) like a notebook user would see them."""
     outcome = ip.run_cell(cell)
     return outcome.result, outcome.error_in_exec
+
+
+@pytest.fixture
+def kernel(monkeypatch):
+    """A real Jupyter kernel (text views), shut down after the test."""
+    monkeypatch.setenv("HVDMAGIC_NONINTERACTIVE", "1")
+    from kernels import start_kernel
+
+    manager, client = start_kernel()
+    try:
+        yield manager, client
+    finally:
+        client.stop_channels()
+        manager.shutdown_kernel(now=True)

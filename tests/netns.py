@@ -39,7 +39,7 @@ class TwoHosts:
         self.driver = f"{SUBNET}.1"
         self.hosts = [(f"{SUBNET}.{i + 2}", f"hvdmagic-h{i + 1}") for i in range(hosts)]
 
-    def __enter__(self) -> "TwoHosts":
+    def __enter__(self) -> TwoHosts:
         try:
             _ip("link", "add", BRIDGE, "type", "bridge")
             _ip("addr", "add", f"{self.driver}/24", "dev", BRIDGE)

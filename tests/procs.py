@@ -57,7 +57,7 @@ def _mpi_processes() -> list[str]:
         cmdline = " ".join(proc.info["cmdline"] or [])
         if proc.info["status"] == psutil.STATUS_ZOMBIE:
             continue  # exited; its new parent (init) reaps it in its own time
-        if proc.info["name"] in ("mpirun", "orterun", "orted") or "hvdmagic.launcher.mpi_" in cmdline:
+        if proc.info["name"] in ("mpirun", "orterun", "orted") or "hvdmagic.launch.mpi_" in cmdline:
             found.append(f"{proc.info['name']} {proc.pid} ({proc.info['status']}, parent {proc.info['ppid']}) "
                          f"{cmdline[:120]}")
     return found

@@ -9,8 +9,8 @@ from hvdmagic import HorovodRunner
 
 
 def train(learning_rate, scale=1.0):
-    import torch
     import horovod.torch as hvd
+    import torch
 
     hvd.init()
     total = hvd.allreduce(torch.tensor([float(hvd.rank())]), op=hvd.Sum).item()

@@ -15,7 +15,6 @@ from pathlib import Path
 
 import nbformat
 import pytest
-
 from browser.jupyter import JupyterLab, launch_chromium, missing_chromium
 
 REPO = Path(__file__).resolve().parents[1]

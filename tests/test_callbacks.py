@@ -7,9 +7,9 @@ import sys
 from types import SimpleNamespace
 
 import pytest
+from conftest import run
 
 import hvdmagic
-from conftest import run
 
 # Defined in the notebook namespace, so it travels to the ranks by value.
 LIGHTNING_FIT = '''

@@ -6,6 +6,7 @@ import pickle
 import socket
 import struct
 import threading
+import time
 from pathlib import Path
 
 import cloudpickle
@@ -13,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hvdmagic import channel
-from hvdmagic.launcher import launch
+from hvdmagic.launch import launch
 
 SENTINEL = Path("/tmp/hvdmagic-fuzz-executed")
 
@@ -79,30 +80,46 @@ def test_hostile_frames_never_reach_the_driver(frames, include_replay):
     assert not SENTINEL.exists(), "a hostile payload was unpickled"
 
 
-def test_a_job_under_attack_still_completes_correctly():
+def test_a_job_under_attack_still_completes_correctly(monkeypatch):
     SENTINEL.unlink(missing_ok=True)
-    attackers = []
+    servers = []
+    original_init = channel.ChannelServer.__init__
+
+    def keep_server(self, *args, **kwargs):
+        original_init(self, *args, **kwargs)
+        servers.append(self)
+
+    monkeypatch.setattr(channel.ChannelServer, "__init__", keep_server)
+    attacked = []
 
     def on_event(event):
-        if event.get("type") == "launching":
-            address = tuple(event["channel"])
-            replay = _signed_elsewhere(channel.new_secret(), {"type": "result", "rank": 0, "data": ""})
-            bursts = [[_frame(pickle.dumps(_Bomb()))], [b"\xff" * 64], [replay],
-                      [_frame(b"{}", length=2**31)], [_frame(b'{"type":"abort"}')]] * 4
-            for frames in bursts:
-                thread = threading.Thread(target=_attack, args=(address, frames))
-                thread.start()
-                attackers.append(thread)
+        # Once the ranks are placed, hold the job loop until the server has turned every attack away:
+        # the hostile frames arrive while the job runs, not after it.
+        if event.get("type") != "placed" or event.get("rank") != 0:
+            return
+        (server,) = servers
+        address = tuple(event.get("channel") or server.address)
+        replay = _signed_elsewhere(channel.new_secret(), {"type": "result", "rank": 0, "data": ""})
+        bursts = [[_frame(pickle.dumps(_Bomb()))], [b"\xff" * 64], [replay],
+                  [_frame(b"{}", length=2**31)], [_frame(b'{"type":"abort"}')]] * 4
+        attackers = [threading.Thread(target=_attack, args=(address, frames)) for frames in bursts]
+        for thread in attackers:
+            thread.start()
+        for thread in attackers:
+            thread.join(10)
+        deadline = time.monotonic() + 10
+        while server.rejected < len(bursts) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        attacked.append(server.rejected)
 
     def allreduce():
-        import torch
         import horovod.torch as hvd
+        import torch
         hvd.init()
         return hvd.allreduce(torch.tensor([hvd.rank() + 1.0]), op=hvd.Sum).item()
 
     result = launch(cloudpickle.dumps((allreduce, (), {})), -2, on_event=on_event, timeout=120)
-    for thread in attackers:
-        thread.join(10)
+    assert attacked == [20], f"the server rejected {attacked} hostile connections during the job, not all 20"
     assert result.results == [3.0, 3.0]
     assert not SENTINEL.exists(), "a hostile payload was unpickled"
 
@@ -111,8 +128,8 @@ def test_a_relayed_rank_event_cannot_claim_another_rank():
     """The supervisor forwards event lines as text and appends its own rank number."""
     import io
 
-    from hvdmagic.launcher.layout import Slot
-    from hvdmagic.launcher.supervisor import Supervisor
+    from hvdmagic.protocol import Slot
+    from hvdmagic.task.supervisor import Supervisor
 
     secret = channel.new_secret()
     ours, theirs = socket.socketpair()

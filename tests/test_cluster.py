@@ -5,17 +5,17 @@ from __future__ import annotations
 import shutil
 
 import pytest
-
 from cluster import StandaloneCluster
 from conftest import run
-from hvdmagic.errors import LaunchError
 from procs import mpi_processes, rank_processes
+
+from hvdmagic.errors import LaunchError
 
 
 def _stop_active_session():
     from pyspark.sql import SparkSession
 
-    from hvdmagic.launcher import spark
+    from hvdmagic.launch import spark
 
     session = SparkSession.getActiveSession()
     if session is not None:
@@ -71,7 +71,7 @@ hvd.allgather_object(row)
     # GPU pinning: Spark's addresses are remapped through the executors' CUDA_VISIBLE_DEVICES
     # (7,6,5,4), and each rank's own GPU is device hvd.local_rank() of what it sees.
     physical = {"0": "7", "1": "6", "2": "5", "3": "4"}
-    for rank, local_rank, *_, visible, own, _ in rows:
+    for _rank, local_rank, *_, visible, own, _ in rows:
         assert visible.split(",")[local_rank] == own
         assert own in physical.values()
     assert sorted(r[7] for r in rows) == sorted(physical.values())

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import pytest
+from conftest import run
 
 import hvdmagic
-from conftest import run
 
 CELL = """%%horovod --np {np} --data frame
 import hvdmagic
@@ -17,7 +17,7 @@ sorted(table["id"].to_pylist()), table.column_names
 @pytest.mark.parametrize("np", [2, -2])
 def test_shards_cover_every_row_once_with_documented_padding(ip, np):
     ip.run_cell("""
-from hvdmagic.launcher.spark import session_for
+from hvdmagic.launch.spark import session_for
 spark = session_for(2)
 frame = spark.range(1001).selectExpr("id", "id * 2 AS twice")
 """)

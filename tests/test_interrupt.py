@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import queue
 import time
 
 import psutil
-import pytest
-from jupyter_client.manager import start_new_kernel
+from kernels import execute as _execute
 
 TRAIN = """%%horovod --np 2
 import time, horovod.torch as hvd
@@ -26,45 +24,6 @@ def _rank_pids(kernel_pid: int) -> list[int]:
         except psutil.Error:  # exited (or a zombie) while we looked
             continue
     return pids
-
-
-@pytest.fixture
-def kernel(monkeypatch):
-    monkeypatch.setenv("HVDMAGIC_NONINTERACTIVE", "1")
-    manager, client = start_new_kernel(kernel_name="python3")
-    try:
-        yield manager, client
-    finally:
-        client.stop_channels()
-        manager.shutdown_kernel(now=True)
-
-
-def _execute(client, code: str, timeout: float, on_output=None) -> tuple[dict, list[str]]:
-    """Run code; return (execute_reply content, output texts), calling on_output as text arrives."""
-    msg_id = client.execute(code)
-    texts = []
-    deadline = time.monotonic() + timeout
-    while True:
-        remaining = deadline - time.monotonic()
-        assert remaining > 0, f"no reply within {timeout} s; output so far: {texts}"
-        try:
-            msg = client.get_iopub_msg(timeout=remaining)
-        except queue.Empty:
-            continue
-        if msg["parent_header"].get("msg_id") != msg_id:
-            continue
-        content = msg["content"]
-        if msg["msg_type"] == "stream":
-            texts.append(content["text"])
-            if on_output:
-                on_output(content["text"])
-        elif msg["msg_type"] == "error":
-            texts.append("\n".join(content["traceback"]))
-        elif msg["msg_type"] == "status" and content["execution_state"] == "idle":
-            while True:  # skip replies to other requests (start_new_kernel's kernel_info)
-                reply = client.get_shell_msg(timeout=10)
-                if reply["parent_header"].get("msg_id") == msg_id:
-                    return reply["content"], texts
 
 
 def test_interrupt_stops_ranks_and_keeps_the_kernel(kernel):

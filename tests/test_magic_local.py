@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import pytest
+from conftest import run
 from IPython.core.error import UsageError
 
-from conftest import run
 from hvdmagic.errors import CaptureError, CellSyntaxError
 
 
@@ -96,7 +96,7 @@ for _ in range(3):
     hvd.allreduce(torch.ones(64), name="weights")
 """)
     assert error is None
-    from hvdmagic.timeline import load_events, summarize
+    from hvdmagic.kernel.timeline import load_events, summarize
 
     events = load_events(path)
     assert any(e.get("name") == "ALLREDUCE" for e in events)
@@ -104,3 +104,63 @@ for _ in range(3):
     assert weights.count == 3 and weights.collective_ms > 0
     out = capfd.readouterr().out
     assert f"Horovod Timeline: {path}" in out and "chrome://tracing" in out and "allreduce.weights" in out
+
+
+def test_unpicklable_rank0_result_is_a_warning_with_its_repr_not_a_failed_cell(ip, capfd):
+    """Training finished: a value only the notebook would have shown must not fail the cell."""
+    ip.user_ns["value"] = "untouched"
+    result, error = run(ip, "%%horovod --np -2 --out value\nimport threading\nthreading.Lock()")
+    assert error is None, error
+    assert result is None and ip.user_ns["value"] is None
+    warning = [line for line in capfd.readouterr().out.splitlines() if "cannot be sent back" in line]
+    assert len(warning) == 1, "one line, once"
+    assert "rank 0's result (_thread.lock)" in warning[0] and "<unlocked _thread.lock object" in warning[0]
+
+
+def test_an_unpicklable_value_on_another_rank_is_kept_as_its_repr(ip, capfd):
+    import hvdmagic
+    from hvdmagic.launch import UnsentResult
+
+    result, error = run(ip, "%%horovod --np -2\nimport os, threading\n"
+                            "7 if os.environ['HOROVOD_RANK'] == '0' else threading.Lock()")
+    assert error is None and result == 7
+    other = hvdmagic.last_run().results[1]
+    assert isinstance(other, UnsentResult) and other.type_name == "_thread.lock"
+    assert "cannot be sent back" not in capfd.readouterr().out, "only rank 0's value is the cell's result"
+
+
+def test_run_fails_naming_the_rank_and_type_of_an_unpicklable_value():
+    import hvdmagic
+    from hvdmagic.errors import JobFailed
+
+    def lock_on_rank_one():
+        import os
+        import threading
+
+        return threading.Lock() if os.environ["HOROVOD_RANK"] == "1" else 0
+
+    with pytest.raises(JobFailed) as caught:
+        hvdmagic.run(lock_on_rank_one, -2)
+    assert caught.value.failures[0].rank == 1
+    assert "the result (_thread.lock) cannot be pickled" in str(caught.value)
+
+
+def test_without_horovod_load_ext_works_and_a_cell_says_how_to_install_it(tmp_path):
+    """horovod is imported lazily: the friendly error is reachable in a kernel whose import fails."""
+    from kernels import execute, start_kernel
+
+    fake = tmp_path / "horovod"
+    fake.mkdir()
+    (fake / "__init__.py").write_text("raise ImportError('horovod is not built in this test kernel')\n")
+    manager, client = start_kernel(PYTHONPATH=str(tmp_path), HVDMAGIC_NONINTERACTIVE="1")
+    try:
+        reply, texts = execute(client, "%load_ext hvdmagic", timeout=60)
+        assert reply["status"] == "ok", texts
+        reply, texts = execute(client, "%%horovod --np -2\n1", timeout=60)
+        assert reply["status"] == "error" and reply["ename"] == "LaunchError", (reply, texts)
+        message = texts[-1]
+        assert "horovod is not importable" in message and "make demo" in message
+        assert len(message.strip().splitlines()) == 1, f"not one paragraph:\n{message}"
+    finally:
+        client.stop_channels()
+        manager.shutdown_kernel(now=True)

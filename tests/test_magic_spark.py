@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import numpy as np
-
 from conftest import run
 from procs import rank_processes
+
 from hvdmagic.errors import JobFailed, JobTimeout
 
 
@@ -132,12 +131,13 @@ def test_output_reaches_the_driver_while_the_job_runs(tmp_path):
     """Rank 0 blocks until the driver has seen its first line: only live streaming lets it finish."""
     import cloudpickle
 
-    from hvdmagic.launcher import launch
+    from hvdmagic.launch import launch
 
     sentinel = tmp_path / "seen"
 
     def wait_for_driver():
-        import os, time
+        import os
+        import time
         if os.environ["HOROVOD_RANK"] == "0":
             print("first line", flush=True)
             deadline = time.monotonic() + 60

@@ -9,9 +9,8 @@ from __future__ import annotations
 
 import shutil
 
-import pytest
-
 import netns
+import pytest
 from cluster import StandaloneCluster
 from conftest import run
 from procs import mpi_processes, rank_processes
@@ -73,7 +72,7 @@ def test_gloo_layout_follows_the_hosts(two_host_shell):
     assert error is None, error
     _check_layout(result)
     for row in result:  # Gloo is told the interface that holds the rank's own address
-        assert row[8] == [name for name in row[6] if name != "lo"][0], row
+        assert row[8] == next(name for name in row[6] if name != "lo"), row
     assert rank_processes() == []
 
 

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import hvdmagic
 from conftest import run
+
+import hvdmagic
 from hvdmagic.errors import JobFailed
 
 TRAIN = """%%horovod --np -2 --out resumed
@@ -65,6 +66,7 @@ hvd.init()
 hvdmagic.scale_lr(0.01, batch_size=32)
 """)
     assert error is None and result == 0.02
-    assert hvdmagic.last_run().notes == ["learning rate scaled 0.01 -> 0.02 for 2 ranks; effective batch size 64 (32 per rank)"]
+    assert hvdmagic.last_run().notes == [
+        "learning rate scaled 0.01 -> 0.02 for 2 ranks; effective batch size 64 (32 per rank)"]
     assert "effective batch size 64" in capfd.readouterr().out
     assert hvdmagic.scale_lr(0.01) == 0.01  # a single node: unchanged

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import socket
-import threading
 
 import pytest
 
 from hvdmagic import channel
 from hvdmagic.errors import JobFailed, RankFailure
-from hvdmagic.launcher.layout import compute_layout
-from hvdmagic.launcher.supervisor import LineSplitter
+from hvdmagic.launch.layout import compute_layout
+from hvdmagic.task.lines import LineSplitter
 
 
 def test_layout_single_host():
@@ -52,7 +51,7 @@ def test_channel_delivers_authenticated_events_in_both_directions():
     server, client = _pair(secret, secret)
     try:
         client.send({"type": "hello", "n": 1})
-        link, event = server.events.get(timeout=5)
+        _link, event = server.events.get(timeout=5)
         assert event == {"type": "hello", "n": 1}
         server.broadcast({"type": "go"})
         assert client.recv() == {"type": "go"}
@@ -121,7 +120,7 @@ def test_job_failed_groups_identical_tracebacks_and_limits_them():
 
 
 def test_visible_devices_follow_local_rank_on_each_host():
-    from hvdmagic.launcher.layout import visible_devices
+    from hvdmagic.launch.layout import visible_devices
 
     hosts = ["a", "b", "a", "a"]
     gpus = [["3"], ["0"], ["1"], ["2"]]
@@ -135,14 +134,14 @@ def test_visible_devices_follow_local_rank_on_each_host():
 
 
 def test_visible_devices_with_two_gpus_per_task():
-    from hvdmagic.launcher.layout import visible_devices
+    from hvdmagic.launch.layout import visible_devices
 
     slots = compute_layout(["h", "h"])
     assert visible_devices(slots, [["2", "3"], ["0", "1"]], 1) == ("2,3,0,1", 2)
 
 
 def test_spark_errors_are_reduced_to_the_python_exception_line():
-    from hvdmagic.launcher.spark import first_line
+    from hvdmagic.launch.spark import first_line
 
     text = ("An error occurred while calling o1.collect.\n: org.apache.spark.SparkException: Job aborted\n"
             "Traceback (most recent call last):\n  File \"worker.py\", line 1, in main\n"
@@ -164,13 +163,14 @@ def test_job_failed_puts_the_root_cause_before_its_fallout():
 
 
 def test_timeline_summary_from_a_truncated_trace(tmp_path):
-    from hvdmagic.timeline import describe, summarize
+    from hvdmagic.kernel.timeline import describe, summarize
 
     trace = tmp_path / "t.json"
     trace.write_text(
         '[\n{"name": "process_name", "ph": "M", "pid": 1, "args": {"name": "allreduce.grad"}},\n'
         '{"ph": "B", "name": "NEGOTIATE_ALLREDUCE", "ts": 0, "pid": 1},{"ph": "E", "ts": 1000, "pid": 1},'
-        '{"ph": "B", "name": "ALLREDUCE", "ts": 1000, "pid": 1},{"ph": "B", "name": "GLOO_ALLREDUCE", "ts": 1100, "pid": 1},'
+        '{"ph": "B", "name": "ALLREDUCE", "ts": 1000, "pid": 1},'
+        '{"ph": "B", "name": "GLOO_ALLREDUCE", "ts": 1100, "pid": 1},'
         '{"ph": "E", "ts": 2900, "pid": 1},{"ph": "E", "ts": 3000, "pid": 1},')  # no closing bracket
     (tensor,) = summarize(trace)
     assert (tensor.name, tensor.count, tensor.collective_ms, tensor.negotiate_ms) == ("allreduce.grad", 1, 2.0, 1.0)
@@ -182,7 +182,7 @@ def test_supervisor_marks_only_its_own_kills_as_aborted():
     import signal
     import subprocess
 
-    from hvdmagic.launcher.supervisor import Supervisor
+    from hvdmagic.task.supervisor import Supervisor
 
     ours = Supervisor(spec=None, task_index=0)
     ours.proc = subprocess.Popen(["sleep", "30"], start_new_session=True)
@@ -214,7 +214,7 @@ def test_unauthenticated_peer_cannot_announce_a_large_frame():
 
 
 def test_rank_environment_drops_only_sparks_own_pythonpath_entries():
-    from hvdmagic.launcher.layout import rank_base_environment
+    from hvdmagic.task.environment import rank_base_environment
 
     spark_path = ":".join([
         "/opt/spark/python/lib/pyspark.zip", "/opt/spark/python/lib/py4j-0.10.9.9-src.zip",

@@ -21,7 +21,7 @@ import math
 from contextlib import ExitStack
 from types import ModuleType
 
-from hvdmagic.report import log_metrics, progress
+from hvdmagic.rank.report import log_metrics, progress
 
 _OPERATIONS = {"mean": "Average", "avg": "Average", "average": "Average", "sum": "Sum", "max": "Max", "min": "Min"}
 
@@ -231,3 +231,18 @@ def define(pl: ModuleType) -> dict[str, type]:
         # Importable names, so pickle (and Lightning's checkpoints) find them by reference.
         cls.__module__, cls.__qualname__ = module, name
     return classes
+
+
+def load(package: str, install: str) -> tuple[type, type, type]:
+    """``(HorovodStrategy, HvdmagicCallback, HvdmagicLogger)`` on ``package``'s base classes.
+
+    ``install`` finishes the one-paragraph error for a missing package.
+    """
+    try:
+        pl = importlib.import_module(package)
+    except ImportError as exc:
+        public = "lightning" if package.startswith("lightning") else "pytorch_lightning"
+        raise ImportError(f"hvdmagic.callbacks.{public} needs PyTorch Lightning 2.x, imported as {package}, in "
+                          f"the notebook's and every rank's environment: {install}") from exc
+    classes = define(pl)
+    return classes["HorovodStrategy"], classes["HvdmagicCallback"], classes["HvdmagicLogger"]

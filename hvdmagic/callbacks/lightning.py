@@ -12,17 +12,12 @@ For ``import pytorch_lightning`` use ``hvdmagic.callbacks.pytorch_lightning``.
 
 from __future__ import annotations
 
-try:
-    import lightning.pytorch as _pl
-except ImportError as exc:
-    raise ImportError(
-        "hvdmagic.callbacks.lightning needs PyTorch Lightning 2.x, imported as lightning.pytorch, in the "
-        "notebook's and every rank's environment: pip install lightning (it keeps an installed torch that "
-        "satisfies it; pin yours with -c, e.g. 'torch==2.13.0'). With the older package name "
-        "(import pytorch_lightning) use hvdmagic.callbacks.pytorch_lightning instead."
-    ) from exc
+from hvdmagic.callbacks._lightning import load
 
-from hvdmagic.callbacks._lightning import define
-
-globals().update(define(_pl))
+HorovodStrategy, HvdmagicCallback, HvdmagicLogger = load(
+    "lightning.pytorch",
+    "pip install lightning (it keeps an installed torch that satisfies it; pin yours with -c, e.g. "
+    "'torch==2.13.0'). With the older package name (import pytorch_lightning) use "
+    "hvdmagic.callbacks.pytorch_lightning instead.",
+)
 __all__ = ["HorovodStrategy", "HvdmagicCallback", "HvdmagicLogger"]

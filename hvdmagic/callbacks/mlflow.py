@@ -45,7 +45,7 @@ def log_run(record=None, experiment: str | None = None, run_name: str | None = N
     run's state, notes (e.g. the scaled learning rate) and timeline path.
     """
     if record is None:
-        from hvdmagic.record import last_run
+        from hvdmagic.kernel.record import last_run
 
         record = last_run()
         if record is None:
@@ -84,7 +84,7 @@ def _tags(record) -> dict[str, str]:
     if record.notes:
         tags["hvdmagic.notes"] = "\n".join(record.notes)
     if record.timeline:
-        tags["hvdmagic.timeline"] = record.timeline
+        tags["hvdmagic.kernel.timeline"] = record.timeline
     if record.error is not None:
         tags["hvdmagic.error"] = str(record.error).splitlines()[0] if str(record.error) else type(record.error).__name__
     return tags
@@ -103,7 +103,8 @@ def _rank0_metrics(record) -> list:
             value = row[name]
             if value is None or (isinstance(value, float) and math.isnan(value)):
                 continue  # this metric was not logged in this call
-            metrics.append(Metric(_INVALID.sub("_", str(name)), float(value), _ms(row["time"]), int(row["step"])))
+            stamp = _ms(row["time"].timestamp())
+            metrics.append(Metric(_INVALID.sub("_", str(name)), float(value), stamp, int(row["step"])))
     return metrics
 
 

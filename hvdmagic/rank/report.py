@@ -6,10 +6,6 @@ typed columns (metrics, see ``metric_rows``) or overwrites the latest state
 event pipe every ``FLUSH_INTERVAL`` seconds. No call waits for the network.
 Outside a ``%%horovod`` run (no event pipe) they are no-ops, so the same code
 runs on a single node.
-
-``log_metrics`` is the C function of ``_rowlog.c`` where the package was built
-with a compiler, and ``_log_metrics`` below otherwise (or with
-``HVDMAGIC_PURE_PYTHON=1``): the same rows and the same errors.
 """
 
 from __future__ import annotations
@@ -18,16 +14,11 @@ import json
 import os
 import threading
 import time
-from typing import Iterable, Iterator, TypeVar
+from collections.abc import Iterable, Iterator
+from typing import TypeVar
 
 from hvdmagic.metric_rows import GAP_ROW, MetricRows, pad
-
-try:  # log_metrics in C (_rowlog.c): the same rows and errors at a fraction of the cost per call
-    from hvdmagic import _rowlog
-except ImportError:  # built without a C compiler
-    _rowlog = None
-if os.environ.get("HVDMAGIC_PURE_PYTHON") == "1":
-    _rowlog = None
+from hvdmagic.protocol import EVENT_FD_ENV, Event
 
 FLUSH_INTERVAL = 0.1
 HEARTBEAT_INTERVAL = 1.0  # tells the driver's watchdog this rank is alive even when it reports nothing
@@ -50,12 +41,10 @@ _wake = threading.Event()
 def open_events() -> None:
     """Called once by the rank process; everything else is a no-op before it."""
     global _events, _flusher
-    fd = os.environ.get("HVDMAGIC_EVENT_FD")
+    fd = os.environ.get(EVENT_FD_ENV)
     if fd is None or _events is not None:
         return
     _events = os.fdopen(int(fd), "w", encoding="utf-8")
-    if _rowlog is not None:
-        _rowlog.enable(True, MAX_BUFFERED_METRICS, _wait_for_flush, GAP_ROW[0], 0)
     _flusher = threading.Thread(target=_flush_loop, name="hvdmagic-report", daemon=True)
     _flusher.start()
 
@@ -71,13 +60,56 @@ def emit(event: dict) -> None:
 
 
 def progress(step: int, total: int | None = None, desc: str | None = None) -> None:
-    """Report this rank's progress: ``step`` of ``total`` in the bar named ``desc``."""
+    """Report this rank's progress: ``step`` of ``total`` in the bar named ``desc``.
+
+    The call only overwrites the bar's latest state in memory; the background flusher
+    sends what changed. The dashboard shows each rank's most recently updated bar, with
+    its rate and ETA; a ``step`` below the bar's last one restarts it (the next epoch).
+    A no-op outside a ``%%horovod`` run, so the same code runs on a single node.
+
+    Args:
+        step: how far this rank has got, e.g. the number of batches done.
+        total: the step at which the bar is full; None (the default) when unknown (no ETA).
+        desc: the bar's name, e.g. "train" or f"epoch {epoch}"; None (the default) is the
+            unnamed bar.
+
+    Example::
+
+        %%horovod --np 2
+        for step in range(steps):
+            train_step()
+            hvdmagic.progress(step + 1, total=steps, desc="train")
+    """
     if _events is not None:
         _progress[desc or ""] = [step, total, time.time()]
 
 
-def _log_metrics(step: int | None = None, **metrics: float) -> None:
-    """Record numeric metrics (loss=..., accuracy=...) at ``step``; rank 0's are charted."""
+def log_metrics(step: int | None = None, **metrics: float) -> None:
+    """Record numeric metrics (loss=..., accuracy=...) at ``step``; rank 0's are charted.
+
+    The call only appends to memory; the background flusher sends the rows in batches,
+    and nothing is dropped (past 1,000,000 unsent rows a call waits for a flush). Every
+    rank's rows reach ``hvdmagic.last_run().metrics``. A no-op (no checks either) outside
+    a ``%%horovod`` run.
+
+    Args:
+        step: the x value of this row; None (the default) is the previous call's step + 1
+            (0 for the first call).
+        **metrics: name=value pairs; a value is an int, a float, a numpy scalar or a 0-d
+            tensor, stored as a float. A metric left out of a call has no value at that step.
+
+    Raises:
+        TypeError: ``step`` or a value is not a number (e.g. a string or a multi-element
+            tensor); the whole call is discarded.
+        OverflowError: an int too large for a float; the whole call is discarded.
+
+    Example::
+
+        %%horovod --np 2
+        for epoch in range(epochs):
+            loss, acc = train_one_epoch()
+            hvdmagic.log_metrics(step=epoch, loss=loss.item(), acc=acc)
+    """
     global _metric_steps
     if _events is None:
         return
@@ -112,22 +144,36 @@ def _log_metrics(step: int | None = None, **metrics: float) -> None:
         _wait_for_flush()
 
 
-log_metrics = _log_metrics if _rowlog is None else _rowlog.log_metrics
-
-
-def _pending() -> int:
-    return len(_rows) if _rowlog is None else _rowlog.pending()
-
-
 def _wait_for_flush() -> None:
     """Hold the logging thread until the flusher has taken the rows: memory stays bounded."""
     _wake.set()
-    while _pending() >= MAX_BUFFERED_METRICS and _events is not None:
+    while len(_rows) >= MAX_BUFFERED_METRICS and _events is not None:
         time.sleep(0.001)
 
 
 def track(iterable: Iterable[T], desc: str | None = None, total: int | None = None) -> Iterator[T]:
-    """``for batch in track(loader, desc="epoch 1")``: yields the items, reporting progress."""
+    """``for batch in track(loader, desc="epoch 1")``: yields the items, reporting progress.
+
+    Like tqdm: reports step 0 before the first item, then the number of items done each
+    time the loop asks for the next one, through ``progress``. Outside a ``%%horovod``
+    run it only yields the items.
+
+    Args:
+        iterable: what to loop over, e.g. a DataLoader.
+        desc: the bar's name (see ``progress``); None (the default) is the unnamed bar.
+        total: the number of items; None (the default) takes ``len(iterable)`` when it has
+            one, else the bar has no total (no ETA).
+
+    Returns:
+        An iterator over the items of ``iterable``.
+
+    Example::
+
+        %%horovod --np 2
+        for epoch in range(epochs):
+            for x, y in hvdmagic.track(loader, desc=f"epoch {epoch}"):
+                train_step(x, y)
+    """
     if total is None:
         try:
             total = len(iterable)  # type: ignore[arg-type]
@@ -142,8 +188,6 @@ def track(iterable: Iterable[T], desc: str | None = None, total: int | None = No
 
 def _take_rows() -> MetricRows:
     global _rows
-    if _rowlog is not None:
-        return MetricRows.from_bytes(*_rowlog.take())
     with _rows_lock:
         taken, _rows = _rows, MetricRows()
     return taken
@@ -152,7 +196,7 @@ def _take_rows() -> MetricRows:
 def report_line(bars: dict, rows: MetricRows) -> str:
     """The event line of one flush: the progress bars that changed and the rows taken."""
     metrics = f',"metrics":{rows.to_json()}' if rows else ""
-    return f'{{"type":"report","progress":{json.dumps(bars, separators=(",", ":"))}{metrics}}}\n'
+    return f'{{"type":"{Event.REPORT}","progress":{json.dumps(bars, separators=(",", ":"))}{metrics}}}\n'
 
 
 def flush() -> None:
@@ -179,7 +223,7 @@ def _flush_loop() -> None:
         try:
             flush()
             if time.monotonic() >= next_beat:
-                emit({"type": "heartbeat"})
+                emit({"type": Event.HEARTBEAT})
                 next_beat = time.monotonic() + HEARTBEAT_INTERVAL
         except (OSError, ValueError):
             return  # the pipe is gone: the supervisor ended the rank

@@ -11,84 +11,35 @@ from __future__ import annotations
 
 import os
 import pickle
-import re
 import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 from hvdmagic import channel
-from hvdmagic.launcher import mpi
-from hvdmagic.launcher.layout import Slot, rank_base_environment, rank_environment
-from hvdmagic.launcher.network import interface_for
-from hvdmagic.shards import SHARD_ENV, pad_shard
+from hvdmagic.protocol import (
+    CUDA_DEVICE_ENV,
+    EVENT_FD_ENV,
+    JOB_ID_ENV,
+    PYTHON_ENV,
+    SHARD_ENV,
+    SOCKET_DIR_ENV,
+    TASK_GPUS_ENV,
+    TOKEN_ENV,
+    Event,
+    Slot,
+    TaskSpec,
+)
+from hvdmagic.task import mpi
+from hvdmagic.task.environment import rank_base_environment, rank_environment
+from hvdmagic.task.lines import MAX_LINE, LineSplitter, relayed
+from hvdmagic.task.network import interface_for
+from hvdmagic.task.shards import pad_shard
 
-TRANSIENT_INTERVAL = 1.0  # seconds between forwarded \r progress updates per stream
-MAX_LINE = 10_000
 KILL_GRACE = 3.0
-_LINE_END = re.compile(r"\r\n|\n|\r")
-
-
-@dataclass(frozen=True)
-class TaskSpec:
-    """Everything a task needs, shipped in the Spark closure (or handed to a thread)."""
-
-    job_id: str
-    driver_host: str
-    channel_port: int
-    rendezvous_port: int
-    secret: bytes
-    payload: bytes
-    env: tuple[tuple[str, str], ...] = ()  # job-wide extra variables for every rank (e.g. HOROVOD_TIMELINE)
-    controller: str = "gloo"  # or "mpi": mpirun starts the ranks, and this task adopts its own (launcher.mpi)
-
-
-class LineSplitter:
-    """Turns a byte stream into complete lines plus the latest \\r-terminated update.
-
-    A tqdm-style bar rewrites its line with \\r many times a second; only the
-    newest state matters, so transient updates are rate-limited and superseded.
-    """
-
-    def __init__(self, interval: float = TRANSIENT_INTERVAL):
-        self._buffer = ""
-        self._interval = interval
-        self._last_transient = float("-inf")
-        self.pending_transient: str | None = None
-
-    def feed(self, text: str, now: float) -> tuple[list[str], str | None]:
-        """Returns (complete lines, transient to show now or None)."""
-        self._buffer += text
-        lines: list[str] = []
-        pos = 0
-        for match in _LINE_END.finditer(self._buffer):
-            segment = self._buffer[pos:match.start()][:MAX_LINE]
-            pos = match.end()
-            if match.group() == "\r":
-                self.pending_transient = segment
-            else:
-                lines.append(segment)
-                self.pending_transient = None
-        self._buffer = self._buffer[pos:]
-        if len(self._buffer) > MAX_LINE:  # a runaway line with no end
-            lines.append(self._buffer[:MAX_LINE])
-            self._buffer = ""
-        if lines:
-            self._last_transient = float("-inf")
-        transient = None
-        if self.pending_transient is not None and now - self._last_transient >= self._interval:
-            transient, self.pending_transient = self.pending_transient, None
-            self._last_transient = now
-        return lines, transient
-
-    def finish(self) -> list[str]:
-        tail = [t for t in (self.pending_transient, self._buffer) if t]
-        self.pending_transient, self._buffer = None, ""
-        return tail
 
 
 class Supervisor:
@@ -121,11 +72,11 @@ class Supervisor:
         # places every task from the hellos and answers each with its own go; a
         # Spark barrier allGather would do the same but costs a second (it polls).
         host_ip = link.sock.getsockname()[0]
-        link.send({"type": "hello", "task": self.task_index, "host": host_ip, "gpus": self.gpus,
+        link.send({"type": Event.HELLO, "task": self.task_index, "host": host_ip, "gpus": self.gpus,
                    "rows": self.shard[1] if self.shard else None,
                    "hostname": socket.gethostname(), "pid": os.getpid()})
         reply = link.recv()
-        if reply.get("type") != "go":
+        if reply.get("type") != Event.GO:
             return -1
         self.slot = slot = Slot(**reply["slot"])
         devices = reply.get("devices")
@@ -140,14 +91,14 @@ class Supervisor:
         env.update(self.spec.env)
         env.update(rank_environment(slot, (self.spec.driver_host, self.spec.rendezvous_port), interface_for(host_ip),
                                     self.spec.controller))
-        env["HVDMAGIC_EVENT_FD"] = str(events_w)
-        env["HVDMAGIC_JOB_ID"] = self.spec.job_id
+        env[EVENT_FD_ENV] = str(events_w)
+        env[JOB_ID_ENV] = self.spec.job_id
         if self.shard:
             env[SHARD_ENV] = self.shard[0]
         if devices is not None:
             env["CUDA_VISIBLE_DEVICES"], first = devices[0], devices[1]
-            env["HVDMAGIC_TASK_GPUS"] = ",".join(self.gpus)
-            env["HVDMAGIC_CUDA_DEVICE"] = str(first)
+            env[TASK_GPUS_ENV] = ",".join(self.gpus)
+            env[CUDA_DEVICE_ENV] = str(first)
         try:
             if listener is None:
                 self.proc = subprocess.Popen(
@@ -157,7 +108,7 @@ class Supervisor:
                     start_new_session=True,  # its own process group, so cleanup takes the whole tree
                 )
             else:
-                self._send(link, {"type": "ready", "task": self.task_index})
+                self._send(link, {"type": Event.READY, "task": self.task_index})
                 self.proc = mpi.adopt_rank(listener, self._token(), env, events_w, self._aborted)
         finally:
             os.close(events_w)
@@ -165,7 +116,7 @@ class Supervisor:
                 mpi.close_listener(listener)
         if self.proc is None:  # aborted before mpirun started this rank
             os.close(events_r)
-            self._send(link, {"type": "exit", "rank": slot.rank, "code": -signal.SIGTERM, "aborted": True})
+            self._send(link, {"type": Event.EXIT, "rank": slot.rank, "code": -signal.SIGTERM, "aborted": True})
             return -signal.SIGTERM
         if self._aborted.is_set():
             self.kill()
@@ -177,7 +128,8 @@ class Supervisor:
         for thread in relays:
             thread.start()
         try:
-            self.proc.stdin.write(pickle.dumps({"payload": self.spec.payload, "rank": slot.rank}))
+            self.proc.stdin.write(pickle.dumps({"payload": self.spec.payload, "rank": slot.rank,
+                                                "results": self.spec.results}))
             self.proc.stdin.flush()
         except (BrokenPipeError, OSError):
             pass  # the rank died before reading; its exit code tells why
@@ -192,7 +144,7 @@ class Supervisor:
         # own SIGKILL (the OOM killer) or exit code while an abort was under way
         # is still a failure the user must see.
         aborted = code < 0 and -code in self._sent
-        self._send(link, {"type": "exit", "rank": slot.rank, "code": code, "aborted": aborted})
+        self._send(link, {"type": Event.EXIT, "rank": slot.rank, "code": code, "aborted": aborted})
         return code
 
     def _send(self, link: channel.Link, event: dict) -> None:
@@ -204,8 +156,8 @@ class Supervisor:
 
     def _listen(self, link: channel.Link) -> None:
         try:
-            while (message := link.recv()).get("type") != "abort":
-                if message.get("type") == "exec":
+            while (message := link.recv()).get("type") != Event.ABORT:
+                if message.get("type") == Event.EXEC:
                     self._exec(link, message)
         except (channel.ChannelError, OSError):
             pass  # a lost driver means the same as abort
@@ -227,8 +179,8 @@ class Supervisor:
         """
         env = rank_base_environment(os.environ)
         env.update(mpi.as_root_env())
-        env.update({mpi.SOCKET_DIR_ENV: str(mpi.socket_dir(self.spec.job_id)), mpi.TOKEN_ENV: self._token(),
-                    mpi.PYTHON_ENV: sys.executable})
+        env.update({SOCKET_DIR_ENV: str(mpi.socket_dir(self.spec.job_id)), TOKEN_ENV: self._token(),
+                    PYTHON_ENV: sys.executable})
         daemon = subprocess.Popen(["/bin/sh", "-c", str(message.get("command", ""))], env=env,
                                   stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                   start_new_session=True)
@@ -237,9 +189,9 @@ class Supervisor:
         def report() -> None:
             for line in daemon.stdout:
                 text = line.decode("utf-8", "replace").rstrip()[:MAX_LINE]
-                self._send(link, {"type": "output", "rank": self.slot.rank, "stream": "stderr",
+                self._send(link, {"type": Event.OUTPUT, "rank": self.slot.rank, "stream": "stderr",
                                   "lines": [f"[mpi daemon] {text}"], "transient": None})
-            self._send(link, {"type": "rsh_exit", "id": message.get("id"), "code": daemon.wait()})
+            self._send(link, {"type": Event.RSH_EXIT, "id": message.get("id"), "code": daemon.wait()})
 
         threading.Thread(target=report, name="hvdmagic-mpi-daemon", daemon=True).start()
 
@@ -284,10 +236,11 @@ class Supervisor:
                 break
             lines, transient = splitter.feed(chunk.decode("utf-8", "replace"), time.monotonic())
             if lines or transient is not None:
-                self._send(link, {"type": "output", "rank": rank, "stream": stream, "lines": lines, "transient": transient})
+                self._send(link, {"type": Event.OUTPUT, "rank": rank, "stream": stream, "lines": lines,
+                                  "transient": transient})
         tail = splitter.finish()
         if tail:
-            self._send(link, {"type": "output", "rank": rank, "stream": stream, "lines": tail, "transient": None})
+            self._send(link, {"type": Event.OUTPUT, "rank": rank, "stream": stream, "lines": tail, "transient": None})
 
     def _relay_events(self, link: channel.Link, events) -> None:
         tail = b',"rank":%d}' % self.slot.rank
@@ -300,22 +253,8 @@ class Supervisor:
             except OSError:
                 self.abort()  # the driver is gone: nobody will read our output, so stop the rank
             except ValueError as exc:  # over the frame limit: fail the rank, never drop silently
-                self._send(link, {"type": "error", "rank": self.slot.rank, "time": time.time(),
+                self._send(link, {"type": Event.ERROR, "rank": self.slot.rank, "time": time.time(),
                                   "exc_type": "ValueError", "message": str(exc), "traceback": ""})
-
-
-def relayed(line: bytes, tail: bytes) -> bytes | None:
-    """A rank's event line as the frame the driver gets, ``tail`` naming the rank; None to skip it.
-
-    Relayed as text: appending the rank is all an event needs, and decoding then
-    re-encoding every metric row here cost more than everything else on its way.
-    The appended key comes last, and JSON keeps the last of duplicate keys, so a
-    rank cannot claim another rank's number.
-    """
-    line = line.rstrip(b"\n")
-    if len(line) > 2 and line.startswith(b"{") and line.endswith(b"}"):
-        return line[:-1] + tail
-    return None
 
 
 def run_task(spec: TaskSpec, task_index: int, gpus: list[str] | None = None,

@@ -16,20 +16,19 @@ import signal
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from hvdmagic import channel
 from hvdmagic.errors import JobFailed, JobInterrupted, JobTimeout, LaunchError, RankFailure
-from hvdmagic.launcher.layout import Slot, compute_layout, horovod_plan, visible_devices
-from hvdmagic.launcher.mpi import MpiDriver
-from hvdmagic.launcher.rendezvous import Rendezvous
-from hvdmagic.launcher.supervisor import TaskSpec
+from hvdmagic.launch.layout import compute_layout, horovod_plan, visible_devices
+from hvdmagic.launch.mpi import MpiDriver
+from hvdmagic.protocol import PROGRESS_EVENTS, Event, ResultPolicy, Slot, TaskSpec
 
 ABORT_GRACE = 5.0  # seconds the other ranks get to report after the first failure
 POLL = 0.1
 RECENT_PROGRESS = 10.0  # a rank silent for longer than this is named as "stopped progressing"
-_PROGRESS_EVENTS = ("output", "report", "result")
 
 
 @dataclass
@@ -37,6 +36,19 @@ class JobResult:
     results: list[Any]  # one per rank, in rank order
     slots: list[Slot]
     duration: float
+
+
+@dataclass(frozen=True)
+class UnsentResult:
+    """A rank's value under ResultPolicy.ALL_OR_REPR that could not be pickled: what it was."""
+
+    type_name: str
+    repr: str
+    reason: str
+
+    def warning(self) -> str:
+        return (f"hvdmagic: the cell finished, but rank 0's result ({self.type_name}) cannot be sent back to "
+                f"the notebook ({self.reason}); the cell's result is None. Its repr: {self.repr}")
 
 
 @dataclass
@@ -64,7 +76,8 @@ class _State:
 class Job:
     def __init__(self, backend, payload: bytes, *, timeout: float | None = None,
                  stall_timeout: float | None = None, env: dict[str, str] | None = None,
-                 controller: str = "gloo", on_event: Callable[[dict], None] | None = None):
+                 controller: str = "gloo", results: ResultPolicy = ResultPolicy.ALL,
+                 on_event: Callable[[dict], None] | None = None):
         self.backend = backend
         self.np = backend.np
         self.payload = payload
@@ -72,6 +85,7 @@ class Job:
         self.stall_timeout = stall_timeout
         self.env = tuple(sorted((env or {}).items()))
         self.controller = controller
+        self.results = results
         self.mpi: MpiDriver | None = None
         self.on_event = on_event or (lambda event: None)
         self.job_id = uuid.uuid4().hex[:12]
@@ -81,6 +95,10 @@ class Job:
             return self._run()
 
     def _run(self) -> JobResult:
+        # Imported here, not at the top: importing hvdmagic (and %load_ext) must work
+        # without horovod, so that launch() can say how to install it.
+        from hvdmagic.launch.rendezvous import Rendezvous
+
         started = time.monotonic()
         secret = channel.new_secret()
         server = channel.ChannelServer(self.backend.bind_host, secret)
@@ -92,9 +110,9 @@ class Job:
             spec = TaskSpec(
                 job_id=self.job_id, driver_host=self.backend.bind_host, channel_port=server.address[1],
                 rendezvous_port=rendezvous.port, secret=secret, payload=self.payload, env=self.env,
-                controller=self.controller,
+                controller=self.controller, results=self.results,
             )
-            self.on_event({"type": "launching", "description": self.backend.describe(),
+            self.on_event({"type": Event.LAUNCHING, "description": self.backend.describe(),
                            "job_group": getattr(self.backend, "job_group", None),
                            "channel": list(server.address)})
             self.backend.start(spec)
@@ -109,7 +127,7 @@ class Job:
             duration=time.monotonic() - started,
         )
 
-    def _loop(self, server: channel.ChannelServer, rendezvous: Rendezvous, state: _State, started: float) -> None:
+    def _loop(self, server: channel.ChannelServer, rendezvous, state: _State, started: float) -> None:
         deadline = started + self.timeout if self.timeout else None
         aborted_at = None
         verdict: str | None = None  # why the job was stopped without a rank failing
@@ -119,7 +137,7 @@ class Job:
                 verdict = self._watchdog(state, now, deadline)
                 if state.failures or verdict:
                     # Fail fast: stop the others now, then give them a moment to report.
-                    server.broadcast({"type": "abort"})
+                    server.broadcast({"type": Event.ABORT})
                     aborted_at = now
                 elif error := self.backend.failure() or (self.mpi and self.mpi.failure()):
                     raise LaunchError(error)
@@ -170,9 +188,9 @@ class Job:
                 parts.append(f"rank {rank} stopped progressing {silent:.0f} s ago ({alive})")
         return "".join("; " + part for part in parts)
 
-    def _handle(self, event: dict, state: _State, rendezvous: Rendezvous, link) -> None:
+    def _handle(self, event: dict, state: _State, rendezvous, link) -> None:
         kind = event.get("type")
-        if kind == "hello":
+        if kind == Event.HELLO:
             task = event.get("task")
             if isinstance(task, int) and 0 <= task < self.np and task not in state.hellos:
                 state.hellos[task] = (link, event)
@@ -187,27 +205,24 @@ class Job:
             return
         now = time.monotonic()
         state.last_heard[rank] = now
-        if kind in _PROGRESS_EVENTS:
+        if kind in PROGRESS_EVENTS:
             state.last_progress[rank] = now
-        if kind == "result":
-            import cloudpickle
-
-            # Safe to unpickle: the frame passed the per-job HMAC check in the channel.
-            state.results[rank] = cloudpickle.loads(base64.b64decode(event["data"]))
-        elif kind == "error":
+        if kind == Event.RESULT:
+            state.results[rank] = _result_value(event)
+        elif kind == Event.ERROR:
             stamp = event.get("time")
             state.failures.append(RankFailure(rank, f"{event.get('exc_type')}: {event.get('message')}",
                                               event.get("traceback", ""), state.hosts.get(rank, ""),
                                               stamp if isinstance(stamp, (int, float)) else float("inf")))
-        elif kind == "exit":
+        elif kind == Event.EXIT:
             code = int(event.get("code", -1))
             state.exits[rank] = code
             if code != 0 and not event.get("aborted") and not any(f.rank == rank for f in state.failures):
                 state.failures.append(RankFailure(rank, _describe_exit(code), "", state.hosts.get(rank, "")))
-        if kind != "heartbeat":
+        if kind != Event.HEARTBEAT:
             self.on_event(event)
 
-    def _place(self, state: _State, rendezvous: Rendezvous) -> None:
+    def _place(self, state: _State, rendezvous) -> None:
         """Every task has said hello: lay the ranks out and send each task its go."""
         hellos = [state.hellos[task][1] for task in range(self.np)]
         layout = compute_layout([h["host"] for h in hellos])
@@ -226,17 +241,17 @@ class Job:
         for task, slot in enumerate(layout):
             link = state.hellos[task][0]
             try:
-                link.send({"type": "go", "slot": slot.to_dict(), "devices": visible_devices(layout, gpus, task),
+                link.send({"type": Event.GO, "slot": slot.to_dict(), "devices": visible_devices(layout, gpus, task),
                            "rows_per_rank": rows_per_rank})
             except OSError:
                 pass  # that task is gone; its missing exit ends the job
         state.go_at = time.monotonic()
         if state.rows:
-            self.on_event({"type": "note", "rank": 0, "text": _data_note(state.rows)})
+            self.on_event({"type": Event.NOTE, "rank": 0, "text": _data_note(state.rows)})
         for slot in layout:
-            self.on_event({"type": "placed", "rank": slot.rank, "host": state.hosts[slot.rank]})
+            self.on_event({"type": Event.PLACED, "rank": slot.rank, "host": state.hosts[slot.rank]})
 
-    def _shutdown(self, server: channel.ChannelServer, rendezvous: Rendezvous, state: _State) -> None:
+    def _shutdown(self, server: channel.ChannelServer, rendezvous, state: _State) -> None:
         """Abort whatever still runs, cancel the backend, close the services.
 
         A second Ctrl-C while this runs only cuts the grace period short: the
@@ -244,14 +259,14 @@ class Job:
         """
         try:
             if not state.clean:
-                server.broadcast({"type": "abort"})
+                server.broadcast({"type": Event.ABORT})
                 grace_end = time.monotonic() + ABORT_GRACE
                 while len(state.exits) < len(state.slots) and time.monotonic() < grace_end:
                     try:
                         _, event = server.events.get(timeout=POLL)
                     except queue.Empty:
                         continue
-                    if event.get("type") == "exit" and isinstance(event.get("rank"), int):
+                    if event.get("type") == Event.EXIT and isinstance(event.get("rank"), int):
                         state.exits[event["rank"]] = int(event.get("code", -1))
         except KeyboardInterrupt:
             pass
@@ -289,6 +304,17 @@ def _data_note(rows: dict[int, tuple[int, int]]) -> str:
     padding = sum(p for _, p in rows.values())
     return (f"data: {total} rows over {len(rows)} ranks, {per_rank} per rank"
             + (f" ({padding} repeated as padding)" if padding else ""))
+
+
+def _result_value(event: dict) -> Any:
+    if event.get("unpicklable"):
+        return UnsentResult(str(event["unpicklable"]), str(event.get("repr", "")), str(event.get("reason", "")))
+    if event.get("data") is None:  # a value the policy does not send back
+        return None
+    import cloudpickle
+
+    # Safe to unpickle: the frame passed the per-job HMAC check in the channel.
+    return cloudpickle.loads(base64.b64decode(event["data"]))
 
 
 def _describe_exit(code: int) -> str:

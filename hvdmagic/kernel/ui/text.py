@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import sys
 
-from hvdmagic.record import RunRecord
-from hvdmagic.timeline import describe
+from hvdmagic.kernel.record import RunRecord
+from hvdmagic.kernel.timeline import describe
+from hvdmagic.protocol import Event
 
 MAX_LIVE_LINES = 1000  # per rank; the record keeps every line
 
@@ -28,7 +29,7 @@ class TextView:
         pass
 
     def on_event(self, event: dict) -> None:
-        if event.get("type") != "output":
+        if event.get("type") != Event.OUTPUT:
             return
         rank = event["rank"]
         lines = list(event.get("lines") or [])

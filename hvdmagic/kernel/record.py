@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hvdmagic import metric_rows
-from hvdmagic.history import MetricHistory
+from hvdmagic.kernel.history import MetricHistory
+from hvdmagic.protocol import Event
 
 STATES = ("launching", "running", "finished", "failed", "cancelled")
 
@@ -81,19 +82,17 @@ class RunRecord:
         kind = event.get("type")
         with self._lock:
             self.version += 1
-            if kind == "launching":
+            if kind == Event.LAUNCHING:
                 self.description = event.get("description", "")
                 self.job_group = event.get("job_group")
                 return
-            rank = event.get("rank")
-            if not isinstance(rank, int) or not 0 <= rank < self.np:
-                return
+            rank = event["rank"]  # the job passes on only events whose rank it checked
             record = self.ranks[rank]
-            if kind == "placed":
+            if kind == Event.PLACED:
                 record.host = event.get("host", "")
                 record.state = "running"
                 self.state = "running"
-            elif kind == "output":
+            elif kind == Event.OUTPUT:
                 lines = list(event.get("lines") or [])
                 stream = event.get("stream", "stdout")
                 record.logs.extend((stream, line) for line in lines)
@@ -101,13 +100,13 @@ class RunRecord:
                 shown = event.get("transient") or (lines[-1] if lines else None)
                 if shown is not None:
                     record.last_line = shown
-            elif kind == "note":
+            elif kind == Event.NOTE:
                 self.notes.append(str(event.get("text", "")))
-            elif kind == "report":
+            elif kind == Event.REPORT:
                 self._apply_report(rank, record, event)
-            elif kind == "error":
+            elif kind == Event.ERROR:
                 record.state = "failed"
-            elif kind == "exit":
+            elif kind == Event.EXIT:
                 record.exit_code = event.get("code")
                 if record.state != "failed":
                     record.state = "finished" if event.get("code") == 0 else (
@@ -179,7 +178,24 @@ _last: RunRecord | None = None
 
 
 def last_run() -> RunRecord | None:
-    """The record of the most recent %%horovod cell or hvdmagic.run call in this kernel."""
+    """The record of the most recent %%horovod cell or hvdmagic.run call in this kernel.
+
+    The record is set when the run starts, so it is there while the run is live and
+    after it failed or was interrupted, and it outlives the dashboard.
+
+    Returns:
+        A ``RunRecord``, or None before the first run. Its ``state`` is one of "launching",
+        "running", "finished", "failed", "cancelled"; ``metrics`` is every rank's metrics
+        history as a pandas DataFrame; ``logs[rank]`` every output line of that rank;
+        ``result`` and ``results`` rank 0's and every returned value; ``error`` the
+        exception the run ended with; ``timings`` and ``notes`` (e.g. a scaled learning rate).
+
+    Example::
+
+        run = hvdmagic.last_run()
+        print(run.state, run.timings["elapsed"])
+        run.metrics.query("rank == 0").plot(x="step", y="loss")
+    """
     return _last
 
 

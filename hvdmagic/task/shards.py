@@ -1,6 +1,6 @@
-"""Data sharding for ``--data df``: each rank gets an equal-size, disjoint shard.
+"""Data sharding for ``--data df``, the task's side: write and pad the rank's shard.
 
-Driver and task side: a shard is an Arrow IPC file next to the rank. In Spark
+A shard is an Arrow IPC file next to the rank. In Spark
 mode each barrier task receives one partition of ``df.repartition(np)`` through
 ``mapInArrow`` and writes it locally, so no shared file system is needed; in
 local mode the driver splits the table round-robin. Sizes then differ by a few
@@ -8,16 +8,16 @@ rows at most; shorter shards are padded to the longest by repeating their own
 first rows, like torch's DistributedSampler, so every rank runs the same number
 of steps and no collective waits for a rank that ran out of data.
 
-Rank side: ``hvdmagic.shard()`` returns the rank's shard as a pyarrow Table.
+The rank reads it with ``hvdmagic.shard()`` (``hvdmagic.rank.shards``).
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
-SHARD_ENV = "HVDMAGIC_SHARD"
+from hvdmagic.rank.shards import read_shard
 
 
 def write_shard(batches: Iterable, schema, path: Path) -> int:
@@ -48,28 +48,3 @@ def pad_shard(path: Path, target: int) -> None:
     partial = path.with_name(path.name + ".partial")
     write_shard(padded.to_batches(), padded.schema, partial)
     os.replace(partial, path)
-
-
-def split_round_robin(table, parts: int) -> list:
-    return [table.take(list(range(i, table.num_rows, parts))) for i in range(parts)]
-
-
-def read_shard(path: str | os.PathLike):
-    import pyarrow as pa
-
-    with pa.memory_map(str(path)) as source:
-        return pa.ipc.open_file(source).read_all()
-
-
-def shard():
-    """This rank's shard of the cell's ``--data`` DataFrame, as a pyarrow Table.
-
-    Equal size on every rank (see the module doc for the padding); convert with
-    ``.to_pandas()`` or ``torch.from_numpy(table["x"].to_numpy())``. Reshuffle it
-    per epoch yourself (``torch.randperm``): rows do not move between ranks.
-    """
-    path = os.environ.get(SHARD_ENV)
-    if path is None:
-        raise RuntimeError("hvdmagic.shard() needs a DataFrame: run the cell with --data NAME "
-                           "(or hvdmagic.run(..., data=df)).")
-    return read_shard(path)

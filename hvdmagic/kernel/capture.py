@@ -1,68 +1,25 @@
 """Turn a cell into a picklable callable plus the notebook globals it reads.
 
-The cell runs on each rank like a notebook cell: its statements execute in a
-fresh module namespace seeded with the captured globals, and the value of a
-trailing expression is the result. (Wrapping the body in a ``def`` would make
-``model = model.cuda()`` fail with UnboundLocalError for a notebook global.)
-Line numbers are kept, so a rank's traceback points at the cell's own lines.
+The callable is a ``hvdmagic.rank.cell.CellFunction``, which says how a rank runs
+the cell. Line numbers are kept, so a rank's traceback points at the cell's own lines.
 """
 
 from __future__ import annotations
 
 import ast
-import builtins
 import io
-import linecache
 import re
 import socket
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import cloudpickle
 
 from hvdmagic.errors import CaptureError, CellSyntaxError
+from hvdmagic.rank.cell import CELL_FILENAME, CellFunction
 
-CELL_FILENAME = "<horovod-cell>"
 # IPython's own bookkeeping names (In, _i3, _42, ...), never worth shipping.
 _IPYTHON_NAMES = re.compile(r"^(_+|_i+|_\d+|_i\d+|_ih|_oh|_dh|In|Out|get_ipython|exit|quit)$")
-
-
-class _RankShell:
-    """What ``get_ipython()`` answers on a rank: enough for ``!cmd`` lines in a cell."""
-
-    def system(self, cmd: str) -> int:
-        import subprocess
-
-        return subprocess.call(cmd, shell=True)
-
-    def getoutput(self, cmd: str, split: bool = True):
-        import subprocess
-
-        out = subprocess.run(cmd, shell=True, capture_output=True, text=True).stdout
-        return out.splitlines() if split else out
-
-    def __getattr__(self, name):
-        raise RuntimeError(f"get_ipython().{name} is not available inside a %%horovod rank: "
-                           "only !shell commands are. Run IPython magics in a normal cell.")
-
-
-@dataclass
-class CellFunction:
-    source: str
-    # Each global pickled on its own: its size is reported, and no value is pickled twice.
-    pickled_globals: dict[str, bytes] = field(default_factory=dict)
-    filename: str = CELL_FILENAME
-
-    def __call__(self):
-        lines = self.source.splitlines(keepends=True)
-        linecache.cache[self.filename] = (len(self.source), None, lines, self.filename)
-        body, last = split_last_expression(parse_cell(self.source, self.filename))
-        namespace = {"__name__": "__main__", "__builtins__": builtins, "get_ipython": _RankShell}
-        namespace.update({name: cloudpickle.loads(data) for name, data in self.pickled_globals.items()})
-        exec(compile(body, self.filename, "exec"), namespace)
-        if last is None:
-            return None
-        return eval(compile(last, self.filename, "eval"), namespace)
 
 
 def parse_cell(source: str, filename: str = CELL_FILENAME) -> ast.Module:
@@ -70,13 +27,6 @@ def parse_cell(source: str, filename: str = CELL_FILENAME) -> ast.Module:
         return ast.parse(source, filename)
     except SyntaxError as exc:
         raise CellSyntaxError("".join(traceback.format_exception_only(type(exc), exc))) from None
-
-
-def split_last_expression(tree: ast.Module) -> tuple[ast.Module, ast.Expression | None]:
-    if tree.body and isinstance(tree.body[-1], ast.Expr):
-        last = ast.Expression(tree.body[-1].value)
-        return ast.Module(tree.body[:-1], type_ignores=[]), last
-    return tree, None
 
 
 def referenced_names(tree: ast.Module) -> set[str]:

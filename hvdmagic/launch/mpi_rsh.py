@@ -1,4 +1,4 @@
-"""mpirun's rsh agent: ``python -m hvdmagic.launcher.mpi_rsh HOST COMMAND...``.
+"""mpirun's rsh agent: ``python -m hvdmagic.launch.mpi_rsh HOST COMMAND...``.
 
 mpirun calls it as it would call ssh, to start its daemon on HOST. Instead of
 logging in anywhere, it asks the driver (over the job's authenticated channel)
@@ -12,24 +12,24 @@ import os
 import sys
 
 from hvdmagic import channel
-from hvdmagic.launcher.mpi import RSH_ENV
+from hvdmagic.protocol import RSH_ENV, Event
 
 
 def main(argv: list[str]) -> int:
     if len(argv) < 2 or RSH_ENV not in os.environ:
-        print("hvdmagic.launcher.mpi_rsh is started by mpirun under `%%horovod --controller mpi`, "
+        print("hvdmagic.launch.mpi_rsh is started by mpirun under `%%horovod --controller mpi`, "
               "not by hand", file=sys.stderr)
         return 2
     host, port, secret = os.environ[RSH_ENV].rsplit(":", 2)
     link = channel.connect(host, int(port), bytes.fromhex(secret))
     try:
         # ssh hands the remote shell one string: so do we.
-        link.send({"type": "rsh", "host": argv[0], "command": " ".join(argv[1:])})
+        link.send({"type": Event.RSH, "host": argv[0], "command": " ".join(argv[1:])})
         while True:
             reply = link.recv()
-            if reply.get("type") == "rsh_exit":
+            if reply.get("type") == Event.RSH_EXIT:
                 return int(reply.get("code", 1))
-            if reply.get("type") == "abort":
+            if reply.get("type") == Event.ABORT:
                 return 1
     except (channel.ChannelError, OSError) as exc:
         print(f"hvdmagic rsh agent: lost the driver ({exc})", file=sys.stderr)

@@ -19,9 +19,10 @@ import time
 import traceback
 from pathlib import Path
 
-from hvdmagic import report
+from hvdmagic.protocol import Event, ResultPolicy
+from hvdmagic.rank import report
 
-_PACKAGE_DIR = str(Path(__file__).resolve().parent)
+_PACKAGE_DIR = str(Path(__file__).resolve().parent.parent)  # all of hvdmagic: its frames are not the user's
 
 
 def _exit_when_supervisor_dies() -> None:
@@ -55,18 +56,30 @@ def _shutdown_horovod() -> None:
         hvd.shutdown()
 
 
-def _report_result(value) -> None:
+def _report_result(value, rank: int, policy: str) -> None:
     import cloudpickle
 
-    try:
-        data = cloudpickle.dumps(value)
-    except Exception as exc:
-        raise TypeError(
-            f"the result ({type(value).__module__}.{type(value).__qualname__}) cannot be pickled "
-            f"to send it back to the notebook: {exc}"
-        ) from None
+    event = {"type": Event.RESULT, "data": None}
+    if policy != ResultPolicy.RANK0 or rank == 0:  # under RANK0 the others' values would be thrown away
+        try:
+            event["data"] = base64.b64encode(cloudpickle.dumps(value)).decode("ascii")
+        except Exception as exc:
+            kind = f"{type(value).__module__}.{type(value).__qualname__}"
+            if policy != ResultPolicy.ALL_OR_REPR:
+                raise TypeError(f"the result ({kind}) cannot be pickled to send it back to the notebook: "
+                                f"{exc}") from None
+            # The training has finished: a value only the notebook would have displayed must not fail it.
+            event.update(unpicklable=kind, repr=_short_repr(value), reason=f"{type(exc).__name__}: {exc}"[:300])
     report.flush()  # every metric reaches the driver before the result does
-    report.emit({"type": "result", "data": base64.b64encode(data).decode("ascii")})
+    report.emit(event)
+
+
+def _short_repr(value, limit: int = 500) -> str:
+    try:
+        text = repr(value)
+    except Exception as exc:
+        text = f"<repr failed: {type(exc).__name__}>"
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def main() -> int:
@@ -85,12 +98,12 @@ def main() -> int:
                 value = None
             else:
                 raise
-        _report_result(value)
+        _report_result(value, boot["rank"], boot.get("results", ResultPolicy.ALL))
         _shutdown_horovod()
     except BaseException as exc:
         report.flush()
         report.emit({
-            "type": "error",
+            "type": Event.ERROR,
             "time": time.time(),  # lets the driver tell the first failure from its fallout
             "exc_type": type(exc).__name__,
             "message": str(exc),

@@ -8,8 +8,9 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
-from hvdmagic.capture import capture_cell
-from hvdmagic.runner import execute
+from hvdmagic.kernel.capture import capture_cell
+from hvdmagic.kernel.runner import execute
+from hvdmagic.launch import ResultPolicy
 
 
 @magics_class
@@ -49,7 +50,8 @@ class HorovodMagics(Magics):
         """
         args = parse_argstring(self.horovod, line)
         if args.np == 0:
-            raise UsageError("--np must be a positive number of Spark ranks, or negative for local mode (e.g. --np -2).")
+            raise UsageError("--np must be a positive number of Spark ranks, "
+                             "or negative for local mode (e.g. --np -2).")
         for flag, name in (("--out", args.out), ("--metrics", args.metrics)):
             if name is not None and not name.isidentifier():
                 raise UsageError(f"{flag} needs a valid Python variable name, not {name!r}.")
@@ -71,7 +73,8 @@ class HorovodMagics(Magics):
         capture = capture_cell(cell_source(self.shell, cell), self.shell.user_ns, set(self.shell.user_ns_hidden))
         print(capture.summary(), flush=True)
         record = execute(capture.payload, args.np, timeout=args.timeout, stall_timeout=args.stall_timeout,
-                         timeline=args.timeline, data=data, controller=args.controller)
+                         timeline=args.timeline, data=data, controller=args.controller,
+                         results=ResultPolicy.ALL_OR_REPR)
         if args.out:
             self.shell.user_ns[args.out] = record.result
         if args.metrics:

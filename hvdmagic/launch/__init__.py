@@ -1,24 +1,35 @@
-"""The one launcher core behind the magic, the Python API and local mode."""
+"""The driver's side of a job: the one launcher core behind the magic, the Python API and local mode.
+
+Runs in the notebook kernel (or any driver process). ``job`` runs one job,
+``spark`` and ``local`` are its backends, ``layout`` places the ranks,
+``rendezvous`` is horovod's Gloo rendezvous, and ``mpi``/``mpi_rsh`` drive
+``--controller mpi``. Modules here may import pyspark and horovod's runner
+(lazily: importing this package must work without horovod) and ``hvdmagic.task``,
+whose code they ship to the tasks; never IPython or widgets.
+"""
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from hvdmagic.errors import LaunchError
-from hvdmagic.launcher.job import Job, JobResult
+from hvdmagic.launch.job import Job, JobResult, UnsentResult
+from hvdmagic.protocol import ResultPolicy
 
 CONTROLLERS = ("gloo", "mpi")
 
 
 def launch(payload: bytes, np: int, *, timeout: float | None = None, stall_timeout: float | None = None,
            env: dict[str, str] | None = None, on_event: Callable[[dict], None] | None = None,
-           session=None, data=None, controller: str = "gloo") -> JobResult:
+           session=None, data=None, controller: str = "gloo",
+           results: ResultPolicy = ResultPolicy.ALL) -> JobResult:
     """Run a cloudpickled ``(fn, args, kwargs)`` on |np| Horovod ranks.
 
     np > 0: one Spark barrier stage (the active SparkSession, or an embedded local
     one). np < 0: local mode, |np| processes on the driver without Spark.
     ``data``: a Spark DataFrame; each rank gets an equal-size shard (hvdmagic.shard()).
-    ``controller``: "gloo" (the default) or "mpi" (Open MPI's mpirun, see launcher.mpi).
+    ``controller``: "gloo" (the default) or "mpi" (Open MPI's mpirun, see launch.mpi).
+    ``results``: which ranks send their value back (``ResultPolicy``).
     """
     if np == 0:
         raise LaunchError("np must be a positive number of Spark ranks, or negative for local mode.")
@@ -33,19 +44,19 @@ def launch(payload: bytes, np: int, *, timeout: float | None = None, stall_timeo
     if controller not in CONTROLLERS:
         raise LaunchError(f"controller must be one of {', '.join(CONTROLLERS)}, not {controller!r}.")
     if controller == "mpi":
-        from hvdmagic.launcher.mpi import check_available
+        from hvdmagic.launch.mpi import check_available
 
         check_available()
     if np < 0:
-        from hvdmagic.launcher.local import LocalBackend
+        from hvdmagic.launch.local import LocalBackend
 
         backend = LocalBackend(-np, data)
     else:
-        from hvdmagic.launcher.spark import SparkBackend
+        from hvdmagic.launch.spark import SparkBackend
 
         backend = SparkBackend(np, session, data)
     return Job(backend, payload, timeout=timeout, stall_timeout=stall_timeout, env=env, controller=controller,
-               on_event=on_event).run()
+               results=results, on_event=on_event).run()
 
 
-__all__ = ["JobResult", "launch"]
+__all__ = ["JobResult", "ResultPolicy", "UnsentResult", "launch"]

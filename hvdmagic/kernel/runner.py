@@ -8,17 +8,20 @@ from __future__ import annotations
 from pathlib import Path
 
 from hvdmagic.errors import JobInterrupted
-from hvdmagic.launcher import launch
-from hvdmagic.record import RunRecord, set_last
-from hvdmagic.ui import make_view
+from hvdmagic.kernel.record import RunRecord, set_last
+from hvdmagic.kernel.ui import make_view
+from hvdmagic.launch import ResultPolicy, UnsentResult, launch
 
 
 def execute(payload: bytes, np: int, *, timeout: float | None = None, stall_timeout: float | None = None,
-            timeline: str | None = None, data=None, session=None, view=None, controller: str = "gloo") -> RunRecord:
+            timeline: str | None = None, data=None, session=None, view=None, controller: str = "gloo",
+            results: ResultPolicy = ResultPolicy.ALL) -> RunRecord:
     """Run a cloudpickled ``(fn, args, kwargs)`` on |np| ranks; return its record.
 
-    ``timeline``: a path where rank 0 records a Horovod Timeline. Raises the job's
-    error after the record and the view have been closed with it.
+    ``timeline``: a path where rank 0 records a Horovod Timeline. ``results``: which
+    ranks send their value back. Raises the job's error after the record and the
+    view have been closed with it. Under ``ResultPolicy.ALL_OR_REPR`` an unpicklable
+    rank-0 value is printed as a one-line warning with its repr, and the result is None.
     """
     record = RunRecord(np)
     env = {}
@@ -36,7 +39,7 @@ def execute(payload: bytes, np: int, *, timeout: float | None = None, stall_time
     view.start()
     try:
         result = launch(payload, np, timeout=timeout, stall_timeout=stall_timeout, env=env, on_event=on_event,
-                        session=session, data=data, controller=controller)
+                        session=session, data=data, controller=controller, results=results)
     except JobInterrupted as exc:
         record.finish(error=exc, cancelled=True)
         raise
@@ -44,7 +47,11 @@ def execute(payload: bytes, np: int, *, timeout: float | None = None, stall_time
         record.finish(error=exc)
         raise
     else:
-        record.finish(results=result.results)
+        values = result.results
+        if values and isinstance(values[0], UnsentResult):
+            print(values[0].warning(), flush=True)
+            values = [None, *values[1:]]
+        record.finish(results=values)
     finally:
         view.close()
     return record

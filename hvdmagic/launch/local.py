@@ -7,8 +7,9 @@ import tempfile
 import threading
 from pathlib import Path
 
-from hvdmagic.launcher.supervisor import TaskSpec, run_task
-from hvdmagic.shards import split_round_robin, write_shard
+from hvdmagic.protocol import TaskSpec
+from hvdmagic.task.shards import write_shard
+from hvdmagic.task.supervisor import run_task
 
 
 class LocalBackend:
@@ -33,7 +34,7 @@ class LocalBackend:
             raise ValueError(f"--data has {table.num_rows} rows, fewer than the {self.np} ranks")
         self._shard_dir = tempfile.mkdtemp(prefix="hvdmagic-shards-")
         shards = []
-        for task, part in enumerate(split_round_robin(table, self.np)):
+        for task, part in enumerate(_split_round_robin(table, self.np)):
             path = Path(self._shard_dir) / f"shard-{task}.arrow"
             shards.append((str(path), write_shard(part.to_batches(), part.schema, path)))
         return shards
@@ -62,3 +63,8 @@ class LocalBackend:
             thread.join(timeout)
         if self._shard_dir:
             shutil.rmtree(self._shard_dir, ignore_errors=True)
+
+
+def _split_round_robin(table, parts: int) -> list:
+    """Row i goes to part i % parts, as Spark's repartition(np) deals rows: shards differ by a row at most."""
+    return [table.take(list(range(i, table.num_rows, parts))) for i in range(parts)]

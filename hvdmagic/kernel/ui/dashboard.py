@@ -14,13 +14,13 @@ import contextvars
 import html
 import math
 import threading
-from typing import Sequence
+from collections.abc import Sequence
 
 import ipywidgets as widgets
 from IPython.display import display
 
-from hvdmagic.record import RankRecord, RunRecord
-from hvdmagic.timeline import describe
+from hvdmagic.kernel.record import RankRecord, RunRecord
+from hvdmagic.kernel.timeline import describe
 
 MAX_FPS = 10
 CHART_POINTS = 300  # per metric on screen; the record keeps the full history
@@ -33,7 +33,9 @@ def _duration(seconds: float | None) -> str:
     if seconds is None:
         return "?"
     seconds = int(seconds)
-    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}" if seconds >= 3600 else f"{seconds // 60}:{seconds % 60:02d}"
+    if seconds >= 3600:
+        return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
+    return f"{seconds // 60}:{seconds % 60:02d}"
 
 
 def _label(x: float) -> str:

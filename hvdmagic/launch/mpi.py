@@ -2,42 +2,33 @@
 
 mpirun runs on the driver. It is given one made-up host name per Spark host
 (``hvdmagic-host-0``, ...), so it treats every host as remote, and an rsh agent
-(``hvdmagic.launcher.mpi_rsh``) in place of ssh. The agent asks the driver, over
+(``hvdmagic.launch.mpi_rsh``) in place of ssh. The agent asks the driver, over
 the job's authenticated channel, to run mpirun's ``orted`` command in the
 barrier task that leads that host; the daemon then starts the host's ranks.
 
-Each rank mpirun starts is a small shim (``hvdmagic.launcher.mpi_rank``): it
-finds its task's supervisor through a Unix socket and receives the pipes that
-supervisor would have given a rank it spawned itself. From there on, output,
-events, aborts and exit codes travel exactly as with Gloo.
+Each rank mpirun starts is a small shim (``hvdmagic.rank.mpi_shim``) that its
+task's supervisor adopts (``hvdmagic.task.mpi``).
 """
 
 from __future__ import annotations
 
 import functools
-import hashlib
-import hmac
-import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
 
 from hvdmagic.errors import LaunchError
-from hvdmagic.launcher.network import network_of
+from hvdmagic.protocol import PYTHON_ENV, RSH_ENV, Event
+from hvdmagic.task.mpi import as_root_env
+from hvdmagic.task.network import network_of
 
-RSH_ENV = "HVDMAGIC_RSH"  # driver host, channel port and secret, for the agent mpirun starts
-SOCKET_DIR_ENV = "HVDMAGIC_MPI_DIR"
-TOKEN_ENV = "HVDMAGIC_MPI_TOKEN"
-PYTHON_ENV = "HVDMAGIC_PYTHON"
 FAILURE_GRACE = 2.0  # seconds a rank's own error gets to arrive before mpirun's exit is blamed
-_APP = 'exec "$HVDMAGIC_PYTHON" -m hvdmagic.launcher.mpi_rank'
+_APP = f'exec "${PYTHON_ENV}" -m hvdmagic.rank.mpi_shim'
 _INSTALL = ("install Open MPI (Debian/Ubuntu: 'apt-get install -y openmpi-bin libopenmpi-dev') and rebuild "
             "horovod with MPI (the README's set-up command does both when run as root), or leave out "
             "--controller mpi to use Gloo")
@@ -51,23 +42,6 @@ def host_index(alias: str) -> int | None:
     prefix = host_alias(0)[:-1]
     suffix = alias[len(prefix):] if alias.startswith(prefix) else ""
     return int(suffix) if suffix.isdigit() else None
-
-
-def socket_dir(job_id: str) -> Path:
-    """Where a host's supervisors wait for their ranks' shims: private to this user."""
-    return Path(tempfile.gettempdir()) / f"hvdmagic-mpi-{job_id}"
-
-
-def rank_token(secret: bytes, job_id: str) -> str:
-    """What a shim shows its supervisor: derived from the job's secret, never the secret itself."""
-    return hmac.new(secret, b"mpi-rank:" + job_id.encode(), hashlib.sha256).hexdigest()
-
-
-def as_root_env() -> dict[str, str]:
-    """Open MPI refuses to run as root unless told twice; containers often run as root."""
-    if os.geteuid() != 0:
-        return {}
-    return {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
 
 
 def check_available() -> None:
@@ -93,7 +67,7 @@ def mpirun_command(host_sizes: list[int], driver_host: str) -> list[str]:
     hosts = ",".join(f"{host_alias(i)}:{n}" for i, n in enumerate(host_sizes))
     command = ["mpirun", "-np", str(sum(host_sizes)), "-H", hosts, "--map-by", "slot", "--bind-to", "none",
                # The agent needs the driver: no daemon may start another one (tree spawn).
-               "--mca", "plm_rsh_agent", f"{sys.executable} -m hvdmagic.launcher.mpi_rsh",
+               "--mca", "plm_rsh_agent", f"{sys.executable} -m hvdmagic.launch.mpi_rsh",
                "--mca", "plm_rsh_no_tree_spawn", "1",
                # TCP between hosts, shared memory within one: no InfiniBand/UCX probing and warnings.
                "--mca", "pml", "ob1", "--mca", "btl", "self,vader,tcp"]
@@ -149,115 +123,6 @@ class Mpirun:
         self._reader.join(timeout=5)
 
 
-def read_message(sock: socket.socket) -> dict:
-    """One JSON line from a Unix socket (the shim and its supervisor talk in these)."""
-    data = b""
-    while not data.endswith(b"\n"):
-        chunk = sock.recv(65536)
-        if not chunk:
-            raise ConnectionError("the other side closed the connection")
-        data += chunk
-        if len(data) > 1 << 22:
-            raise ValueError("message too long")
-    return json.loads(data)
-
-
-def send_message(sock: socket.socket, message: dict) -> None:
-    """One JSON line, as read_message reads it."""
-    sock.sendall(json.dumps(message).encode() + b"\n")
-
-
-def listen_for_rank(job_id: str, rank: int) -> socket.socket:
-    """The Unix socket where the shim of ``rank`` will find this task's supervisor."""
-    directory = socket_dir(job_id)
-    directory.mkdir(mode=0o700, exist_ok=True)
-    path = directory / f"rank-{rank}.sock"
-    path.unlink(missing_ok=True)
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listener.bind(str(path))
-    listener.listen(4)
-    listener.settimeout(0.2)
-    return listener
-
-
-def close_listener(listener: socket.socket) -> None:
-    path = listener.getsockname()
-    listener.close()
-    Path(path).unlink(missing_ok=True)
-    try:
-        Path(path).parent.rmdir()  # the last of the host's supervisors removes the directory
-    except OSError:
-        pass
-
-
-def adopt_rank(listener: socket.socket, token: str, env: dict[str, str], events_w: int,
-               aborted: threading.Event) -> AdoptedRank | None:
-    """Wait for this rank's shim and hand it the rank's pipes; None if the job is aborted first."""
-    while not aborted.is_set():
-        try:
-            conn, _ = listener.accept()
-        except TimeoutError:
-            continue
-        conn.settimeout(30)
-        try:
-            if not hmac.compare_digest(str(read_message(conn).get("token", "")), token):
-                raise ValueError("wrong token")
-            stdin_r, stdin_w = os.pipe()
-            out_r, out_w = os.pipe()
-            err_r, err_w = os.pipe()
-            child_ends = [stdin_r, out_w, err_w, events_w]
-            try:
-                socket.send_fds(conn, [b"F"], child_ends)
-                send_message(conn, {"env": env, "cwd": os.getcwd()})
-            finally:
-                for fd in child_ends[:3]:
-                    os.close(fd)
-            pid = int(read_message(conn)["pid"])
-        except (OSError, ValueError, KeyError):
-            conn.close()  # not our shim, or it died on the way: keep waiting
-            continue
-        conn.settimeout(None)
-        return AdoptedRank(conn, pid, os.fdopen(stdin_w, "wb"), os.fdopen(out_r, "rb"), os.fdopen(err_r, "rb"))
-    return None
-
-
-class AdoptedRank:
-    """A rank that mpirun started, with the part of Popen's interface the supervisor uses.
-
-    Its pid leads its own process group (the shim starts it in a new session),
-    so the supervisor signals it as it would a rank it spawned.
-    """
-
-    def __init__(self, conn: socket.socket, pid: int, stdin, stdout, stderr):
-        self.pid, self.stdin, self.stdout, self.stderr = pid, stdin, stdout, stderr
-        self.returncode: int | None = None
-        self._conn = conn
-        self._done = threading.Event()
-        threading.Thread(target=self._wait_for_exit, name="hvdmagic-mpi-rank", daemon=True).start()
-
-    def _wait_for_exit(self) -> None:
-        try:
-            code = int(read_message(self._conn)["code"])
-        except (OSError, ValueError, KeyError):
-            # The shim was killed (mpirun tearing the job down): its rank must not outlive it.
-            try:
-                os.killpg(self.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            code = -signal.SIGKILL
-        self._conn.close()
-        self.returncode = code
-        self._done.set()
-
-    def poll(self) -> int | None:
-        return self.returncode
-
-    def wait(self, timeout: float | None = None) -> int:
-        if not self._done.wait(timeout):
-            raise subprocess.TimeoutExpired("hvdmagic.rank", timeout)
-        return self.returncode
-
-
 class MpiDriver:
     """The driver's part: start mpirun once every rank can be adopted, and route its rsh requests.
 
@@ -265,7 +130,7 @@ class MpiDriver:
     task that leads the named host, whose ``rsh_exit`` goes back to the agent.
     """
 
-    EVENTS = ("ready", "rsh", "rsh_exit")
+    EVENTS = frozenset({Event.READY, Event.RSH, Event.RSH_EXIT})
 
     def __init__(self, np: int, channel_address: tuple[str, int], secret: bytes):
         self.np = np
@@ -289,21 +154,21 @@ class MpiDriver:
 
     def handle(self, link, event: dict) -> None:
         kind = event["type"]
-        if kind == "ready":
+        if kind == Event.READY:
             self._ready.add(event.get("task"))
             if len(self._ready) == self.np and self.mpirun is None:
                 self.mpirun = Mpirun(self._host_sizes, self._address, self._secret)
-        elif kind == "rsh":
+        elif kind == Event.RSH:
             index = host_index(str(event.get("host")))
             if index is None or index >= len(self._leaders):
-                link.send({"type": "rsh_exit", "code": 255})
+                link.send({"type": Event.RSH_EXIT, "code": 255})
                 return
             request = len(self._agents) + 1
             self._agents[request] = link
-            self._leaders[index].send({"type": "exec", "id": request, "command": str(event.get("command", ""))})
-        elif kind == "rsh_exit" and (agent := self._agents.get(event.get("id"))) is not None:
+            self._leaders[index].send({"type": Event.EXEC, "id": request, "command": str(event.get("command", ""))})
+        elif kind == Event.RSH_EXIT and (agent := self._agents.get(event.get("id"))) is not None:
             try:
-                agent.send({"type": "rsh_exit", "code": int(event.get("code", 1))})
+                agent.send({"type": Event.RSH_EXIT, "code": int(event.get("code", 1))})
             except OSError:
                 pass  # mpirun already stopped that agent
 

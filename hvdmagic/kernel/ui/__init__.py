@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from hvdmagic.record import RunRecord
+from hvdmagic.kernel.record import RunRecord
 
 
 def interactive() -> bool:
@@ -30,9 +30,9 @@ def interactive() -> bool:
 
 def make_view(record: RunRecord):
     if interactive():
-        from hvdmagic.ui.dashboard import Dashboard
+        from hvdmagic.kernel.ui.dashboard import Dashboard
 
         return Dashboard(record)
-    from hvdmagic.ui.text import TextView
+    from hvdmagic.kernel.ui.text import TextView
 
     return TextView(record)

@@ -17,7 +17,7 @@ import socket
 import subprocess
 import sys
 
-from hvdmagic.launcher.mpi import SOCKET_DIR_ENV, TOKEN_ENV, read_message, send_message
+from hvdmagic.protocol import EVENT_FD_ENV, SOCKET_DIR_ENV, TOKEN_ENV, read_message, send_message
 
 _MPI_PREFIXES = ("OMPI_", "PMIX_", "OPAL_", "ORTE_")
 FDS = 4  # the rank's stdin, stdout, stderr and event pipe
@@ -36,7 +36,7 @@ def main() -> int:
     env = setup["env"]
     # The rank needs Open MPI's view of where it sits to join the job.
     env.update({k: v for k, v in os.environ.items() if k.startswith(_MPI_PREFIXES)})
-    env["HVDMAGIC_EVENT_FD"] = str(events)
+    env[EVENT_FD_ENV] = str(events)
     proc = subprocess.Popen([sys.executable, "-m", "hvdmagic.rank"], stdin=stdin, stdout=stdout, stderr=stderr,
                             pass_fds=(events,), env=env, cwd=setup["cwd"], start_new_session=True)
     for fd in fds:

@@ -59,7 +59,7 @@ class MetricHistory:
         return {name: (_step(xs[-1]), ys[-1]) for name, (xs, ys) in self.rank0.items() if xs}
 
     def frame(self):
-        """One pandas row per logged call: rank, step, time and a column per metric."""
+        """One pandas row per logged call: rank, step, time (UTC) and a column per metric."""
         import numpy as np
         import pandas as pd
 
@@ -67,6 +67,6 @@ class MetricHistory:
         if len(steps) and np.all(np.isfinite(steps)) and np.all(steps == np.floor(steps)):
             steps = steps.astype(np.int64)  # the usual integer step counter
         data = {"rank": np.frombuffer(self.ranks, dtype=np.int32).astype(np.int64), "step": steps,
-                "time": np.frombuffer(self.times, dtype=np.float64).copy()}
+                "time": pd.to_datetime(np.frombuffer(self.times, dtype=np.float64), unit="s", utc=True)}
         data.update({name: np.frombuffer(column, dtype=np.float64).copy() for name, column in self.columns.items()})
         return pd.DataFrame(data)

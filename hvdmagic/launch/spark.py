@@ -10,7 +10,8 @@ import uuid
 from pathlib import Path
 
 from hvdmagic.errors import LaunchError
-from hvdmagic.launcher.supervisor import TaskSpec, run_task
+from hvdmagic.protocol import TaskSpec
+from hvdmagic.task.barrier import barrier_task, sharded_barrier_task
 
 _LOG4J = Path(__file__).with_name("log4j2.properties")
 SLOT_WAIT = 3.0  # seconds without new executors before too few slots is final
@@ -84,7 +85,7 @@ def _wait_for_executors(sc, np: int, slots: int) -> int:
     start = changed = time.monotonic()
     while slots < np:
         now = time.monotonic()
-        if slots == 0 and now - start > EXECUTOR_WAIT or slots > 0 and now - changed > SLOT_WAIT:
+        if (slots == 0 and now - start > EXECUTOR_WAIT) or (slots > 0 and now - changed > SLOT_WAIT):
             break
         time.sleep(0.25)
         current = available_slots(sc)
@@ -150,61 +151,6 @@ def first_line(exc: BaseException) -> str:
     return type(exc).__name__
 
 
-def task_gpus(context) -> list[str]:
-    """The task's GPU addresses, as physical device numbers.
-
-    Spark's addresses index the executor's own view; when the executor already
-    runs under CUDA_VISIBLE_DEVICES, address i means the i-th device listed there.
-    """
-    resource = context.resources().get("gpu")
-    if resource is None:
-        return []
-    addresses = list(resource.addresses)
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible:
-        listed = [d.strip() for d in visible.split(",") if d.strip()]
-        addresses = [listed[int(a)] if a.isdigit() and int(a) < len(listed) else a for a in addresses]
-    return addresses
-
-
-def _barrier_task(spec: TaskSpec):
-    def task(_partition):
-        from pyspark import BarrierTaskContext
-
-        context = BarrierTaskContext.get()
-        code = run_task(spec, context.partitionId(), task_gpus(context))
-        yield context.partitionId(), code
-
-    return task
-
-
-def _sharded_barrier_task(spec: TaskSpec, schema):
-    """The barrier task for --data: its partition arrives as Arrow batches and becomes the rank's shard."""
-
-    def task(batches):
-        import shutil
-        import tempfile
-
-        import pyarrow as pa
-        from pyspark import BarrierTaskContext
-
-        from hvdmagic.shards import write_shard
-
-        context = BarrierTaskContext.get()
-        directory = Path(tempfile.mkdtemp(prefix="hvdmagic-shard-"))
-        try:
-            path = directory / "shard.arrow"
-            rows = write_shard(batches, schema, path)
-            code = run_task(spec, context.partitionId(), task_gpus(context), (str(path), rows))
-        finally:
-            shutil.rmtree(directory, ignore_errors=True)
-        # Typed as the stage declares them: pyarrow's default int64 makes Spark fail reading "int".
-        yield pa.RecordBatch.from_pydict({"task": [context.partitionId()], "code": [code]},
-                                         schema=pa.schema([("task", pa.int32()), ("code", pa.int32())]))
-
-    return task
-
-
 class SparkBackend:
     name = "spark"
 
@@ -233,11 +179,11 @@ class SparkBackend:
         try:
             self.sc.setJobGroup(self.job_group, f"hvdmagic %%horovod --np {self.np}", interruptOnCancel=True)
             if self.data is None:
-                self.sc.parallelize(range(self.np), self.np).barrier().mapPartitions(_barrier_task(spec)).collect()
+                self.sc.parallelize(range(self.np), self.np).barrier().mapPartitions(barrier_task(spec)).collect()
             else:
                 from pyspark.sql.pandas.types import to_arrow_schema
 
-                task = _sharded_barrier_task(spec, to_arrow_schema(self.data.schema))
+                task = sharded_barrier_task(spec, to_arrow_schema(self.data.schema))
                 # repartition(np) is round-robin: the shards differ by a few rows at most.
                 self.data.repartition(self.np).mapInArrow(task, "task int, code int", barrier=True).collect()
         except Exception as exc:

@@ -1,0 +1,149 @@
+"""Training helpers for code inside a rank: rank-0 checkpoints and learning-rate scaling.
+
+They work the same on a single node (no Horovod initialised: rank 0 of 1), so a
+notebook can test its training function before it goes distributed.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+from hvdmagic.protocol import Event
+from hvdmagic.rank.report import emit
+
+_CHECKPOINT = re.compile(r"^checkpoint-(\d+)\.pt$")
+
+
+def _horovod():
+    """horovod.torch when it has been initialised in this process, else None."""
+    try:
+        import horovod.torch as hvd
+
+        hvd.size()
+        return hvd
+    except (ImportError, ValueError):
+        return None
+
+
+def _rank_and_size() -> tuple[int, int]:
+    hvd = _horovod()
+    return (hvd.rank(), hvd.size()) if hvd else (0, 1)
+
+
+def save_checkpoint(state: Any, directory: str | os.PathLike, step: int, keep: int = 3) -> Path | None:
+    """Save ``state`` (e.g. model and optimizer state dicts) as step ``step``, on rank 0 only.
+
+    The file is written beside its final name, then renamed, so a run killed
+    mid-write never leaves a half checkpoint for the next run to load. Not a
+    collective: the other ranks return at once, without waiting for rank 0. On one
+    node (Horovod not initialised) this process is rank 0.
+
+    Args:
+        state: what to save; anything ``torch.save`` can pickle.
+        directory: where ``checkpoint-STEP.pt`` goes; created if missing. On a cluster it
+            need only be visible to rank 0's host (``load_checkpoint`` reads it there).
+        step: the step (or epoch) this state is from; the highest is the newest.
+        keep: how many of the newest checkpoints to keep (default 3); older ones are
+            deleted. 0 keeps them all.
+
+    Returns:
+        The checkpoint's path on rank 0; None on the other ranks.
+
+    Example::
+
+        %%horovod --np 2
+        for epoch in range(start, epochs):
+            train_one_epoch()
+            hvdmagic.save_checkpoint({"model": model.state_dict(), "opt": opt.state_dict()},
+                                     "/dbfs/ckpt/run1", step=epoch)
+    """
+    import torch
+
+    if _rank_and_size()[0] != 0:
+        return None
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    final = directory / f"checkpoint-{step}.pt"
+    partial = directory / f".checkpoint-{step}.pt.partial"
+    torch.save({"step": step, "state": state}, partial)
+    os.replace(partial, final)
+    for old in sorted(_checkpoints(directory))[:-keep] if keep else []:
+        (directory / f"checkpoint-{old}.pt").unlink(missing_ok=True)
+    return final
+
+
+def _checkpoints(directory: Path) -> list[int]:
+    if not directory.is_dir():
+        return []
+    return [int(m.group(1)) for p in directory.iterdir() if (m := _CHECKPOINT.match(p.name))]
+
+
+def load_checkpoint(directory: str | os.PathLike) -> tuple[Any, int | None]:
+    """The newest checkpoint's ``(state, step)``, loaded by rank 0 and broadcast to every rank.
+
+    Only rank 0 needs to see the directory, as with ``save_checkpoint``. With more than
+    one rank this is a collective (``hvd.broadcast_object``): every rank must call it.
+    The file is unpickled in full (``weights_only=False``): load only your own checkpoints.
+
+    Args:
+        directory: the directory ``save_checkpoint`` wrote to; it may not exist yet.
+
+    Returns:
+        ``(state, step)`` of the checkpoint with the highest step, on every rank;
+        ``(None, None)`` when there is none yet.
+
+    Example::
+
+        %%horovod --np 2
+        state, step = hvdmagic.load_checkpoint("/dbfs/ckpt/run1")
+        if state is not None:
+            model.load_state_dict(state["model"])
+            opt.load_state_dict(state["opt"])
+        start = 0 if step is None else step + 1
+    """
+    import torch
+
+    hvd = _horovod()
+    found = None
+    if _rank_and_size()[0] == 0:
+        steps = _checkpoints(Path(directory))
+        if steps:
+            found = torch.load(Path(directory) / f"checkpoint-{max(steps)}.pt", weights_only=False)
+    if hvd is not None and hvd.size() > 1:
+        found = hvd.broadcast_object(found, root_rank=0, name="hvdmagic.load_checkpoint")
+    return (found["state"], found["step"]) if found else (None, None)
+
+
+def scale_lr(base_lr: float, batch_size: int | None = None) -> float:
+    """The linear scaling rule: ``base_lr`` times the number of ranks.
+
+    The number of ranks is ``horovod.torch``'s ``hvd.size()`` once ``hvd.init()`` has run
+    in this process, else 1 (so on one node it returns ``base_lr``). With more than one
+    rank, rank 0 also notes the change in the dashboard, e.g. "learning rate scaled
+    0.05 -> 0.1 for 2 ranks; effective batch size 64 (32 per rank)".
+
+    Args:
+        base_lr: the learning rate tuned for a single process.
+        batch_size: the batch size per rank, only for the note; None (the default) leaves
+            the effective batch size out.
+
+    Returns:
+        ``base_lr * hvd.size()``.
+
+    Example::
+
+        %%horovod --np 2
+        import horovod.torch as hvd
+        hvd.init()
+        opt = torch.optim.SGD(model.parameters(), lr=hvdmagic.scale_lr(0.05, batch_size=32))
+    """
+    rank, size = _rank_and_size()
+    scaled = base_lr * size
+    if rank == 0 and size > 1:
+        effective = f"; effective batch size {batch_size * size} ({batch_size} per rank)" if batch_size else ""
+        text = f"learning rate scaled {base_lr:g} -> {scaled:g} for {size} ranks{effective}"
+        emit({"type": Event.NOTE, "text": text})
+    return scaled
