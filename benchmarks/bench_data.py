@@ -32,8 +32,13 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this repository, for benchmarks._common
 
 os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
+
+from benchmarks import _common  # standard library only: it also runs under --petastorm-python
 
 RANKS = 2
 
@@ -75,7 +80,7 @@ def no_data() -> dict:
 
 def bench_arrow(rows: int, columns: int, batch_size: int, repeats: int) -> dict:
     import hvdmagic
-    from hvdmagic.launcher.spark import session_for
+    from hvdmagic.launch.spark import session_for
 
     frame = make_frame(session_for(RANKS), rows, columns)
     hvdmagic.run(no_data, RANKS)  # warm-up: Spark's first job and the ranks' imports
@@ -151,15 +156,12 @@ def bench_petastorm(rows: int, columns: int, batch_size: int, repeats: int) -> d
         read.append(max(r["seconds"] for r in results))
         converter.delete()
     delivery = statistics.median(c + r for c, r in zip(cold, read))
-    import petastorm
-    import pyarrow
-
     return {"mode": "petastorm", "rows": rows, "columns": columns, "convert_cold_s": statistics.median(cold),
             "convert_warm_s": statistics.median(warm), "in_rank_read_s": statistics.median(read),
             "delivery_s": delivery, "rows_per_s": rows / delivery,
             "delivery_warm_s": statistics.median(w + r for w, r in zip(warm, read)),
             "rows_per_rank": [r["rows"] for r in results],
-            "versions": {"petastorm": petastorm.__version__, "pyarrow": pyarrow.__version__}}
+            "versions": _common.versions("petastorm", "pyarrow")}
 
 
 def main() -> None:

@@ -38,13 +38,10 @@ median and min/max. Nothing is asserted.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime as dt
 import functools
-import io
 import json
 import os
-import platform
 import shutil
 import signal
 import statistics
@@ -66,15 +63,14 @@ _USER_OMP = os.environ.get("OMP_NUM_THREADS")
 
 import psutil  # noqa: E402
 
-from benchmarks import workloads  # noqa: E402
+from benchmarks import _common, workloads  # noqa: E402
+from benchmarks._common import paired_ratios  # noqa: E402
 
 PY = sys.executable
 HOROVODRUN = str(Path(PY).parent / "horovodrun")
 CORES = os.cpu_count() or 1
 
-
-def log(message: str) -> None:
-    print(f"[bench_launch {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+log = _common.Log("bench_launch")
 
 
 # ---------------------------------------------------------------------------
@@ -82,12 +78,8 @@ def log(message: str) -> None:
 # ---------------------------------------------------------------------------
 
 def stats(values) -> dict:
-    values = sorted(v for v in values if v is not None)
-    if not values:
-        return {"n": 0}
-    q = statistics.quantiles(values, n=4, method="inclusive") if len(values) > 1 else [values[0]] * 3
-    return {"n": len(values), "median": statistics.median(values), "min": values[0], "max": values[-1],
-            "q1": q[0], "q3": q[2]}
+    """n, median, min, max and quartiles (q1, q3) of the values that are not None."""
+    return _common.describe(values, q1=25, q3=75)
 
 
 def fmt(s: dict, unit: str = "s", digits: int = 2) -> str:
@@ -96,11 +88,6 @@ def fmt(s: dict, unit: str = "s", digits: int = 2) -> str:
     if s["n"] == 1:
         return f"{s['median']:.{digits}f}{unit} (n=1)"
     return f"{s['median']:.{digits}f}{unit} [{s['min']:.{digits}f}-{s['max']:.{digits}f}] n={s['n']}"
-
-
-def paired_ratios(a: list, b: list) -> list:
-    """a[i]/b[i] for the rounds where both exist (same round = adjacent in time)."""
-    return [x / y for x, y in zip(a, b) if x is not None and y]
 
 
 # ---------------------------------------------------------------------------
@@ -135,10 +122,7 @@ class LoadMonitor:
                 pass
 
     def _sample(self, first: bool = False) -> None:
-        me = os.getpid()
-        ours = {me}
-        with contextlib.suppress(psutil.Error):
-            ours.update(p.pid for p in psutil.Process(me).children(recursive=True))
+        ours = {proc.pid for proc in _common.process_tree()}
         now = time.time()
         current: dict[int, tuple[float, str, bool]] = {}
         others = mine = 0.0
@@ -189,29 +173,18 @@ class LoadMonitor:
 # ---------------------------------------------------------------------------
 
 def start_spark(slots: int = 4):
-    """The warm session every Spark-based system shares (the settings of hvdmagic's own embedded one)."""
-    from pyspark.sql import SparkSession
+    """The warm session every Spark-based system shares: hvdmagic's own embedded one, which
+    hvdmagic then treats as the user's session (it is not resized)."""
+    from hvdmagic.launch.spark import _start_embedded
 
-    log4j = ROOT / "hvdmagic" / "launcher" / "log4j2.properties"
-    builder = (SparkSession.builder.master(f"local[{slots}]").appName("bench_launch")
-               .config("spark.driver.host", "127.0.0.1")
-               .config("spark.driver.bindAddress", "127.0.0.1")
-               .config("spark.ui.showConsoleProgress", "false"))
-    if log4j.exists():
-        builder = builder.config("spark.driver.extraJavaOptions", f"-Dlog4j2.configurationFile={log4j}")
-    spark = builder.getOrCreate()
-    spark.sparkContext.setLogLevel("ERROR")
-    return spark
+    return _start_embedded(slots)
 
 
 class Systems:
     def __init__(self, spark, tmp: Path):
-        from IPython.testing.globalipapp import start_ipython
-
         self.spark = spark
         self.tmp = tmp
-        self.ip = start_ipython()
-        self.ip.run_line_magic("load_ext", "hvdmagic")
+        self.ip = _common.ipython_shell()
         self._count = 0
         # TorchDistributor ships its function with pyspark's cloudpickle: by value, so the
         # executors need not import this benchmark's package.
@@ -225,15 +198,10 @@ class Systems:
     def cell(self, np: int, body: str) -> dict:
         import hvdmagic
 
-        source = workloads.cell(np, body)
-        buf = io.StringIO()
-        with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(buf):
-            t0 = time.time()
-            res = self.ip.run_cell(source)
-            t1 = time.time()
+        res, output, t0, t1 = _common.run_cell(self.ip, workloads.cell(np, body))
         if not res.success:
             raise RuntimeError(f"%%horovod --np {np} failed: {res.error_in_exec or res.error_before_exec!r}\n"
-                               f"{buf.getvalue()[-3000:]}")
+                               f"{output[-3000:]}")
         record = hvdmagic.last_run()
         return {"wall": t1 - t0, "start": t0, "end": t1, "ranks": list(record.results)}
 
@@ -264,8 +232,7 @@ class Systems:
     def torch_distributor(self, np: int) -> dict:
         from pyspark.ml.torch.distributor import TorchDistributor
 
-        buf = io.StringIO()
-        with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(buf):
+        with _common.captured():
             t0 = time.time()
             out = TorchDistributor(num_processes=np, local_mode=False, use_gpu=False).run(
                 workloads.torch_distributed_trivial)
@@ -305,12 +272,17 @@ LAUNCH_PHASES = ("launch -> rank processes", "rank start -> user code", "import 
                  "hvd.init()", "allreduce", "job done -> launcher returns")
 
 
+def last_stamps(ranks: list[dict]) -> dict:
+    """Each of the workloads' stamps as the last rank passed it: the critical path."""
+    return {key: max(r[key] for r in ranks) for key in workloads.STAMPS}
+
+
 def launch_phases(run: dict) -> dict:
     """The critical path of one run from the ranks' stamps (the last rank to reach each point)."""
     ranks = [r for r in run["ranks"] if "proc_start" in r]
     if not ranks:
         return {}
-    last = {k: max(r[k] for r in ranks) for k in ("proc_start", "first", "imported", "init", "done")}
+    last = last_stamps(ranks)
     points = [run["start"], last["proc_start"], last["first"], last["imported"], last["init"], last["done"], run["end"]]
     return {name: b - a for name, a, b in zip(LAUNCH_PHASES, points, points[1:])}
 
@@ -482,11 +454,11 @@ class Probe:
 
     def __enter__(self):
         import hvdmagic.channel as channel
-        import hvdmagic.launcher.job as job
-        import hvdmagic.launcher.rendezvous as rendezvous
-        import hvdmagic.launcher.spark as spark
-        import hvdmagic.magic as magic
-        import hvdmagic.runner as runner
+        import hvdmagic.kernel.magic as magic
+        import hvdmagic.kernel.runner as runner
+        import hvdmagic.launch.job as job
+        import hvdmagic.launch.rendezvous as rendezvous
+        import hvdmagic.launch.spark as spark
 
         self.wrap(magic, "capture_cell", "capture")
         self.wrap(runner, "launch", "launch")
@@ -544,7 +516,7 @@ def _spark_time(text: str | None) -> float | None:
     if not text:
         return None
     return dt.datetime.strptime(text.replace("GMT", ""), "%Y-%m-%dT%H:%M:%S.%f").replace(
-        tzinfo=dt.timezone.utc).timestamp()
+        tzinfo=dt.UTC).timestamp()
 
 
 def spark_stage_times(spark, job_group: str) -> dict:
@@ -607,8 +579,7 @@ def profile_run(sysm: Systems, probe: Probe, np: int = 2) -> dict:
     points["job_start"] = probe.first("job.start", t0, t1)
     points["spark_job_start"] = probe.first("spark_job.start", t0, t1)
     points["go"] = probe.first("rendezvous_init.end", t0, t1)
-    for key in ("proc_start", "first", "imported", "init", "done"):
-        points[key] = max(r[key] for r in ranks)
+    points.update(last_stamps(ranks))
     points["last_result"] = probe.last("event.result.", t0, t1)
     points["last_exit"] = probe.last("event.exit.", t0, t1)
     points["shutdown_end"] = probe.first("shutdown.end", t0, t1)
@@ -648,7 +619,7 @@ def profile_run(sysm: Systems, probe: Probe, np: int = 2) -> dict:
 def horovodrun_profile(sysm: Systems, np: int = 2) -> dict:
     run = sysm.horovodrun(np, workloads.trivial())
     t0 = run["start"]
-    last = {k: max(r[k] for r in run["ranks"]) for k in ("proc_start", "first", "imported", "init", "done")}
+    last = last_stamps(run["ranks"])
     return {"wall": run["wall"], "phases": {
         "horovodrun: start -> rank processes created": last["proc_start"] - t0,
         "rank interpreter start -> user code": last["first"] - last["proc_start"],
@@ -727,9 +698,9 @@ _SPY_LABELS = [
     ("HorovodBasics.init (", "hvd.init"),
     ("_report_result (", "pickle + send result"),
     ("<module> (<horovod-cell>", "cell body (other)"),
-    ("main (hvdmagic/rank.py", "rank: read + unpickle payload, other"),
+    ("main (hvdmagic/rank/__main__.py", "rank: read + unpickle payload, other"),
     ("_get_module_details", "rank start-up imports"),
-    ("<module> (hvdmagic/rank.py", "rank start-up imports"),
+    ("<module> (hvdmagic/rank/__main__.py", "rank start-up imports"),
     ("serve_forever", "driver HTTP servers (horovod rendezvous KV store)"),
     ("process_request_thread", "driver HTTP servers (horovod rendezvous KV store)"),
     ("capture_cell (", "capture + pickle"),
@@ -750,9 +721,10 @@ _SPY_LABELS = [
 
 
 def _role(command: str) -> str:
-    if "hvdmagic.rank" in command:
+    role = _common.process_role(command)
+    if role == "rank":
         return "rank"
-    if "pyspark.daemon" in command or "pyspark.worker" in command:
+    if role == "spark_python":
         return "spark python worker (supervisor)"
     if "bench_launch" in command:
         return "driver"
@@ -996,7 +968,7 @@ def plot(res: dict, path: Path) -> None:
                 if label not in all_labels:
                     all_labels.append(label)
         colors = {label: cmap(i % 20) for i, label in enumerate(all_labels)}
-        for y, (name, phases) in enumerate(rows):
+        for y, (_name, phases) in enumerate(rows):
             left = 0.0
             for label, s in phases.items():
                 v = s.get("median") or 0.0
@@ -1055,13 +1027,7 @@ def plot(res: dict, path: Path) -> None:
 
 
 def environment() -> dict:
-    import horovod
-    import pyspark
-    import torch
-
-    return {"python": platform.python_version(), "platform": platform.platform(), "cores": CORES,
-            "memory_gib": round(psutil.virtual_memory().total / 2**30, 1), "torch": torch.__version__,
-            "horovod": horovod.__version__, "pyspark": pyspark.__version__,
+    return {**_common.machine(), **_common.versions("torch", "horovod", "pyspark"),
             "user_OMP_NUM_THREADS": _USER_OMP, "load_at_start": os.getloadavg()}
 
 
@@ -1092,11 +1058,11 @@ def main(argv=None) -> int:
         "profile_cells": args.profile_cells if args.profile_cells is not None else (1 if quick else 4),
         "py_spy": not (quick or args.no_py_spy),
         "parts": [p.strip() for p in args.only.split(",") if p.strip()],
-        "command": " ".join([Path(PY).name] + sys.argv),
+        "command": _common.command_line(),
     }
     cfg["td_repeats"] = min(cfg["td_repeats"], cfg["repeats"])
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    out.parent.mkdir(parents=True, exist_ok=True)  # py-spy's raw output goes there before the JSON
     if _USER_OMP is not None:
         log(f"note: OMP_NUM_THREADS={_USER_OMP} is set in this environment; hvdmagic then keeps it")
     res: dict = {"config": cfg, "environment": environment(), "started": time.time()}
@@ -1139,7 +1105,7 @@ def main(argv=None) -> int:
         shutil.rmtree(tmp, ignore_errors=True)
     res["ended"] = time.time()
     res["duration_s"] = res["ended"] - res["started"]
-    out.write_text(json.dumps(res, indent=1, default=str))
+    _common.write_json(out, res)
     print_tables(res)
     png = out.with_suffix(".png")
     try:

@@ -42,36 +42,41 @@ exit status is 1 if one was).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
-import io
 import json
 import os
-import platform
-import random
 import statistics
-import subprocess
 import sys
 import threading
 import time
 from array import array
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this repository, for benchmarks._common
+
 os.environ["HVDMAGIC_NONINTERACTIVE"] = "1"  # the text view: no widgets in a benchmark
 os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
 
-import psutil  # noqa: E402
+import cloudpickle
+import psutil
 
-import hvdmagic  # noqa: E402
-from hvdmagic import report  # noqa: E402
-from hvdmagic.metric_rows import MetricRows  # noqa: E402
+import hvdmagic
+from benchmarks import _common
+from benchmarks._common import GcPauses, bootstrap_median_ci, paired_ratios, thread_cpu
+from hvdmagic.metric_rows import MetricRows
+from hvdmagic.rank import report
 
-ROOT = Path(__file__).resolve().parent.parent
+# The rank-side functions below use thread_cpu and GcPauses: ship that module by value
+# with them, since a rank cannot import this benchmark's package.
+cloudpickle.register_pickle_by_value(_common)
+
+ROOT = _common.ROOT
 
 
 # ---------------------------------------------------------------------------
 # Functions that run inside a rank. They are defined in __main__, so cloudpickle
-# ships them by value; everything they need is imported inside them.
+# ships them by value; what they need is imported inside them, or comes from
+# benchmarks._common, which is shipped by value too.
 # ---------------------------------------------------------------------------
 
 def call_costs(rounds: int, batch: int) -> dict:
@@ -83,7 +88,7 @@ def call_costs(rounds: int, batch: int) -> dict:
     import time
 
     import hvdmagic
-    from hvdmagic import report
+    from hvdmagic.rank import report
 
     clock = time.perf_counter_ns
     log_metrics, progress, track = hvdmagic.log_metrics, hvdmagic.progress, hvdmagic.track
@@ -91,7 +96,7 @@ def call_costs(rounds: int, batch: int) -> dict:
 
     def empty_loop():
         t = clock()
-        for i in range(batch):
+        for _i in range(batch):
             pass
         return clock() - t
 
@@ -142,7 +147,6 @@ def train(duration: float, batch: int, rate: float, reporting: bool, segment_s: 
     are an A/A control: their ratio shows how far two identical segments differ.
     """
     import gc
-    import os
     import random
     import time
 
@@ -150,7 +154,7 @@ def train(duration: float, batch: int, rate: float, reporting: bool, segment_s: 
     import torch
 
     import hvdmagic
-    from hvdmagic import report
+    from hvdmagic.rank import report
 
     hvd.init()
     torch.set_num_threads(1)
@@ -168,27 +172,15 @@ def train(duration: float, batch: int, rate: float, reporting: bool, segment_s: 
         opt.step()
         return loss.item()
 
-    def thread_cpu(thread) -> float:
-        """CPU seconds of another thread of this process, from /proc (10 ms resolution)."""
+    def flusher_seconds() -> float:
+        """CPU seconds of the report flusher thread, from /proc (10 ms resolution); 0 with no flusher."""
+        thread = report._flusher
         if thread is None or not thread.is_alive():
             return 0.0
-        try:
-            with open(f"/proc/self/task/{thread.native_id}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-        except (OSError, IndexError, ValueError):
-            return float("nan")
+        cpu = thread_cpu(thread.native_id)
+        return float("nan") if cpu is None else cpu
 
-    gc_time = [0.0, 0.0, 0.0]  # seconds spent collecting, by generation
-    gc_count = [0, 0, 0]
-    gc_began = [0.0]
-
-    def on_gc(phase, info):
-        if phase == "start":
-            gc_began[0] = time.perf_counter()
-        else:
-            gc_time[info["generation"]] += time.perf_counter() - gc_began[0]
-            gc_count[info["generation"]] += 1
+    pauses = GcPauses()  # this rank's garbage collections in the training window
 
     for _ in range(50):
         step()
@@ -204,11 +196,11 @@ def train(duration: float, batch: int, rate: float, reporting: bool, segment_s: 
         label = block.pop()
     on = label == "report" if segment_s else reporting
     gc.collect()  # both variants start from a collected heap (a first full collection would land in the window)
-    gc.callbacks.append(on_gc)
+    pauses.start()
     wall_start = time.time()
     cpu_start = time.process_time()
     main_cpu_start = time.thread_time()
-    flusher_cpu_start = thread_cpu(report._flusher)
+    flusher_cpu_start = flusher_seconds()
     start = now = seg_start = time.perf_counter()
     seg_steps, seg_cpu = 0, time.thread_time()
     deadline = start + duration
@@ -225,7 +217,7 @@ def train(duration: float, batch: int, rate: float, reporting: bool, segment_s: 
                 log_metrics(step=events + j, loss=value)
             events += k
         else:
-            for j in range(k):
+            for _ in range(k):
                 pass
         steps += 1
         now = time.perf_counter()
@@ -243,15 +235,15 @@ def train(duration: float, batch: int, rate: float, reporting: bool, segment_s: 
     elapsed = now - start
     cpu = time.process_time() - cpu_start
     main_cpu = time.thread_time() - main_cpu_start
-    flusher_cpu = thread_cpu(report._flusher) - flusher_cpu_start
+    flusher_cpu = flusher_seconds() - flusher_cpu_start
     wall_end = time.time()
-    gc.callbacks.remove(on_gc)
+    pauses.stop()
     return {"rank": rank, "steps": steps, "elapsed": elapsed, "steps_per_s": steps / elapsed,
             "cpu_s": cpu, "cpu_per_step_us": cpu / steps * 1e6, "main_thread_cpu_s": main_cpu,
             "main_thread_cpu_per_step_us": main_cpu / steps * 1e6, "flusher_cpu_s": flusher_cpu,
             "flusher_cpu_per_event_us": flusher_cpu / events * 1e6 if events else None, "events": events,
             "events_per_s": events / elapsed, "wall_start": wall_start, "wall_end": wall_end,
-            "gc_ms": [t * 1e3 for t in gc_time], "gc_count": gc_count, "segments": segments,
+            "gc_ms": pauses.ms_by_generation(), "gc_count": pauses.summary()["collections"], "segments": segments,
             "live": report._events is not None}
 
 
@@ -263,37 +255,29 @@ def nothing() -> int:
 # The driver side.
 # ---------------------------------------------------------------------------
 
-def pct(values, q: float) -> float:
-    """The q-th percentile (linear interpolation, like numpy's default)."""
-    data = sorted(values)
-    if not data:
-        return float("nan")
-    pos = (len(data) - 1) * q / 100
-    lo = int(pos)
-    hi = min(lo + 1, len(data) - 1)
-    return data[lo] + (data[hi] - data[lo]) * (pos - lo)
-
-
 def summarise(values) -> dict:
-    values = list(values)
-    return {"median": statistics.median(values), "p99": pct(values, 99), "min": min(values),
-            "max": max(values), "n": len(values)}
+    """n, median, p99, min and max."""
+    return _common.describe(values, p99=99)
+
+
+def ratio_summary(ratios: list, ci95: bool = False) -> dict:
+    """The ratios and their summary (with ``ci95``, the median's 95 % bootstrap interval too)."""
+    if not ratios:
+        return {"ratios": []}
+    out = {"ratios": ratios, **summarise(ratios)}
+    if ci95:
+        out["ci95"] = bootstrap_median_ci(ratios)
+    return out
 
 
 def _kind(proc: psutil.Process, me: int) -> str:
+    """driver, rank, jvm, spark_python (Spark's Python workers: they host the supervisors) or other."""
     if proc.pid == me:
         return "driver"
     try:
-        cmdline = " ".join(proc.cmdline())
+        return _common.process_role(" ".join(proc.cmdline()), proc.name())
     except psutil.Error:
         return "other"
-    if "hvdmagic.rank" in cmdline:
-        return "rank"
-    if "java" in proc.name() or "SparkSubmit" in cmdline:
-        return "jvm"
-    if "pyspark" in cmdline:
-        return "spark_python"  # Spark's Python workers: they host the supervisors
-    return "other"
 
 
 class DriverMonitor:
@@ -315,13 +299,12 @@ class DriverMonitor:
         self._ticker_cpu = 0.0
         self._kinds: dict[int, str] = {}
         self._me = psutil.Process()
-        self.gc_pauses: list[tuple[float, float, int]] = []  # (wall time at the end, seconds, generation)
-        self._gc_began = 0.0
+        self.gc = GcPauses()
         self._threads = [threading.Thread(target=self._ticker, name="bench-ticker", daemon=True),
                          threading.Thread(target=self._sampler, name="bench-sampler", daemon=True)]
 
     def __enter__(self):
-        gc.callbacks.append(self._on_gc)
+        self.gc.start()
         for thread in self._threads:
             thread.start()
         return self
@@ -330,13 +313,7 @@ class DriverMonitor:
         self._stop.set()
         for thread in self._threads:
             thread.join()
-        gc.callbacks.remove(self._on_gc)
-
-    def _on_gc(self, phase: str, info: dict) -> None:
-        if phase == "start":
-            self._gc_began = time.perf_counter()
-        else:
-            self.gc_pauses.append((time.time(), time.perf_counter() - self._gc_began, info["generation"]))
+        self.gc.stop()
 
     def _ticker(self) -> None:
         clock, sleep, wall = time.perf_counter, time.sleep, time.time
@@ -355,11 +332,7 @@ class DriverMonitor:
 
     def _sample(self) -> None:
         procs = {}
-        try:
-            found = [self._me] + self._me.children(recursive=True)
-        except psutil.Error:
-            found = [self._me]
-        for proc in found:
+        for proc in _common.process_tree(self._me):
             try:
                 times = proc.cpu_times()
                 kind = self._kinds.get(proc.pid) or self._kinds.setdefault(proc.pid, _kind(proc, self._me.pid))
@@ -381,7 +354,7 @@ class DriverMonitor:
         ticks = [(t, late) for t, late in self.ticks if start <= t <= end]
         lateness = [late for _, late in ticks]
         samples = [s for s in self.samples if start <= s["t"] <= end]
-        pauses = [(t, d, g) for t, d, g in self.gc_pauses if start <= t <= end]
+        pauses = self.gc.within(start, end)
         out: dict = {"ticks": len(lateness)}
         if lateness:
             out["tick_late_ms"] = {k: v * 1e3 for k, v in summarise(lateness).items() if k != "n"}
@@ -391,9 +364,7 @@ class DriverMonitor:
             out["worst_ticks_ms"] = [round(late * 1e3, 1) for _, late in worst]
             out["worst_ticks_during_gc"] = sum(
                 any(gt - gd <= t and gt >= t - late - self.tick for gt, gd, _ in pauses) for t, late in worst)
-        out["gc"] = {"collections": [sum(g == gen for _, _, g in pauses) for gen in range(3)],
-                     "total_ms": sum(d for _, d, _ in pauses) * 1e3,
-                     "max_pause_ms": max((d for _, d, _ in pauses), default=0.0) * 1e3}
+        out["gc"] = self.gc.summary(start, end)
         if len(samples) < 2:
             return out
         first, last = samples[0], samples[-1]
@@ -421,17 +392,12 @@ class DriverMonitor:
         return out
 
 
-_T0 = time.perf_counter()
-
-
-def log(message: str) -> None:
-    print(f"[{time.perf_counter() - _T0:6.1f} s] {message}", file=sys.stderr, flush=True)
+log = _common.Log()
 
 
 def run_quiet(fn, np: int, *args):
     """hvdmagic.run with the text view's own lines kept out of the table (they still get written)."""
-    sink = io.StringIO()
-    with contextlib.redirect_stdout(sink):
+    with _common.captured(stderr=False):
         return hvdmagic.run(fn, np, *args)
 
 
@@ -473,7 +439,7 @@ def driver_path_costs(batches: int, per_batch: int) -> dict:
 
     It replays what one flush carries (``per_batch`` log_metrics rows) through the
     same code the run uses: the rank's columnar batch and JSON encoding
-    (report.flush), the supervisor's text relay (supervisor.relayed, channel.Link.send_raw),
+    (report.flush), the supervisor's text relay (lines.relayed, channel.Link.send_raw),
     the driver's authenticated receive (channel.Link.recv) and RunRecord.apply;
     the link runs over a socketpair instead of TCP. It also measures the record's
     memory per row with tracemalloc and one widget dashboard redraw (without a
@@ -483,8 +449,8 @@ def driver_path_costs(batches: int, per_batch: int) -> dict:
     import tracemalloc
 
     from hvdmagic import channel
-    from hvdmagic.launcher.supervisor import relayed
-    from hvdmagic.record import RunRecord
+    from hvdmagic.kernel.record import RunRecord
+    from hvdmagic.task.lines import relayed
 
     def buffer_rows(b: int) -> MetricRows:  # what log_metrics leaves in the rank's buffer
         rows, first, now = MetricRows(), b * per_batch, time.time()
@@ -510,18 +476,10 @@ def driver_path_costs(batches: int, per_batch: int) -> dict:
     stages = {"rank_encode": [], "supervisor_decode": [], "supervisor_send": [], "driver_recv": [],
               "record_apply": []}
     clock = time.perf_counter_ns
-    pauses: list[tuple[int, float]] = []
-    began = [0]
-
-    def on_gc(phase, info):
-        if phase == "start":
-            began[0] = clock()
-        else:
-            pauses.append((info["generation"], (clock() - began[0]) / 1e6))
-
+    pauses = GcPauses()
     gc.collect()
     tracked_before = len(gc.get_objects())
-    gc.callbacks.append(on_gc)
+    pauses.start()
     tail = b',"rank":0}'
     for b in range(batches):
         rows = buffer_rows(b)
@@ -538,14 +496,13 @@ def driver_path_costs(batches: int, per_batch: int) -> dict:
         t5 = clock()
         for name, dt in zip(stages, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4)):
             stages[name].append(dt / per_batch / 1e3)
-    gc.callbacks.remove(on_gc)
+    pauses.stop()
     sender.close()
     receiver.close()
     out = {name: summarise(values) for name, values in stages.items()}
     # Collections the replay triggered in this process (the stage timings above include them).
-    out["gc"] = {"collections": [sum(g == gen for g, _ in pauses) for gen in range(3)],
-                 "total_ms": sum(d for _, d in pauses), "max_pause_ms": max((d for _, d in pauses), default=0.0),
-                 "per_event_us": sum(d for _, d in pauses) * 1e3 / (batches * per_batch)}
+    out["gc"] = pauses.summary()
+    out["gc"]["per_event_us"] = out["gc"]["total_ms"] * 1e3 / (batches * per_batch)
     t = clock()
     gc.collect()
     out["full_gc_with_record_ms"] = (clock() - t) / 1e6
@@ -567,7 +524,7 @@ def driver_path_costs(batches: int, per_batch: int) -> dict:
     tracemalloc.stop()
     out["record_bytes_per_row"] = (after - before) / len(fresh.history)
     try:
-        from hvdmagic.ui.dashboard import Dashboard
+        from hvdmagic.kernel.ui.dashboard import Dashboard
 
         dash = Dashboard(record)
         draws = []
@@ -647,16 +604,9 @@ def segment_ratios(segments: list) -> dict:
     for key, value in (("steps_per_s", lambda steps, seconds, cpu: steps / seconds),
                        ("main_cpu_per_step", lambda steps, seconds, cpu: cpu / steps)):
         for test, label in (("ab", "report"), ("aa", "bare again")):
-            ratios = [value(*b[label]) / value(*b["bare"]) for b in blocks]
-            out[f"{key}_{test}"] = {"ratios": ratios, **summarise(ratios), "ci95": bootstrap_median_ci(ratios)} \
-                if ratios else {"ratios": []}
+            ratios = paired_ratios([value(*b[label]) for b in blocks], [value(*b["bare"]) for b in blocks])
+            out[f"{key}_{test}"] = ratio_summary(ratios, ci95=True)
     return out
-
-
-def bootstrap_median_ci(values: list, resamples: int = 4000) -> tuple[float, float]:
-    draw = random.Random(1)
-    medians = sorted(statistics.median(draw.choices(values, k=len(values))) for _ in range(resamples))
-    return medians[int(0.025 * resamples)], medians[int(0.975 * resamples) - 1]
 
 
 def compare(runs: list[dict]) -> dict:
@@ -666,8 +616,7 @@ def compare(runs: list[dict]) -> dict:
     rep = [r for r in runs if r["variant"] == "report"]
     out = {}
     for key in ("rank0_steps_per_s", "all_ranks_steps_per_s", "rank0_cpu_per_step_us", "rank0_main_cpu_per_step_us"):
-        ratios = [b2[key] / b1[key] for b1, b2 in zip(bare, rep)]
-        out[key] = {"ratios": ratios, **summarise(ratios)} if ratios else {"ratios": []}
+        out[key] = ratio_summary(paired_ratios([r[key] for r in rep], [b[key] for b in bare]))
     return out
 
 
@@ -700,7 +649,7 @@ def print_tables(result: dict) -> None:
              "record_apply": "driver (job loop)"}
     total = 0.0
     for name, label in (("rank_encode", "base64 columns, one line (report.flush)"),
-                        ("supervisor_decode", "text relay (supervisor.relayed)"),
+                        ("supervisor_decode", "text relay (lines.relayed)"),
                         ("supervisor_send", "channel.Link.send_raw (HMAC + send)"),
                         ("driver_recv", "channel.Link.recv (HMAC + JSON)"),
                         ("record_apply", "RunRecord.apply")):
@@ -782,11 +731,7 @@ def print_tables(result: dict) -> None:
             rep, bare = block["driver_summary"]["report"].get(key), block["driver_summary"]["bare"].get(key)
             if rep is None and bare is None:
                 continue
-            print(f"  {mode:6} {label:40} {_num(rep):>8} | {_num(bare):<8}")
-
-
-def _num(value) -> str:
-    return "-" if value is None else f"{value:.2f}"
+            print(f"  {mode:6} {label:40} {_common.num(rep):>8} | {_common.num(bare):<8}")
 
 
 def driver_summary(runs: list[dict]) -> dict:
@@ -816,25 +761,12 @@ def driver_summary(runs: list[dict]) -> dict:
 
 
 def environment() -> dict:
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-        dirty = bool(subprocess.run(["git", "status", "--porcelain", "hvdmagic"], cwd=ROOT, capture_output=True,
-                                    text=True).stdout.strip())
-    except OSError:
-        commit, dirty = "", None
     import torch
 
-    model = ""
-    try:
-        model = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                     if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return {"commit": commit, "hvdmagic_dirty": dirty, "python": platform.python_version(),
-            "torch": torch.__version__, "cpu_count": os.cpu_count(), "cpu_model": model,
-            "gpu": torch.cuda.is_available(), "platform": platform.platform(),
-            "flush_interval_s": report.FLUSH_INTERVAL, "driver_gc_tracked_objects": len(gc.get_objects()),
-            "gc_thresholds": gc.get_threshold(), "started": time.strftime("%Y-%m-%d %H:%M:%S %z")}
+    return {"hvdmagic": _common.code_under_test(), **_common.machine(), **_common.versions("torch"),
+            "gpu": torch.cuda.is_available(), "flush_interval_s": report.FLUSH_INTERVAL,
+            "driver_gc_tracked_objects": len(gc.get_objects()), "gc_thresholds": gc.get_threshold(),
+            "started": time.strftime("%Y-%m-%d %H:%M:%S %z")}
 
 
 def main(argv=None) -> int:
@@ -865,7 +797,7 @@ def main(argv=None) -> int:
             parser.error(f"unknown mode {mode!r}")
 
     began = time.perf_counter()
-    result: dict = {"environment": environment(), "command": " ".join([sys.executable] + sys.argv),
+    result: dict = {"environment": environment(), "command": _common.command_line(),
                     "config": {"np": args.np, "duration": duration, "pairs": pairs, "rate": args.rate,
                                "segment_s": segment_s, "interleaved_s": args.interleaved,
                                "batch": args.batch, "rounds": rounds, "calls": args.calls, "modes": modes,
@@ -898,9 +830,7 @@ def main(argv=None) -> int:
         result["training"][mode] = block
     result["total_s"] = time.perf_counter() - began
 
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1, default=str))
+    out = _common.write_json(args.out, result)
     print_tables(result)
     print(f"\nwrote {out} in {result['total_s']:.0f} s")
     lost = [r for block in result["training"].values() for r in block["runs"] + [block.get("interleaved")]

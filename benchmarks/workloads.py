@@ -18,16 +18,16 @@ The stamps, in the order a rank passes them:
 
 from __future__ import annotations
 
-# Process start time on the wall clock, without psutil (its import would be timed too).
-_PROC_START = '''
-def _proc_start():
-    import os as _os
-    with open("/proc/self/stat") as _f:
-        _ticks = int(_f.read().rsplit(")", 1)[1].split()[19])
-    with open("/proc/uptime") as _f:
-        _uptime = float(_f.read().split()[0])
-    return _time.time() - (_uptime - _ticks / _os.sysconf("SC_CLK_TCK"))
-'''
+import inspect
+
+from benchmarks import _common
+
+# The stamps every workload's RESULT holds (see above), in the order a rank passes them.
+STAMPS = ("proc_start", "first", "imported", "init", "done")
+
+# The rank-side /proc readers, as source: the process's start time (without psutil, whose
+# import would be timed too) and a thread's CPU time.
+_RANK_HELPERS = "\n" + inspect.getsource(_common.proc_start_time) + "\n" + inspect.getsource(_common.thread_cpu)
 
 TRIVIAL = '''\
 import time as _time
@@ -39,8 +39,8 @@ hvd.init()
 _t_init = _time.time()
 _value = hvd.allreduce(torch.tensor(1.0), op=hvd.Sum).item()
 _t_done = _time.time()
-''' + _PROC_START + '''
-RESULT = {"rank": hvd.rank(), "size": hvd.size(), "value": _value, "proc_start": _proc_start(),
+''' + _RANK_HELPERS + '''
+RESULT = {"rank": hvd.rank(), "size": hvd.size(), "value": _value, "proc_start": proc_start_time(),
           "first": _t_first, "imported": _t_imported, "init": _t_init, "done": _t_done}
 '''
 
@@ -79,32 +79,18 @@ _loop_s = _time.perf_counter() - _t_loop
 _loop_cpu = _time.process_time() - _c_loop
 _t_done = _time.time()
 
-
-def _thread_cpu(thread):
-    """CPU seconds of one thread of this process (Linux /proc), or None."""
-    import os as _os
-    tid = getattr(thread, "native_id", None)
-    if tid is None:
-        return None
-    try:
-        with open(f"/proc/self/task/{{tid}}/stat") as _f:
-            fields = _f.read().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / _os.sysconf("SC_CLK_TCK")
-    except OSError:
-        return None
-
+{helpers}
 
 # hvdmagic's background flusher (None outside a %%horovod run): its CPU over the whole run.
-import hvdmagic.report as _report
+import hvdmagic.rank.report as _report
 _flusher = getattr(_report, "_flusher", None)
-_flusher_cpu = _thread_cpu(_flusher) if _flusher is not None else None
-''' + _PROC_START + '''
+_flusher_cpu = thread_cpu(getattr(_flusher, "native_id", None))
 import os as _os
 RESULT = {{"rank": hvd.rank(), "size": hvd.size(), "steps": STEPS, "batch": BATCH,
           "loop_s": _loop_s, "loop_cpu_s": _loop_cpu, "samples_per_s": STEPS * BATCH / _loop_s,
           "cpu_ms_per_step": 1000 * _loop_cpu / STEPS, "flusher_cpu_s": _flusher_cpu,
           "torch_threads": torch.get_num_threads(), "omp_num_threads": _os.environ.get("OMP_NUM_THREADS"),
-          "proc_start": _proc_start(), "first": _t_first, "imported": _t_imported, "init": _t_init,
+          "proc_start": proc_start_time(), "first": _t_first, "imported": _t_imported, "init": _t_init,
           "done": _t_done}}
 '''
 
@@ -121,7 +107,7 @@ def trivial() -> str:
 
 
 def train(steps: int, warmup: int = 20, batch: int = 64) -> str:
-    return TRAIN.format(steps=steps, warmup=warmup, batch=batch)
+    return TRAIN.format(steps=steps, warmup=warmup, batch=batch, helpers=_RANK_HELPERS)
 
 
 def cell(np: int, body: str) -> str:

@@ -18,7 +18,15 @@ class HvdmagicError(Exception):
 
 
 class LaunchError(HvdmagicError):
-    """The job could not start: bad set-up, not enough slots, no Spark, no horovod."""
+    """The job could not start: bad set-up, not enough slots, no Spark, no horovod.
+
+    The message is one paragraph; ``details`` keeps the whole underlying error (a
+    Java stack trace, say) for whoever needs it.
+    """
+
+    def __init__(self, message: str, details: str = ""):
+        super().__init__(message)
+        self.details = details
 
 
 class CaptureError(HvdmagicError):

@@ -28,6 +28,7 @@ class Event(StrEnum):
     ERROR = "error"  # the exception type, message and the user's traceback
     HEARTBEAT = "heartbeat"  # alive, for the driver's watchdog
     NOTE = "note"  # a line for the dashboard's notes (scale_lr, --data)
+    STAGE = "stage"  # a Stage reached: by the driver (no "rank") or by one rank
     # driver -> task
     GO = "go"  # the task's slot, devices and rows per rank: start the rank
     ABORT = "abort"  # stop the rank now
@@ -38,6 +39,22 @@ class Event(StrEnum):
     # driver -> the run's views only
     LAUNCHING = "launching"
     PLACED = "placed"
+
+
+class Stage(StrEnum):
+    """The stages of a run, in order, as the dashboard names them while it waits."""
+
+    SPARK_STARTING = "starting the embedded Spark"  # the kernel's first cell only
+    WAITING_FOR_SLOTS = "waiting for slots"
+    SUBMITTED = "stage submitted"
+    RANKS_STARTING = "rank processes starting"
+    IMPORTING = "importing"  # the rank's interpreter runs the cell, up to `import horovod`
+    HVD_INIT = "hvd.init"  # horovod is imported and not yet initialised
+    FIRST_STEP = "first step"  # horovod is initialised; nothing reported yet
+    TRAINING = "training"  # the rank's first output, progress or metric
+
+
+STAGE_ORDER = {stage: i for i, stage in enumerate(Stage)}
 
 
 # Events that show a rank is doing work (its watchdog's "last progress").
@@ -85,6 +102,14 @@ class TaskSpec:
     env: tuple[tuple[str, str], ...] = ()  # job-wide extra variables for every rank (e.g. HOROVOD_TIMELINE)
     controller: str = "gloo"  # or "mpi": mpirun starts the ranks, and the task adopts its own
     results: str = "all"  # which ranks send their value back: a ResultPolicy
+    framework: str = "horovod"  # whose collectives the ranks use: a Framework
+
+
+class Framework(StrEnum):
+    """Whose collectives the ranks use, and so which rendezvous and environment they get."""
+
+    HOROVOD = "horovod"  # %%horovod: Horovod's Gloo rendezvous (or mpirun), HOROVOD_* variables
+    TORCH = "torch"  # %%torchrun: torch.distributed's env:// rendezvous, torchrun's variables
 
 
 class ResultPolicy(StrEnum):

@@ -10,6 +10,9 @@ and children before (after warm-up) and after the run.
 
     .venv/bin/python scripts/soak.py [--cells 100] [--seed 1]
 
+The fault scenarios, each a cell and the check of its outcome, are
+tests/fault_scenarios.py's: tests/test_faults.py runs the same ones.
+
 It prints a table at the end and writes everything to artifacts/soak.json
 (per-cell records too); the output of every cell goes to artifacts/soak-cells.log.
 Exit status 0 when every cell ended as expected and nothing leaked, 1 otherwise.
@@ -21,14 +24,10 @@ import argparse
 import contextlib
 import datetime as dt
 import gc
-import io
-import json
 import os
-import platform
 import random
 import shutil
 import signal
-import statistics
 import sys
 import tempfile
 import threading
@@ -36,6 +35,10 @@ import time
 import traceback
 import uuid
 from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+# The scenarios and the resource counts are the tests' own (tests/); the helpers, the benchmarks'.
+sys.path[:0] = [str(ROOT / "tests"), str(ROOT)]
 
 os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
 os.environ.setdefault("HVDMAGIC_NONINTERACTIVE", "1")
@@ -46,14 +49,18 @@ SOAK_TOKEN = uuid.uuid4().hex
 os.environ["HVDMAGIC_SOAK_TOKEN"] = SOAK_TOKEN
 
 import psutil  # noqa: E402
+from fault_scenarios import FLOOD_LINES, SCENARIOS, Outcome  # noqa: E402
+from procs import kernel_resources  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
+from benchmarks import _common  # noqa: E402
+
 HANG_TIMEOUT = 8  # --timeout of the hang cells
 STALL_TIMEOUT = 6  # --stall-timeout of the deadlock cells
 SAFETY_TIMEOUT = 60  # --timeout on cells that must end by themselves (early exit): a hang still ends
 CELL_LIMIT = 150  # the soak's own watchdog: a cell still running after this is interrupted (SIGINT)
-FLOOD_LINES = 100_000
-LIVE_CAP = 1000  # hvdmagic.ui.text.MAX_LIVE_LINES
+# The limit each scenario's option gets (tests/fault_scenarios.py: Scenario.option).
+LIMITS = {"hang_timeout": HANG_TIMEOUT, "stall_timeout": STALL_TIMEOUT, "early_exit": SAFETY_TIMEOUT}
+fmt = _common.num  # a figure in the table
 
 # kind -> weight in the mix (every kind appears at least once whatever --cells is)
 KINDS = {
@@ -66,103 +73,12 @@ KINDS = {
     "stall_timeout": 10,
     "log_flood": 10,
 }
-EXPECTED = {
-    "none": "success, result 3.0 (allreduce of rank+1)",
-    "raise": "JobFailed, first failure = the raising rank, its KeyError in the traceback",
-    "sigkill": "JobFailed, first failure = the killed rank, 'killed by SIGKILL'",
-    "exit_code": "JobFailed, first failure = the rank, 'exited with code 3'",
-    "early_exit": "JobFailed (not JobTimeout), 'rank(s) r had finished the cell'",
-    "hang_timeout": f"JobTimeout, '--timeout {HANG_TIMEOUT}', names the stuck rank only",
-    "stall_timeout": f"JobTimeout, 'rank(s) r made no progress for {STALL_TIMEOUT} s (--stall-timeout)'",
-    "log_flood": f"success, {LIVE_CAP} live lines per rank + cap notice, full {FLOOD_LINES}-line log kept",
-}
+assert set(KINDS) == set(SCENARIOS), "every scenario of tests/fault_scenarios.py needs a weight"
+# The faults that end one rank, and how that rank's own failure reads.
+OWN_FAILURE = {kind: SCENARIOS[kind].own_failure for kind in KINDS if SCENARIOS[kind].own_failure}
 
 
 # --------------------------------------------------------------------------- cells
-
-def cell_for(kind: str, np_arg: int, r: int, stamp: str) -> tuple[str, float | None]:
-    """The cell source for a fault on rank r, and its configured timeout (for the overshoot)."""
-    head = f"%%horovod --np {np_arg}"
-    write_stamp = f"open({stamp!r}, 'w').write(repr(time.time()))"
-    if kind == "none":
-        return f"""{head}
-import torch, horovod.torch as hvd
-hvd.init()
-hvd.allreduce(torch.tensor([hvd.rank() + 1.0]), op=hvd.Sum).item()
-""", None
-    if kind == "raise":
-        return f"""{head}
-import time, torch, horovod.torch as hvd
-hvd.init()
-if hvd.rank() == {r}:
-    time.sleep(1)
-    {write_stamp}
-    raise KeyError("soak fault on rank {r}")
-hvd.allreduce(torch.ones(1))
-""", None
-    if kind == "sigkill":
-        return f"""{head}
-import os, signal, time, torch, horovod.torch as hvd
-hvd.init()
-if hvd.rank() == {r}:
-    {write_stamp}
-    os.kill(os.getpid(), signal.SIGKILL)
-hvd.allreduce(torch.ones(1))
-time.sleep(600)
-""", None
-    if kind == "exit_code":
-        return f"""{head}
-import os, time, torch, horovod.torch as hvd
-hvd.init()
-if hvd.rank() == {r}:
-    {write_stamp}
-    os._exit(3)
-hvd.allreduce(torch.ones(1))
-time.sleep(600)
-""", None
-    if kind == "early_exit":
-        return f"""{head} --timeout {SAFETY_TIMEOUT}
-import sys, time, torch, horovod.torch as hvd
-hvd.init()
-if hvd.rank() == {r}:
-    {write_stamp}
-    sys.exit(0)
-for _ in range(3):
-    hvd.allreduce(torch.ones(1))
-""", None
-    if kind == "hang_timeout":
-        return f"""{head} --timeout {HANG_TIMEOUT}
-import os, time
-rank = int(os.environ["HOROVOD_RANK"])
-print("started", flush=True)
-if rank == {r}:
-    {write_stamp}
-while True:
-    if rank != {r}:
-        print("tick", flush=True)
-    time.sleep(0.5 if rank != {r} else 60)
-""", HANG_TIMEOUT
-    if kind == "stall_timeout":
-        return f"""{head} --stall-timeout {STALL_TIMEOUT}
-import time, torch, horovod.torch as hvd
-hvd.init()
-print("ready", flush=True)
-if hvd.rank() == {r}:
-    {write_stamp}
-    hvd.allreduce(torch.ones(1), name="never_matched")
-else:
-    while True:
-        print("busy", flush=True)
-        time.sleep(0.5)
-""", STALL_TIMEOUT
-    if kind == "log_flood":
-        return f"""{head}
-import sys
-for i in range({FLOOD_LINES}):
-    sys.stdout.write(f"line {{i}}\\n")
-""", None
-    raise ValueError(kind)
-
 
 def attribution(kind: str, r: int, error) -> str | None:
     """For the faults that end one rank: is that rank's own failure the one the cell names first?
@@ -173,7 +89,7 @@ def attribution(kind: str, r: int, error) -> str | None:
     """
     from hvdmagic.errors import JobFailed
 
-    own = {"raise": "KeyError: ", "sigkill": "killed by SIGKILL", "exit_code": "exited with code 3"}.get(kind)
+    own = OWN_FAILURE.get(kind)
     if own is None or not isinstance(error, JobFailed):
         return None
     mine = [i for i, f in enumerate(error.failures) if f.rank == r and f.summary.startswith(own)]
@@ -183,75 +99,35 @@ def attribution(kind: str, r: int, error) -> str | None:
 
 
 def check(kind: str, r: int, result, error, output: str) -> tuple[bool, str]:
-    """Whether the outcome is the one this fault must produce, and what was seen."""
-    from hvdmagic import last_run
-    from hvdmagic.errors import JobFailed, JobTimeout
-
-    other = 1 - r
-    if error is not None:
-        seen = f"{type(error).__name__}: {error}"
-    else:
-        seen = f"ok: {result!r}"
-    first = error.failures[0].rank if isinstance(error, JobFailed) and error.failures else None
-    message = str(error) if error is not None else ""
-    if kind == "none":
-        return error is None and result == 3.0 and last_run().results == [3.0, 3.0], seen
-    if kind == "log_flood":
-        if error is not None:
-            return False, seen
-        logs = last_run().logs
-        lines0 = output.count("[rank 0] line ")
-        capped = f"output capped at {LIVE_CAP} lines here; the full log is in hvdmagic.last_run().logs[0]" in output
-        whole = logs[0].count("\n") == FLOOD_LINES and logs[0].endswith(f"line {FLOOD_LINES - 1}\n")
-        seen += f" (live lines rank 0: {lines0}, cap notice: {capped}, full log kept: {whole})"
-        return lines0 == LIVE_CAP and capped and whole, seen
-    if kind == "raise":
-        rendered = "\n".join(error._render_traceback_()) if isinstance(error, JobFailed) else ""
-        ok = (isinstance(error, JobFailed) and not isinstance(error, JobTimeout) and first == r
-              and f"KeyError: 'soak fault on rank {r}'" in rendered)
-        return ok, seen
-    if kind == "sigkill":
-        ok = (isinstance(error, JobFailed) and not isinstance(error, JobTimeout) and first == r
-              and error.failures[0].summary == "killed by SIGKILL" and "killed by SIGKILL" in message)
-        return ok, seen
-    if kind == "exit_code":
-        ok = (isinstance(error, JobFailed) and not isinstance(error, JobTimeout) and first == r
-              and error.failures[0].summary == "exited with code 3" and "exited with code 3" in message)
-        return ok, seen
-    if kind == "early_exit":
-        ok = (isinstance(error, JobFailed) and not isinstance(error, JobTimeout)
-              and f"rank(s) {r} had finished the cell" in message)
-        return ok, seen
-    if kind == "hang_timeout":
-        ok = (isinstance(error, JobTimeout) and f"--timeout {HANG_TIMEOUT}" in message
-              and f"rank {r} stopped progressing" in message and f"rank {other} stopped progressing" not in message)
-        return ok, seen
-    if kind == "stall_timeout":
-        ok = (isinstance(error, JobTimeout)
-              and f"rank(s) {r} made no progress for {STALL_TIMEOUT} s (--stall-timeout)" in message)
-        return ok, seen
-    raise ValueError(kind)
+    """Whether the outcome is the one this fault must produce (the scenario's check), and what was seen."""
+    seen = f"{type(error).__name__}: {error}" if error is not None else f"ok: {result!r}"
+    try:
+        SCENARIOS[kind].check(Outcome(result, error, output, r, LIMITS.get(kind)))
+    except AssertionError as exc:
+        return False, f"{seen} (check: {exc})" if str(exc) else seen
+    return True, seen
 
 
 # --------------------------------------------------------------------------- resources
 
+def is_rank(cmdline) -> bool:
+    return _common.process_role(" ".join(cmdline or ())) == "rank"
+
+
 def our_rank_processes() -> list[psutil.Process]:
     """Rank processes started by this soak: descendants, plus orphans carrying our token."""
     found = {}
-    try:
-        for proc in psutil.Process(os.getpid()).children(recursive=True):
-            try:
-                if "hvdmagic.rank" in " ".join(proc.cmdline()) and proc.status() != psutil.STATUS_ZOMBIE:
-                    found[proc.pid] = proc
-            except psutil.Error:
-                continue
-    except psutil.Error:
-        pass
+    for proc in _common.process_tree()[1:]:
+        try:
+            if is_rank(proc.cmdline()) and proc.status() != psutil.STATUS_ZOMBIE:
+                found[proc.pid] = proc
+        except psutil.Error:
+            continue
     for proc in psutil.process_iter(["cmdline"]):
         if proc.pid in found:
             continue
         try:
-            if "hvdmagic.rank" in " ".join(proc.info["cmdline"] or ()):
+            if is_rank(proc.info["cmdline"]):
                 if proc.environ().get("HVDMAGIC_SOAK_TOKEN") == SOAK_TOKEN and proc.status() != psutil.STATUS_ZOMBIE:
                     found[proc.pid] = proc
         except psutil.Error:
@@ -267,40 +143,21 @@ def alive(proc: psutil.Process) -> bool:
 
 
 def resources() -> dict[str, int]:
+    """The tests' counts (Python threads, inet sockets, fds, children), and OS threads,
+    rank processes and RSS."""
     me = psutil.Process(os.getpid())
-    children = me.children(recursive=True)
+    counts = kernel_resources()
     return {
-        "threads": threading.active_count(),  # Python threads
+        "threads": counts["threads"],
         "os_threads": me.num_threads(),
-        "sockets": len(me.net_connections(kind="inet")),
-        "fds": me.num_fds(),
-        "children": len(children),
+        **counts,
         "rank_processes": len(our_rank_processes()),
         "rss_mib": me.memory_info().rss // (1 << 20),
     }
 
 
-def code_under_test() -> dict:
-    """Which hvdmagic this run imported, and its git state when it is a checkout."""
-    import subprocess
-
-    import hvdmagic
-
-    where = Path(hvdmagic.__file__).resolve().parent.parent
-    info = {"path": str(where)}
-    try:
-        info["git_head"] = subprocess.run(["git", "rev-parse", "HEAD"], cwd=where, capture_output=True,
-                                          text=True, check=True).stdout.strip()
-        status = subprocess.run(["git", "status", "--porcelain", "hvdmagic"], cwd=where, capture_output=True,
-                                text=True, check=True).stdout
-        info["uncommitted_changes_in_hvdmagic"] = bool(status.strip())
-    except (OSError, subprocess.CalledProcessError):
-        pass
-    return info
-
-
 def active_spark_jobs() -> int | None:
-    from hvdmagic.launcher import spark
+    from hvdmagic.launch import spark
 
     session = spark._embedded
     if session is None:
@@ -335,10 +192,10 @@ class _Observed:
 
 
 def observe_views() -> None:
-    import hvdmagic.runner
+    import hvdmagic.kernel.runner
 
-    make_view = hvdmagic.runner.make_view
-    hvdmagic.runner.make_view = lambda record: _Observed(make_view(record))
+    make_view = hvdmagic.kernel.runner.make_view
+    hvdmagic.kernel.runner.make_view = lambda record: _Observed(make_view(record))
 
 
 class CellWatchdog:
@@ -374,13 +231,9 @@ class CellWatchdog:
 
 def run_cell(ip, cell: str, log, watchdog: CellWatchdog):
     """Run one cell in the shell; return (result, error, output text, started wall clock, ended)."""
-    buffer = io.StringIO()
     _Observed.first_failure_at = None
-    started = time.time()
-    with watchdog, contextlib.redirect_stdout(buffer), contextlib.redirect_stderr(buffer):
-        outcome = ip.run_cell(cell)
-    ended = time.time()
-    output = buffer.getvalue()
+    with watchdog:
+        outcome, output, started, ended = _common.run_cell(ip, cell)
     log.write(output if len(output) < 200_000 else output[:200_000] + "\n... (log truncated)\n")
     log.flush()
     return outcome.result, outcome.error_in_exec, output, started, ended
@@ -396,9 +249,10 @@ def schedule(cells: int, rng: random.Random) -> list[tuple[str, int, int]]:
 
 
 def percentile_summary(values: list[float]) -> dict[str, float | None]:
-    if not values:
+    s = _common.describe(values)
+    if not s["n"]:
         return {"median": None, "worst": None}
-    return {"median": round(statistics.median(values), 3), "worst": round(max(values), 3)}
+    return {"median": round(s["median"], 3), "worst": round(s["max"], 3)}
 
 
 def summarise(records: list[dict]) -> dict:
@@ -406,14 +260,14 @@ def summarise(records: list[dict]) -> dict:
     for kind in KINDS:
         rows = [r for r in records if r["kind"] == kind]
         out[kind] = {
-            "expected_outcome": EXPECTED[kind],
+            "expected_outcome": SCENARIOS[kind].describe(LIMITS.get(kind)),
             "cells": len(rows),
             "spark": sum(r["mode"] == "spark" for r in rows),
             "local": sum(r["mode"] == "local" for r in rows),
             "as_expected": sum(r["as_expected"] for r in rows),
             "unexpected": sum(not r["as_expected"] for r in rows),
             "fault_attribution": {a: sum(r["fault_attribution"] == a for r in rows) for a in ("first", "later", "lost")}
-            if kind in ("raise", "sigkill", "exit_code") else None,
+            if kind in OWN_FAILURE else None,
             "latency_s": percentile_summary([r["latency_s"] for r in rows if r["latency_s"] is not None]),
             "overshoot_s": percentile_summary([r["overshoot_s"] for r in rows if r["overshoot_s"] is not None]),
             "duration_s": percentile_summary([r["duration_s"] for r in rows]),
@@ -431,10 +285,6 @@ def summarise(records: list[dict]) -> dict:
             },
         }
     return out
-
-
-def fmt(value) -> str:
-    return "-" if value is None else f"{value:.2f}"
 
 
 def print_table(summary: dict, records: list[dict], before: dict, after: dict, peak: dict) -> None:
@@ -460,7 +310,7 @@ def print_table(summary: dict, records: list[dict], before: dict, after: dict, p
           f"--stall-timeout {STALL_TIMEOUT}.")
     print("seen: fault stamp -> the driver handled the first error / non-zero exit event; "
           "teardown: that event -> cell returned.")
-    for kind in ("raise", "sigkill", "exit_code"):
+    for kind in OWN_FAILURE:
         a = summary[kind]["fault_attribution"]
         print(f"{kind}: the faulty rank's own failure named first {a['first']}, listed after a collateral "
               f"failure {a['later']}, missing (reported as stopped) {a['lost']}")
@@ -487,6 +337,8 @@ def main() -> int:
     args = parser.parse_args()
     if args.cells < 1:
         parser.error("--cells must be at least 1")
+    if not __debug__:
+        parser.error("the scenarios' checks are assert statements: run without python -O")
 
     out_path = Path(args.out)
     out_path.parent.mkdir(parents=True, exist_ok=True)
@@ -501,20 +353,17 @@ def main() -> int:
         real_stdout.write(text + "\n")
         real_stdout.flush()
 
-    from IPython.testing.globalipapp import start_ipython
-
-    ip = start_ipython()
-    ip.run_line_magic("load_ext", "hvdmagic")
+    ip = _common.ipython_shell()
     observe_views()
     watchdog = CellWatchdog(log)
     soak_started = time.time()
 
     # Warm-up: the Spark session, its JVM and Python workers, horovod's imports.
-    say(f"soak: hvdmagic from {code_under_test()}")
+    say(f"soak: hvdmagic from {_common.code_under_test()}")
     say(f"soak: {args.cells} cells, seed {args.seed}; warming up (embedded Spark start, one cell per mode)")
     warmup = []
     for np_arg in (2, -2):
-        cell, _ = cell_for("none", np_arg, 0, "")
+        cell = SCENARIOS["none"].cell(np_arg, 0, stamps / "warm-up")
         log.write(f"\n===== warm-up --np {np_arg}\n")
         result, error, _, t0, t1 = run_cell(ip, cell, log, watchdog)
         warmup.append({"np": np_arg, "ok": error is None and result == 3.0, "duration_s": round(t1 - t0, 2),
@@ -530,7 +379,8 @@ def main() -> int:
     for index, (kind, np_arg, r) in enumerate(plan, 1):
         mode = "spark" if np_arg > 0 else "local"
         stamp = stamps / f"cell{index}"
-        cell, configured = cell_for(kind, np_arg, r, str(stamp))
+        configured = LIMITS.get(kind)
+        cell = SCENARIOS[kind].cell(np_arg, r, stamp, configured)
         log.write(f"\n===== cell {index}: {mode} {kind} rank {r}\n{cell}\n")
         result, error, output, t0, t1 = run_cell(ip, cell, log, watchdog)
         interrupted = watchdog.fired
@@ -539,11 +389,11 @@ def main() -> int:
         if interrupted:
             as_expected, seen = False, f"soak watchdog interrupted the cell after {CELL_LIMIT} s; " + seen
         fault_at = float(stamp.read_text()) if stamp.exists() else None
-        latency = None if fault_at is None or kind in ("none", "log_flood") else t1 - fault_at
+        latency = None if fault_at is None else t1 - fault_at  # none and log_flood write no stamp
         first_failure = _Observed.first_failure_at
         # For the faults that end a rank: how long until the driver handled the first failure
         # event (error, or a non-zero exit), and how long the teardown took after it.
-        seen_after = None if latency is None or first_failure is None or kind.endswith("timeout") \
+        seen_after = None if latency is None or first_failure is None or SCENARIOS[kind].times_out \
             else first_failure - fault_at
         teardown = None if seen_after is None else t1 - first_failure
         overshoot = None
@@ -602,16 +452,12 @@ def main() -> int:
     print_table(summary, records, before, after, peak)
 
     report = {
-        "command": " ".join([".venv/bin/python", "scripts/soak.py", *sys.argv[1:]]),
+        "command": _common.command_line(),
         "cells": args.cells, "seed": args.seed,
-        "started": dt.datetime.fromtimestamp(soak_started, dt.timezone.utc).isoformat(timespec="seconds"),
+        "started": dt.datetime.fromtimestamp(soak_started, dt.UTC).isoformat(timespec="seconds"),
         "wall_s": round(time.time() - soak_started, 1),
-        "machine": {
-            "cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
-            "memory_gib": round(psutil.virtual_memory().total / (1 << 30), 1),
-            "load_average_at_end": [round(x, 2) for x in os.getloadavg()],
-        },
-        "hvdmagic": code_under_test(),
+        "machine": {**_common.machine(), "load_average_at_end": [round(x, 2) for x in os.getloadavg()]},
+        "hvdmagic": _common.code_under_test(),
         "config": {"hang_timeout_s": HANG_TIMEOUT, "stall_timeout_s": STALL_TIMEOUT,
                    "safety_timeout_s": SAFETY_TIMEOUT, "cell_limit_s": CELL_LIMIT, "flood_lines": FLOOD_LINES},
         "warmup": warmup,
@@ -625,11 +471,11 @@ def main() -> int:
                       "peak": peak},
         "records": records,
     }
-    out_path.write_text(json.dumps(report, indent=2))
+    _common.write_json(out_path, report, indent=2)
     say(f"\nwrote {out_path} ({report['wall_s']:.0f} s wall); cell output in {log_path}")
     log.close()
     shutil.rmtree(stamps, ignore_errors=True)
-    from hvdmagic.launcher import spark
+    from hvdmagic.launch import spark
 
     if spark._embedded is not None:
         with contextlib.suppress(Exception):

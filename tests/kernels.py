@@ -18,7 +18,11 @@ def start_kernel(**env: str):
 
 def execute(client, code: str, timeout: float, on_output=None) -> tuple[dict, list[str]]:
     """Run code; return (execute_reply content, output texts), calling on_output as text arrives."""
-    msg_id = client.execute(code)
+    return wait_for_reply(client, client.execute(code), timeout, on_output)
+
+
+def wait_for_reply(client, msg_id: str, timeout: float, on_output=None) -> tuple[dict, list[str]]:
+    """The reply to an execute request already sent, and the texts it output on the way."""
     texts = []
     deadline = time.monotonic() + timeout
     while True:

@@ -39,6 +39,7 @@ def kernel_resources() -> dict[str, int]:
         "sockets": len(me.net_connections(kind="inet")),
         "fds": me.num_fds(),
         "children": len(me.children(recursive=True)),
+        "rss": me.memory_info().rss,
     }
 
 

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import random
 import time
 
 import psutil
 from kernels import execute as _execute
+from kernels import start_kernel
+from kernels import wait_for_reply as _wait_for_reply
 
 TRAIN = """%%horovod --np 2
 import time, horovod.torch as hvd
@@ -53,3 +56,60 @@ def test_interrupt_stops_ranks_and_keeps_the_kernel(kernel):
     reply, texts = _execute(client, "%%horovod --np 2\nimport horovod.torch as hvd\nhvd.init()\nhvd.size()",
                             timeout=180)
     assert reply["status"] == "ok", texts
+
+
+SLEEPER = """%%horovod --np 2
+import time, horovod.torch as hvd
+hvd.init()
+time.sleep(600)
+"""
+WORKS = "%%horovod --np 2\nimport horovod.torch as hvd\nhvd.init()\nhvd.size()"
+# Internal tracebacks, and the JVM's own chatter, which goes to its log file, never into a cell.
+NOISE = ("Traceback", "Py4J", "reentrant", "Exception while sending command", "ERROR", "WARN",
+         "Using incubator modules", "log level")
+
+
+def _interrupt_at(manager, client, delay: float) -> str:
+    """Run SLEEPER, press Stop ``delay`` seconds in; check the outcome is one line; return it."""
+    msg_id = client.execute(SLEEPER)
+    time.sleep(delay)  # the random moment Stop is pressed: the scenario, not synchronisation
+    manager.interrupt_kernel()
+    reply, texts = _wait_for_reply(client, msg_id, timeout=120)
+    assert reply["status"] == "error" and reply["ename"] == "JobInterrupted", (delay, reply, texts)
+    error = texts[-1]
+    assert len(error.strip().splitlines()) == 1, f"Stop at {delay:.1f} s: not one line:\n{error}"
+    assert not any(word in text for text in texts[:-1] for word in NOISE), (delay, texts)
+    reply, texts = _execute(client, WORKS, timeout=180)
+    assert reply["status"] == "ok", f"the cell after Stop at {delay:.1f} s failed: {texts}"
+    assert not any(word in text for text in texts for word in NOISE), texts
+    return reply_text(error)
+
+
+def reply_text(error: str) -> str:
+    return error.split(":", 1)[1].strip() if ":" in error else error
+
+
+def test_stop_at_random_moments_gives_one_line_and_the_next_cell_works(monkeypatch):
+    """Stop pressed during Spark's first start, the submission, the ranks' start-up and training.
+
+    Three fresh kernels; in each, the first cell (which starts the JVM) and two later ones
+    are stopped at random moments (a fixed seed, so a failure can be replayed), and every
+    Stop is followed by a cell that must work. Nine Stops catch a one-in-three failure with
+    97 % probability.
+    """
+    monkeypatch.setenv("HVDMAGIC_NONINTERACTIVE", "1")
+    rng = random.Random(20261123)
+    hit = []
+    for _ in range(3):
+        manager, client = start_kernel()
+        try:
+            reply, _ = _execute(client, "%load_ext hvdmagic", timeout=60)
+            assert reply["status"] == "ok"
+            hit.append(_interrupt_at(manager, client, rng.uniform(0.5, 5.0)))  # the JVM is starting
+            for _ in range(2):
+                hit.append(_interrupt_at(manager, client, rng.uniform(0.0, 3.0)))
+        finally:
+            client.stop_channels()
+            manager.shutdown_kernel(now=True)
+    assert any("embedded Spark was starting" in text for text in hit), hit
+    assert any("while the ranks" in text for text in hit), hit

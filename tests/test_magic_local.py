@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from conftest import run
 from IPython.core.error import UsageError
@@ -84,7 +86,7 @@ def test_failed_rank_in_local_mode_reports_the_cell_line(ip):
     _, error = run(ip, "%%horovod --np -2\n\nimport horovod.torch as hvd\nhvd.init()\n1 / (hvd.rank() - hvd.rank())")
     rendered = "\n".join(error._render_traceback_())
     assert "ZeroDivisionError" in rendered
-    assert '"<horovod-cell>", line 5' in rendered  # the leading blank line still counts
+    assert re.search(r"Cell In\[\d+\], line 5\b", rendered), rendered  # the leading blank line still counts
 
 
 def test_timeline_is_recorded_and_summarised(ip, tmp_path, capfd):
@@ -164,3 +166,10 @@ def test_without_horovod_load_ext_works_and_a_cell_says_how_to_install_it(tmp_pa
     finally:
         client.stop_channels()
         manager.shutdown_kernel(now=True)
+
+
+def test_help_shows_the_cell_magic_with_two_percent_signs_plain_text_and_an_example(ip):
+    doc = ip.find_cell_magic("horovod").__doc__
+    assert doc.lstrip(":\n ").startswith("%%horovod --np N"), doc[:80]
+    assert "``" not in doc, "reST markup shows through in %%horovod?"
+    assert "Example:" in doc and "%%horovod --np 2 --out accuracy" in doc

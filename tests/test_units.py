@@ -108,6 +108,27 @@ def test_line_splitter_keeps_lines_and_throttles_carriage_returns():
     assert splitter.finish() == ["partial"]
 
 
+def test_line_splitter_turns_a_keras_progress_bar_into_one_updating_line():
+    """fit(verbose=1) rewrites its bar with backspaces then \\r; the chunks split anywhere."""
+    bars = [f"{i}/50 [{'=' * (i // 5)}>{'.' * (10 - i // 5)}] - ETA: 1s - loss: {1 / i:.4f}" for i in range(1, 51)]
+    stream = "Epoch 1/1\n"
+    previous = 0
+    for bar in bars[:-1]:
+        stream += "\b" * previous + "\r" + bar if previous else bar
+        previous = len(bar)
+    stream += "\b" * previous + "\r" + bars[-1] + "\n"
+    splitter = LineSplitter(interval=1.0)
+    lines, transients = [], []
+    for i in range(0, len(stream), 7):  # 7-character chunks: backspace runs split across reads
+        got, transient = splitter.feed(stream[i:i + 7], now=i / 1000)  # one character a millisecond
+        lines += got
+        transients += [transient] if transient else []
+    lines += splitter.finish()
+    assert lines == ["Epoch 1/1", bars[-1]], lines  # one final line, not fifty
+    assert transients and all(t in bars for t in transients), transients  # no backspace left in an update
+    assert len(transients) <= len(stream) / 1000 + 1  # rate-limited: one a second
+
+
 def test_job_failed_groups_identical_tracebacks_and_limits_them():
     same = "Traceback...\nValueError: x\n"
     failures = [RankFailure(0, "ValueError: x", same), RankFailure(1, "ValueError: x", same)]

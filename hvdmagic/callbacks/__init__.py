@@ -5,5 +5,5 @@
   ``import lightning.pytorch``; ``hvdmagic.callbacks.pytorch_lightning`` is the same
   for ``import pytorch_lightning``.
 - ``hvdmagic.callbacks.mlflow``: ``log_run`` logs a finished run's rank-0 metrics to MLflow.
-- ``hvdmagic.callbacks.keras``: explains why there is no Keras callback with this horovod build.
+- ``hvdmagic.callbacks.keras``: ``HvdmagicCallback``, epoch and batch progress and Keras' logs in the dashboard.
 """

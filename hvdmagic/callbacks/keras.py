@@ -1,33 +1,83 @@
-"""Keras: not available with this project's horovod build, and why.
+"""Keras (2, as ``tf.keras`` or ``tf_keras``) in a ``%%horovod`` cell: progress and metrics in the dashboard.
 
-``scripts/setup.sh`` builds horovod for PyTorch only (``HOROVOD_WITHOUT_TENSORFLOW=1``),
-so ``horovod.tensorflow.keras`` cannot load here and hvdmagic ships no Keras
-callback it could not test. Importing this module raises an ImportError that
-says what to do instead; ``docs/workflow.md`` has the details.
+    model.fit(x, y, epochs=5, callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0),
+                                         HvdmagicCallback()])
+
+Each rank shows an epoch bar over the fit and a batch bar inside the epoch, and
+logs Keras' ``logs`` per batch (``loss``, ``accuracy``, ...; Keras 2 reports the
+epoch's running mean there) and per epoch (``epoch_loss``, ``val_loss``, ...),
+with the global batch number as the step. Rank 0's are charted. Outside a
+``%%horovod`` run the calls are no-ops, so the same ``fit`` runs on one machine.
+
+hvdmagic runs Keras 2 on the ranks: with Keras 3, horovod.tensorflow.keras's
+DistributedOptimizer does not average the gradients (see docs/frameworks.md).
 """
 
 from __future__ import annotations
 
+try:
+    import tensorflow as _tf
+except ImportError as exc:
+    raise ImportError("hvdmagic.callbacks.keras needs TensorFlow in the notebook's and every rank's environment: "
+                      "run the README's set-up command, which installs it and builds horovod for it "
+                      "(docs/frameworks.md).") from exc
 
-def _horovod_has_tensorflow() -> bool:
-    try:
-        import horovod.tensorflow  # noqa: F401  (loads the compiled TensorFlow ops, or fails)
-    except ImportError:
-        return False
-    return True
+from hvdmagic.rank.report import log_metrics, progress
+
+_Callback = _tf.keras.callbacks.Callback
 
 
-_BUILD = (
-    "The installed horovod was built without TensorFlow (scripts/setup.sh builds it for PyTorch only), so "
-    "horovod.tensorflow.keras cannot load. To train Keras on Horovod ranks, install tensorflow-cpu 2.15 "
-    "(Keras 2; Keras 3's DistributedOptimizer does not average gradients) and rebuild horovod with "
-    "HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_GLOO=1 and the same C++17 compiler "
-    "wrapper, as described in docs/workflow.md. "
-)
-_INSTEAD = (
-    "hvdmagic has no Keras callback; inside a %%horovod cell, use horovod.tensorflow.keras's callbacks and "
-    "feed the dashboard with keras.callbacks.LambdaCallback(on_epoch_end=lambda epoch, logs: "
-    "hvdmagic.log_metrics(step=epoch, **logs))."
-)
+def _numbers(logs, prefix: str = "") -> dict[str, float]:
+    """The numeric entries of Keras' ``logs``; a tensor or numpy scalar becomes a float."""
+    numbers = {}
+    for name, value in (logs or {}).items():
+        try:
+            number = float(value)
+        except (TypeError, ValueError):
+            continue  # e.g. a learning-rate schedule object
+        numbers[name if name.startswith("val_") or not prefix else prefix + name] = number
+    return numbers
 
-raise ImportError(("" if _horovod_has_tensorflow() else _BUILD) + _INSTEAD)
+
+class HvdmagicCallback(_Callback):
+    """Per-rank epoch and batch progress, and Keras' logs as hvdmagic metrics.
+
+    Args:
+        batch_metrics: log ``logs`` after every batch (the default); False logs per epoch only.
+        epoch_desc: the name of the outer bar.
+        batch_desc: the name of the inner bar, which restarts every epoch.
+
+    Example::
+
+        %%horovod --np 2
+        import horovod.tensorflow.keras as hvd
+        from hvdmagic.callbacks.keras import HvdmagicCallback
+        hvd.init()
+        model.fit(x, y, epochs=3, verbose=0,
+                  callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0), HvdmagicCallback()])
+    """
+
+    def __init__(self, batch_metrics: bool = True, epoch_desc: str = "epoch", batch_desc: str = "batch"):
+        super().__init__()
+        self.batch_metrics = batch_metrics
+        self.epoch_desc = epoch_desc
+        self.batch_desc = batch_desc
+        self._step = 0  # batches since the start of fit: the metrics' step
+
+    def on_train_begin(self, logs=None) -> None:
+        self._step = 0
+        progress(0, self.params.get("epochs"), self.epoch_desc)
+
+    def on_epoch_begin(self, epoch: int, logs=None) -> None:
+        progress(0, self.params.get("steps"), self.batch_desc)
+
+    def on_train_batch_end(self, batch: int, logs=None) -> None:
+        self._step += 1
+        progress(batch + 1, self.params.get("steps"), self.batch_desc)
+        if self.batch_metrics and (numbers := _numbers(logs)):
+            log_metrics(step=self._step, **numbers)
+
+    def on_epoch_end(self, epoch: int, logs=None) -> None:
+        progress(epoch + 1, self.params.get("epochs"), self.epoch_desc)
+        if numbers := _numbers(logs, prefix="epoch_"):
+            log_metrics(step=self._step, **numbers)

@@ -15,7 +15,7 @@ from hvdmagic.launch import ResultPolicy
 
 @magics_class
 class HorovodMagics(Magics):
-    @magic_arguments()
+    @magic_arguments(name="%horovod")  # the usage line then reads %%horovod, as the cell is written
     @argument("--np", type=int, required=True, metavar="N",
               help="Number of Horovod ranks. N > 0 runs them as one Spark barrier stage; "
                    "N < 0 runs |N| processes on the driver without Spark (local mode).")
@@ -40,13 +40,23 @@ class HorovodMagics(Magics):
     def horovod(self, line: str, cell: str):
         """Run the cell on Horovod ranks and return rank 0's result.
 
-        The cell's body is PyTorch + Horovod code (call ``hvd.init()`` in it).
-        Inside it, ``hvdmagic.progress``, ``hvdmagic.log_metrics`` and
-        ``hvdmagic.track`` feed the live dashboard; ``hvdmagic.last_run()``
-        returns the run's record (metrics, logs, timings, result) afterwards.
-        The notebook variables it reads are shipped with cloudpickle; the value
-        of its last expression on rank 0 is the cell's result. ``{var}`` on the
-        magic line is expanded, e.g. ``%%horovod --np {n}``.
+        The cell is ordinary PyTorch + Horovod code: call hvd.init() in it. The notebook
+        variables it reads are shipped to every rank with cloudpickle, and the value of
+        its last expression on rank 0 is the cell's result. Inside the cell,
+        hvdmagic.progress, hvdmagic.log_metrics and hvdmagic.track feed the live
+        dashboard; afterwards hvdmagic.last_run() holds the run's record (metrics, logs,
+        timings, result). {var} on the magic line is expanded: %%horovod --np {n}.
+
+        Example:
+
+            %%horovod --np 2 --out accuracy
+            import torch, horovod.torch as hvd
+            hvd.init()
+            model = make_model()
+            for epoch in hvdmagic.track(range(5), desc="epoch"):
+                loss = train_one_epoch(model, X_train[hvd.rank()::hvd.size()])
+                hvdmagic.log_metrics(loss=loss)
+            hvd.allreduce(torch.tensor(evaluate(model))).item()
         """
         args = parse_argstring(self.horovod, line)
         if args.np == 0:

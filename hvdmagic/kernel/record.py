@@ -14,7 +14,7 @@ from typing import Any
 
 from hvdmagic import metric_rows
 from hvdmagic.kernel.history import MetricHistory
-from hvdmagic.protocol import Event
+from hvdmagic.protocol import STAGE_ORDER, Event, Stage
 
 STATES = ("launching", "running", "finished", "failed", "cancelled")
 
@@ -26,6 +26,7 @@ class Bar:
     first_step: float
     first_time: float
     time: float
+    restarts: int = 0  # how many times a step below the last one started this bar over (a new epoch)
 
     @property
     def rate(self) -> float | None:
@@ -50,6 +51,8 @@ class RankRecord:
     last_line: str = ""
     logs: list[tuple[str, str]] = field(default_factory=list)  # (stream, line)
     exit_code: int | None = None
+    stage: Stage | None = None  # the furthest start-up stage this rank reached
+    stage_since: float | None = None  # when it reached that stage, on the kernel's clock
 
     @property
     def bar(self) -> Bar | None:
@@ -74,6 +77,10 @@ class RunRecord:
         self.error: BaseException | None = None
         self.timeline: str | None = None  # where rank 0 wrote a Horovod Timeline (--timeline)
         self.notes: list[str] = []  # sentences from the ranks, e.g. a scaled learning rate
+        # Start-up: the stage the run is in (for rank stages, the slowest rank's), and when
+        # the run reached each stage, on the kernel's clock.
+        self.stage: Stage | None = None
+        self.stage_reached: dict[Stage, float] = {}
         self.version = 0  # bumped on every change, so views redraw only when needed
         self._lock = threading.Lock()
 
@@ -86,8 +93,18 @@ class RunRecord:
                 self.description = event.get("description", "")
                 self.job_group = event.get("job_group")
                 return
+            if kind == Event.STAGE and "rank" not in event:
+                self._reach(Stage(event["stage"]))
+                return
+            if kind == Event.NOTE and "rank" not in event:  # the driver's own, e.g. a replaced Spark session
+                self.notes.append(str(event.get("text", "")))
+                return
             rank = event["rank"]  # the job passes on only events whose rank it checked
             record = self.ranks[rank]
+            if kind == Event.STAGE:
+                self._rank_reached(record, Stage(event["stage"]))
+            elif kind in (Event.OUTPUT, Event.REPORT) and record.stage is not Stage.TRAINING:
+                self._rank_reached(record, Stage.TRAINING)
             if kind == Event.PLACED:
                 record.host = event.get("host", "")
                 record.state = "running"
@@ -112,6 +129,19 @@ class RunRecord:
                     record.state = "finished" if event.get("code") == 0 else (
                         "stopped" if event.get("aborted") else "failed")
 
+    def _reach(self, stage: Stage) -> None:
+        self.stage = stage
+        self.stage_reached.setdefault(stage, time.time())
+
+    def _rank_reached(self, record: RankRecord, stage: Stage) -> None:
+        if record.stage is None or STAGE_ORDER[stage] > STAGE_ORDER[record.stage]:
+            record.stage = stage
+            record.stage_since = time.time()
+        if all(r.stage is not None for r in self.ranks):
+            slowest = min((r.stage for r in self.ranks), key=STAGE_ORDER.__getitem__)
+            if self.stage is None or STAGE_ORDER[slowest] > STAGE_ORDER[self.stage]:
+                self._reach(slowest)
+
     def _apply_report(self, rank: int, record: RankRecord, event: dict) -> None:
         batch = event.get("metrics")
         if batch:
@@ -123,7 +153,7 @@ class RunRecord:
         for desc, (step, total, stamp) in (event.get("progress") or {}).items():
             bar = record.bars.get(desc)
             if bar is None or step < bar.step:  # a new bar, or the same name restarted (next epoch)
-                record.bars[desc] = Bar(step, total, step, stamp, stamp)
+                record.bars[desc] = Bar(step, total, step, stamp, stamp, bar.restarts + 1 if bar else 0)
             else:
                 bar.step, bar.total, bar.time = step, total, stamp
             record.last_bar = desc
@@ -166,8 +196,21 @@ class RunRecord:
         return {r.rank: "".join(line + "\n" for _, line in r.logs) for r in self.ranks}
 
     @property
-    def timings(self) -> dict[str, float]:
-        return {"started": self.started, "ended": self.ended or float("nan"), "elapsed": self.elapsed}
+    def stage_elapsed(self) -> float:
+        """Seconds the run has spent in its current stage."""
+        since = self.stage_reached.get(self.stage, self.started) if self.stage else self.started
+        return (self.ended or time.time()) - since
+
+    @property
+    def timings(self) -> dict:
+        """Epoch seconds ``started`` and ``ended``, ``elapsed`` seconds, and ``stages``: the seconds
+        spent in each start-up stage the run went through, in order (a rank stage ends when the
+        slowest rank leaves it; ``training`` runs to the end)."""
+        reached = sorted(self.stage_reached.items(), key=lambda item: item[1])
+        ends = [t for _, t in reached[1:]] + [self.ended or time.time()]
+        stages = {str(stage): max(0.0, end - t) for (stage, t), end in zip(reached, ends)}
+        return {"started": self.started, "ended": self.ended or float("nan"), "elapsed": self.elapsed,
+                "stages": stages}
 
     def __repr__(self) -> str:
         return (f"<RunRecord {self.state} np={self.np} ({self.mode}) elapsed={self.elapsed:.1f}s "

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from hvdmagic.errors import LaunchError
+from hvdmagic.errors import JobInterrupted, LaunchError
+from hvdmagic.launch.interrupts import interrupted_before_job, interruptible
 from hvdmagic.launch.job import Job, JobResult, UnsentResult
-from hvdmagic.protocol import ResultPolicy
+from hvdmagic.protocol import Event, ResultPolicy, Stage
 
 CONTROLLERS = ("gloo", "mpi")
 
@@ -31,6 +32,7 @@ def launch(payload: bytes, np: int, *, timeout: float | None = None, stall_timeo
     ``controller``: "gloo" (the default) or "mpi" (Open MPI's mpirun, see launch.mpi).
     ``results``: which ranks send their value back (``ResultPolicy``).
     """
+    notify = on_event or (lambda event: None)
     if np == 0:
         raise LaunchError("np must be a positive number of Spark ranks, or negative for local mode.")
     try:
@@ -47,14 +49,26 @@ def launch(payload: bytes, np: int, *, timeout: float | None = None, stall_timeo
         from hvdmagic.launch.mpi import check_available
 
         check_available()
-    if np < 0:
-        from hvdmagic.launch.local import LocalBackend
+    reached: list[Stage] = []
 
-        backend = LocalBackend(-np, data)
-    else:
-        from hvdmagic.launch.spark import SparkBackend
+    def on_stage(stage: Stage) -> None:
+        reached.append(stage)
+        notify({"type": Event.STAGE, "stage": stage})
 
-        backend = SparkBackend(np, session, data)
+    with interruptible():
+        try:
+            if np < 0:
+                from hvdmagic.launch.local import LocalBackend
+
+                backend = LocalBackend(-np, data)
+            else:
+                from hvdmagic.launch.spark import SparkBackend
+
+                backend = SparkBackend(np, session, data, on_stage=on_stage)
+                for note in backend.notes:
+                    notify({"type": Event.NOTE, "text": note})
+        except KeyboardInterrupt:
+            raise JobInterrupted(interrupted_before_job(reached[-1] if reached else None)) from None
     return Job(backend, payload, timeout=timeout, stall_timeout=stall_timeout, env=env, controller=controller,
                results=results, on_event=on_event).run()
 

@@ -10,10 +10,8 @@ the time is up, a rank stalls or the user interrupts. Whatever happens,
 from __future__ import annotations
 
 import base64
-import contextlib
 import queue
 import signal
-import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -22,9 +20,10 @@ from typing import Any
 
 from hvdmagic import channel
 from hvdmagic.errors import JobFailed, JobInterrupted, JobTimeout, LaunchError, RankFailure
-from hvdmagic.launch.layout import compute_layout, horovod_plan, visible_devices
+from hvdmagic.launch.interrupts import interruptible
+from hvdmagic.launch.layout import compute_layout, visible_devices
 from hvdmagic.launch.mpi import MpiDriver
-from hvdmagic.protocol import PROGRESS_EVENTS, Event, ResultPolicy, Slot, TaskSpec
+from hvdmagic.protocol import PROGRESS_EVENTS, Event, Framework, ResultPolicy, Slot, Stage, TaskSpec
 
 ABORT_GRACE = 5.0  # seconds the other ranks get to report after the first failure
 POLL = 0.1
@@ -77,7 +76,7 @@ class Job:
     def __init__(self, backend, payload: bytes, *, timeout: float | None = None,
                  stall_timeout: float | None = None, env: dict[str, str] | None = None,
                  controller: str = "gloo", results: ResultPolicy = ResultPolicy.ALL,
-                 on_event: Callable[[dict], None] | None = None):
+                 framework: Framework = Framework.HOROVOD, on_event: Callable[[dict], None] | None = None):
         self.backend = backend
         self.np = backend.np
         self.payload = payload
@@ -86,23 +85,27 @@ class Job:
         self.env = tuple(sorted((env or {}).items()))
         self.controller = controller
         self.results = results
+        self.framework = framework
         self.mpi: MpiDriver | None = None
         self.on_event = on_event or (lambda event: None)
         self.job_id = uuid.uuid4().hex[:12]
 
     def run(self) -> JobResult:
-        with _interruptible():
+        with interruptible():
             return self._run()
 
     def _run(self) -> JobResult:
         # Imported here, not at the top: importing hvdmagic (and %load_ext) must work
-        # without horovod, so that launch() can say how to install it.
-        from hvdmagic.launch.rendezvous import Rendezvous
+        # without horovod or torch, so that launch() can say how to install them.
+        if self.framework == Framework.TORCH:
+            from hvdmagic.launch.torch_store import TorchStore as Rendezvous
+        else:
+            from hvdmagic.launch.rendezvous import Rendezvous
 
         started = time.monotonic()
         secret = channel.new_secret()
         server = channel.ChannelServer(self.backend.bind_host, secret)
-        rendezvous = Rendezvous(self.backend.bind_host)
+        rendezvous = Rendezvous(self.backend.bind_host, self.np)
         state = _State(self.np)
         if self.controller == "mpi":
             self.mpi = MpiDriver(self.np, server.address, secret)
@@ -110,7 +113,7 @@ class Job:
             spec = TaskSpec(
                 job_id=self.job_id, driver_host=self.backend.bind_host, channel_port=server.address[1],
                 rendezvous_port=rendezvous.port, secret=secret, payload=self.payload, env=self.env,
-                controller=self.controller, results=self.results,
+                controller=self.controller, results=self.results, framework=self.framework,
             )
             self.on_event({"type": Event.LAUNCHING, "description": self.backend.describe(),
                            "job_group": getattr(self.backend, "job_group", None),
@@ -118,7 +121,9 @@ class Job:
             self.backend.start(spec)
             self._loop(server, rendezvous, state, started)
         except KeyboardInterrupt:
-            raise JobInterrupted("interrupted: every rank was stopped and the Spark job cancelled.") from None
+            where = "while the ranks ran" if state.go_at is not None else "while the ranks were being started"
+            cancelled = "" if self.backend.name == "local" else " and the Spark job cancelled"
+            raise JobInterrupted(f"interrupted {where}: every rank was stopped{cancelled}.") from None
         finally:
             self._shutdown(server, rendezvous, state)
         return JobResult(
@@ -140,7 +145,7 @@ class Job:
                     server.broadcast({"type": Event.ABORT})
                     aborted_at = now
                 elif error := self.backend.failure() or (self.mpi and self.mpi.failure()):
-                    raise LaunchError(error)
+                    raise LaunchError(error, details=getattr(self.backend, "failure_details", ""))
             elif now - aborted_at > ABORT_GRACE:
                 break
             try:
@@ -234,8 +239,7 @@ class Job:
             state.hosts[slot.rank] = hellos[task].get("hostname", slot.host)
             if rows_per_rank is not None:
                 state.rows[slot.rank] = (int(rows[task]), rows_per_rank - rows[task])
-        # Horovod's rendezvous must know the plan before any rank joins it.
-        rendezvous.init(horovod_plan(layout))
+        rendezvous.place(layout)  # before any rank can join it
         if self.mpi is not None:
             self.mpi.placed(layout, [state.hellos[task][0] for task in range(self.np)])
         for task, slot in enumerate(layout):
@@ -246,6 +250,7 @@ class Job:
             except OSError:
                 pass  # that task is gone; its missing exit ends the job
         state.go_at = time.monotonic()
+        self.on_event({"type": Event.STAGE, "stage": Stage.RANKS_STARTING})
         if state.rows:
             self.on_event({"type": Event.NOTE, "rank": 0, "text": _data_note(state.rows)})
         for slot in layout:
@@ -278,24 +283,6 @@ class Job:
             self.backend.join(timeout=30)
             rendezvous.stop()
             server.close()
-
-
-@contextlib.contextmanager
-def _interruptible():
-    """Ctrl-C raises KeyboardInterrupt in the job loop, whatever handler is installed.
-
-    PySpark installs a SIGINT handler that cancels *every* Spark job of the context;
-    during a job we want only ours stopped, through the normal shutdown path.
-    """
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
-    try:
-        yield
-    finally:
-        if previous is not None:  # None: a handler installed from C, which we cannot restore
-            signal.signal(signal.SIGINT, previous)
 
 
 def _data_note(rows: dict[int, tuple[int, int]]) -> str:

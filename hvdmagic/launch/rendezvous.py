@@ -12,11 +12,17 @@ from horovod.runner.util.threads import in_thread
 
 
 class Rendezvous(RendezvousServer):
-    def __init__(self, host: str, verbose: int = 0):
+    def __init__(self, host: str, np: int = 0, verbose: int = 0):
         super().__init__(verbose)
         self._host = host
         self._stopped = False
         self.port = self.start()
+
+    def place(self, layout) -> None:
+        """The plan of every rank; horovod's ranks must not join before it is set."""
+        from hvdmagic.launch.layout import horovod_plan
+
+        self.init(horovod_plan(layout))
 
     def start(self, handler_cls=RendezvousHandler) -> int:
         self._httpd = RendezvousHTTPServer((self._host, 0), handler_cls, self._verbose)

@@ -1,22 +1,71 @@
-"""The Spark side: find or start a session, check slots, run one barrier stage."""
+"""The Spark side: find or start a session, check slots, run one barrier stage.
+
+Every call into the JVM that hvdmagic makes for the kernel runs on one thread of
+its own (``on_spark_thread``), never on the kernel's main thread. Ctrl-C (the
+notebook's Stop) raises KeyboardInterrupt in the main thread; had it landed inside
+a Py4J call there, the call's half-read answer would be left on its connection, and
+pyspark's own SIGINT handler would make a second, reentrant call on it
+(``cancelAllJobs``): the gateway, and sometimes the JVM, broke for the rest of the
+kernel's life. On its own thread a call always finishes; the main thread only
+waits for it, and an interrupted wait leaves it to finish in the background. One
+thread, not one per call, because in pinned-thread mode every Python thread that
+calls the JVM holds a connection of its own.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import sys
+import tempfile
 import time
 import uuid
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from hvdmagic.errors import LaunchError
-from hvdmagic.protocol import TaskSpec
+from hvdmagic.protocol import Stage, TaskSpec
 from hvdmagic.task.barrier import barrier_task, sharded_barrier_task
 
 _LOG4J = Path(__file__).with_name("log4j2.properties")
 SLOT_WAIT = 3.0  # seconds without new executors before too few slots is final
 EXECUTOR_WAIT = 60.0  # seconds a session with no executor yet gets for its first ones
-_embedded = None  # the session hvdmagic started itself, which it may resize
+_embedded = None  # the session hvdmagic started itself, which it may resize or replace
+_spark_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hvdmagic-spark")
+
+
+def on_spark_thread(fn: Callable, *args):
+    """``fn(*args)`` on hvdmagic's Spark thread; the main thread only waits (see the module doc)."""
+    return _spark_thread.submit(fn, *args).result()
+
+
+def jvm_log() -> Path:
+    """Where the embedded Spark's JVM writes its own output: never into a cell."""
+    return Path(tempfile.gettempdir()) / f"hvdmagic-spark-{os.getpid()}.log"
+
+
+@contextlib.contextmanager
+def _jvm_output_to_log():
+    """Point this process's stdout and stderr at jvm_log() while the JVM is started.
+
+    The JVM inherits them, so its start-up notices ("Using incubator modules",
+    "Setting default log level") and its later chatter stay out of the notebook,
+    where the kernel would show them as a red block. Python's own sys.stdout is
+    the kernel's stream, not fd 1, so prints are unaffected.
+    """
+    saved = [os.dup(1), os.dup(2)]
+    log = os.open(jvm_log(), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    try:
+        os.dup2(log, 1)
+        os.dup2(log, 2)
+        yield
+    finally:
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+        for fd in (log, *saved):
+            os.close(fd)
 
 
 def _java_check() -> None:
@@ -39,19 +88,50 @@ def _start_embedded(slots: int):
     os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     try:
-        session = (
-            SparkSession.builder.master(f"local[{slots}]")
-            .appName("hvdmagic")
-            .config("spark.driver.host", "127.0.0.1")
-            .config("spark.driver.bindAddress", "127.0.0.1")
-            .config("spark.ui.showConsoleProgress", "false")
-            .config("spark.driver.extraJavaOptions", f"-Dlog4j2.configurationFile={_LOG4J}")
-            .getOrCreate()
-        )
+        with _jvm_output_to_log():
+            session = (
+                SparkSession.builder.master(f"local[{slots}]")
+                .appName("hvdmagic")
+                .config("spark.driver.host", "127.0.0.1")
+                .config("spark.driver.bindAddress", "127.0.0.1")
+                .config("spark.ui.showConsoleProgress", "false")
+                .config("spark.driver.extraJavaOptions", f"-Dlog4j2.configurationFile={_LOG4J}")
+                .getOrCreate()
+            )
     except Exception as exc:
-        raise LaunchError(f"could not start an embedded local Spark session: {first_line(exc)}") from None
+        raise LaunchError(f"could not start an embedded local Spark session: {first_line(exc)} "
+                          f"(the JVM's own output is in {jvm_log()})", details=str(exc)) from None
     session.sparkContext.setLogLevel("ERROR")
     return session
+
+
+def _unusable(session) -> str | None:
+    """Why ``session`` cannot run a job (its context stopped, its JVM gone), or None."""
+    try:
+        if session.sparkContext._jsc.sc().isStopped():
+            return "its SparkContext was stopped"
+    except Exception as exc:  # Py4JError, ConnectionRefusedError: the gateway or the JVM is gone
+        return first_line(exc)
+    return None
+
+
+def _forget_embedded() -> None:
+    """Drop a broken embedded session so that a new one can start in this kernel."""
+    global _embedded
+    from pyspark import SparkContext
+    from pyspark.sql import SparkSession
+
+    gateway = SparkContext._gateway
+    with contextlib.suppress(Exception):
+        _embedded.stop()
+    with contextlib.suppress(Exception):
+        gateway.shutdown()
+    proc = getattr(gateway, "proc", None)
+    if proc is not None and proc.poll() is None:
+        proc.kill()
+    SparkContext._active_spark_context = SparkContext._gateway = SparkContext._jvm = None
+    SparkSession._instantiatedSession = SparkSession._activeSession = None
+    _embedded = None
 
 
 def available_slots(sc) -> int:
@@ -94,8 +174,14 @@ def _wait_for_executors(sc, np: int, slots: int) -> int:
     return slots
 
 
-def session_for(np: int):
-    """The active SparkSession, or an embedded local one with at least ``np`` slots."""
+def session_for(np: int, on_stage: Callable[[Stage], None] = lambda stage: None,
+                notes: list[str] | None = None):
+    """The active SparkSession, or an embedded local one with at least ``np`` slots.
+
+    Runs on the Spark thread. An embedded session that broke (its JVM died) is
+    replaced by a new one, and ``notes`` says so; a broken session of the user's
+    own is an error, since it may hold their state.
+    """
     global _embedded
     from pyspark import SparkContext
     from pyspark.sql import SparkSession
@@ -103,15 +189,27 @@ def session_for(np: int):
     session = SparkSession.getActiveSession()
     if session is None and SparkContext._active_spark_context is not None:
         session = SparkSession.builder.getOrCreate()
+    if session is not None and (problem := _unusable(session)):
+        if session is not _embedded:
+            raise LaunchError(f"the active SparkSession cannot run a job ({problem}). Stop it with spark.stop() "
+                              "and create a new one, or restart the kernel; or use local mode (--np -N).")
+        _forget_embedded()
+        session = None
+        if notes is not None:
+            notes.append(f"the embedded Spark session was unusable ({problem}); hvdmagic started a new one")
     if session is None:
+        on_stage(Stage.SPARK_STARTING)
         _embedded = _start_embedded(max(np, os.cpu_count() or 1))
         return _embedded
     sc = session.sparkContext
     slots = available_slots(sc)
     if slots < np and session is _embedded:
+        on_stage(Stage.SPARK_STARTING)
         session.stop()
         _embedded = _start_embedded(np)
         return _embedded
+    if slots < np:
+        on_stage(Stage.WAITING_FOR_SLOTS)
     slots = _wait_for_executors(sc, np, slots)
     if slots < np:
         conf = sc.getConf()
@@ -154,24 +252,34 @@ def first_line(exc: BaseException) -> str:
 class SparkBackend:
     name = "spark"
 
-    def __init__(self, np: int, session=None, data=None):
+    def __init__(self, np: int, session=None, data=None, on_stage: Callable[[Stage], None] = lambda stage: None):
         self.np = np
         self.data = data
-        self.session = session or (data.sparkSession if data is not None else None) or session_for(np)
+        self.on_stage = on_stage
+        self.notes: list[str] = []  # for the run's record, e.g. that a broken embedded session was replaced
+        self.session = (session or (data.sparkSession if data is not None else None)
+                        or on_spark_thread(session_for, np, on_stage, self.notes))
         self.sc = self.session.sparkContext
-        self.bind_host = self.sc.getConf().get("spark.driver.host", "127.0.0.1")
+        self.bind_host, self.master = on_spark_thread(
+            lambda: (self.sc.getConf().get("spark.driver.host", "127.0.0.1"), self.sc.master))
         self.job_group = f"hvdmagic-{uuid.uuid4().hex[:12]}"
         self._thread = None
         self._error: str | None = None
+        self.failure_details = ""  # the whole Spark error behind failure(), Java trace included
 
     def describe(self) -> str:
-        return f"Spark barrier stage of {self.np} tasks, job group {self.job_group} on {self.sc.master}"
+        return f"Spark barrier stage of {self.np} tasks, job group {self.job_group} on {self.master}"
 
     def start(self, spec: TaskSpec) -> None:
+        self.on_stage(Stage.SUBMITTED)
+        on_spark_thread(self._start_job_thread, spec)
+
+    def _start_job_thread(self, spec: TaskSpec) -> None:
         from pyspark import InheritableThread
 
         # InheritableThread releases its py4j connection when it ends: plain threads
-        # would leave one behind per cell in pinned-thread mode.
+        # would leave one behind per cell in pinned-thread mode. Its start() calls the
+        # JVM, so it runs on the Spark thread too.
         self._thread = InheritableThread(target=self._run, args=(spec,), name="hvdmagic-spark-job", daemon=True)
         self._thread.start()
 
@@ -187,14 +295,16 @@ class SparkBackend:
                 # repartition(np) is round-robin: the shards differ by a few rows at most.
                 self.data.repartition(self.np).mapInArrow(task, "task int, code int", barrier=True).collect()
         except Exception as exc:
-            self._error = f"the Spark barrier stage failed: {first_line(exc)}"
+            self.failure_details = str(exc)
+            self._error = (f"the Spark barrier stage failed: {first_line(exc)} (the whole error is in "
+                           "hvdmagic.last_run().error.details)")
 
     def failure(self) -> str | None:
         return self._error
 
     def cancel(self) -> None:
         try:
-            self.sc.cancelJobGroup(self.job_group)
+            on_spark_thread(self.sc.cancelJobGroup, self.job_group)
         except Exception:
             pass  # the context may already be stopped; nothing is left to cancel then
 

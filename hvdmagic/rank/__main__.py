@@ -19,7 +19,7 @@ import time
 import traceback
 from pathlib import Path
 
-from hvdmagic.protocol import Event, ResultPolicy
+from hvdmagic.protocol import Event, ResultPolicy, Stage
 from hvdmagic.rank import report
 
 _PACKAGE_DIR = str(Path(__file__).resolve().parent.parent)  # all of hvdmagic: its frames are not the user's
@@ -38,7 +38,27 @@ def _user_traceback(exc: BaseException) -> str:
     tb = exc.__traceback__
     while tb is not None and tb.tb_frame.f_code.co_filename.startswith(_PACKAGE_DIR):
         tb = tb.tb_next
-    return "".join(traceback.format_exception(type(exc), exc, tb))
+    from hvdmagic.rank.cell import DISPLAY_NAMES
+
+    return _name_cells("".join(traceback.format_exception(type(exc), exc, tb)), DISPLAY_NAMES)
+
+
+def _name_cells(text: str, names: dict[str, str]) -> str:
+    """Name a frame in a notebook cell as IPython does: ``Cell In[3], line 5, in f``.
+
+    ``names`` maps a file (``/tmp/ipykernel_1234/567.py``, which exists only in the
+    kernel) to its cell's name; the source line under the header is linecache's,
+    which ``CellFunction`` filled. Other frames, and exception groups' ``|`` margins, stay.
+    """
+    import re
+
+    def rename(match: re.Match) -> str:
+        name = names.get(match["file"])
+        return match[0] if name is None else f"{match['margin']}{name}, line {match['line']}"
+
+    if not names:
+        return text
+    return re.sub(r'^(?P<margin>[ |]*)File "(?P<file>[^\n]*)", line (?P<line>\d+)', rename, text, flags=re.M)
 
 
 def _shutdown_horovod() -> None:
@@ -86,6 +106,7 @@ def main() -> int:
     boot = pickle.load(sys.stdin.buffer)
     threading.Thread(target=_exit_when_supervisor_dies, name="hvdmagic-parent-watch", daemon=True).start()
     report.open_events()
+    report.emit({"type": Event.STAGE, "stage": Stage.IMPORTING})
     try:
         import cloudpickle
 

@@ -6,6 +6,12 @@ trailing expression is the result. (Wrapping the body in a ``def`` would make
 ``model = model.cuda()`` fail with UnboundLocalError for a notebook global.)
 The kernel builds a ``CellFunction`` (``hvdmagic.kernel.capture``); cloudpickle
 ships it by reference to this module, which every rank can import.
+
+Functions defined in other notebook cells are compiled from files that exist
+only in the kernel's linecache (``/tmp/ipykernel_1234/567.py``). The kernel
+ships those cells' lines with a display name (``Cell In[3]``); they are
+registered here before the user's code runs, so that a rank's traceback shows
+the frame as IPython would, with its source line.
 """
 
 from __future__ import annotations
@@ -13,9 +19,27 @@ from __future__ import annotations
 import ast
 import builtins
 import linecache
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 CELL_FILENAME = "<horovod-cell>"
+
+# filename -> how a rank's traceback names it ("Cell In[3]"); filled before the user's code runs.
+DISPLAY_NAMES: dict[str, str] = {}
+
+# filename -> (display name, source lines), as the kernel ships a notebook cell's source.
+Sources = dict[str, tuple[str, list[str]]]
+
+
+def register_sources(sources: Sources) -> None:
+    """Make the notebook cells' lines and names known to this process's tracebacks."""
+    for filename, (name, lines) in sources.items():
+        if lines:
+            # mtime None: linecache.checkcache never drops it for a file that is not on disk here.
+            linecache.cache[filename] = (sum(map(len, lines)), None, list(lines), filename)
+        if name:
+            DISPLAY_NAMES[filename] = name
 
 
 class _RankShell:
@@ -50,13 +74,19 @@ class CellFunction:
     # Each global pickled on its own: its size is reported, and no value is pickled twice.
     pickled_globals: dict[str, bytes] = field(default_factory=dict)
     filename: str = CELL_FILENAME
+    # The notebook cells that the captured functions were defined in (``Sources``), and the name
+    # of this cell itself ("Cell In[7]"; "" keeps ``filename``). Read with getattr: a pickle made
+    # before these fields existed has neither.
+    sources: Sources = field(default_factory=dict)
+    display_name: str = ""
 
     def __call__(self):
         import cloudpickle
 
+        register_sources(getattr(self, "sources", None) or {})
         # Registered so that tracebacks show the cell's own lines (the kernel checked the syntax).
         lines = self.source.splitlines(keepends=True)
-        linecache.cache[self.filename] = (len(self.source), None, lines, self.filename)
+        register_sources({self.filename: (getattr(self, "display_name", ""), lines)})
         body, last = split_last_expression(ast.parse(self.source, self.filename))
         namespace = {"__name__": "__main__", "__builtins__": builtins, "get_ipython": _RankShell}
         namespace.update({name: cloudpickle.loads(data) for name, data in self.pickled_globals.items()})
@@ -64,3 +94,19 @@ class CellFunction:
         if last is None:
             return None
         return eval(compile(last, self.filename, "eval"), namespace)
+
+
+@dataclass
+class SourcedFunction:
+    """A plain function (``hvdmagic.run``) plus the notebook cells its code comes from.
+
+    Built by ``hvdmagic.kernel.capture.with_notebook_sources``; calls ``fn`` after
+    registering ``sources`` so that tracebacks name those cells as IPython does.
+    """
+
+    fn: Callable
+    sources: Sources = field(default_factory=dict)
+
+    def __call__(self, *args, **kwargs) -> Any:
+        register_sources(self.sources)
+        return self.fn(*args, **kwargs)

@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import threading
 import time
 from collections.abc import Iterable, Iterator
 from typing import TypeVar
 
 from hvdmagic.metric_rows import GAP_ROW, MetricRows, pad
-from hvdmagic.protocol import EVENT_FD_ENV, Event
+from hvdmagic.protocol import EVENT_FD_ENV, Event, Stage
 
 FLUSH_INTERVAL = 0.1
 HEARTBEAT_INTERVAL = 1.0  # tells the driver's watchdog this rank is alive even when it reports nothing
@@ -215,12 +216,34 @@ def flush() -> None:
         _events.flush()
 
 
+_HOROVOD_MODULES = ("horovod.torch", "horovod.tensorflow", "horovod.tensorflow.keras", "horovod.keras")
+
+
+def _horovod_stage() -> Stage | None:
+    """HVD_INIT once the cell has imported horovod, FIRST_STEP once it has initialised it.
+
+    Read from the outside, every flush: the user's code does not call us to say so.
+    """
+    loaded = [m for m in map(sys.modules.get, _HOROVOD_MODULES) if m is not None and hasattr(m, "is_initialized")]
+    if not loaded:
+        return None
+    try:
+        initialised = any(m.is_initialized() for m in loaded)
+    except Exception:  # a module still half-imported
+        return None
+    return Stage.FIRST_STEP if initialised else Stage.HVD_INIT
+
+
 def _flush_loop() -> None:
     next_beat = time.monotonic()
+    stage: Stage | None = None
     while True:
         _wake.wait(FLUSH_INTERVAL)
         _wake.clear()
         try:
+            if stage is not Stage.FIRST_STEP and (now := _horovod_stage()) is not None and now != stage:
+                stage = now
+                emit({"type": Event.STAGE, "stage": stage})
             flush()
             if time.monotonic() >= next_beat:
                 emit({"type": Event.HEARTBEAT})

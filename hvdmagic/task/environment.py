@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from hvdmagic.protocol import Slot
+from hvdmagic.protocol import Framework, Slot
 
 
 def _spark_only(entry: str) -> bool:
@@ -30,12 +30,16 @@ def rank_base_environment(task_env: dict[str, str]) -> dict[str, str]:
     return env
 
 
-def rank_environment(slot: Slot, rendezvous: tuple[str, int], iface: str, controller: str = "gloo") -> dict[str, str]:
-    """Horovod's variables for one rank process.
+def rank_environment(slot: Slot, rendezvous: tuple[str, int], iface: str, controller: str = "gloo",
+                     framework: str = Framework.HOROVOD, job_id: str = "") -> dict[str, str]:
+    """The variables that tell one rank process where it sits and how to join the others.
 
-    Under MPI, Open MPI tells each rank where it sits; under Gloo these variables do.
+    Horovod: under MPI, Open MPI tells each rank where it sits; under Gloo these
+    variables do. torch.distributed: the variables torchrun gives its workers.
     """
-    if controller == "mpi":
+    if framework == Framework.TORCH:
+        env = torchrun_environment(slot, rendezvous, iface, job_id)
+    elif controller == "mpi":
         env = {"HOROVOD_CONTROLLER": "mpi", "HOROVOD_CPU_OPERATIONS": "mpi"}
     else:
         env = {
@@ -53,8 +57,67 @@ def rank_environment(slot: Slot, rendezvous: tuple[str, int], iface: str, contro
             "HOROVOD_CPU_OPERATIONS": "gloo",
         }
     env["PYTHONUNBUFFERED"] = "1"
+    env.update(keras_environment())
     if "OMP_NUM_THREADS" not in os.environ:
         # Without this every rank's torch starts one thread per core, and ranks
         # sharing a host fight over the same cores.
         env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // slot.local_size))
     return env
+
+
+def torchrun_environment(slot: Slot, store: tuple[str, int], iface: str, job_id: str) -> dict[str, str]:
+    """What torchrun gives a worker, with the kernel's store as its agent's (launch.torch_store).
+
+    ``init_process_group(backend, init_method="env://")`` then joins as a client, rank 0
+    included; frameworks that look for TorchElastic (Lightning) find its markers.
+    """
+    return {
+        "RANK": str(slot.rank),
+        "WORLD_SIZE": str(slot.size),
+        "LOCAL_RANK": str(slot.local_rank),
+        "LOCAL_WORLD_SIZE": str(slot.local_size),
+        "GROUP_RANK": str(slot.cross_rank),  # torchrun's node index
+        "GROUP_WORLD_SIZE": str(slot.cross_size),
+        "ROLE_NAME": "default",
+        "ROLE_RANK": str(slot.rank),
+        "ROLE_WORLD_SIZE": str(slot.size),
+        "MASTER_ADDR": store[0],
+        "MASTER_PORT": str(store[1]),
+        "TORCHELASTIC_RUN_ID": job_id,
+        "TORCHELASTIC_RESTART_COUNT": "0",
+        "TORCHELASTIC_MAX_RESTARTS": "0",
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
+        # The interface the ranks reach each other on, for Gloo and NCCL alike.
+        "GLOO_SOCKET_IFNAME": iface,
+        "NCCL_SOCKET_IFNAME": iface,
+    }
+
+
+def keras_environment() -> dict[str, str]:
+    """``TF_USE_LEGACY_KERAS=1`` where TensorFlow would otherwise give the ranks Keras 3.
+
+    horovod.tensorflow.keras's DistributedOptimizer does not average gradients under
+    Keras 3 (docs/frameworks.md); with tf_keras installed, this selects Keras 2. Found
+    without importing TensorFlow (seconds): the metadata of what is installed.
+    """
+    from importlib import metadata
+
+    if "TF_USE_LEGACY_KERAS" in os.environ:
+        return {}  # the user's choice
+    try:
+        metadata.version("tf_keras")
+        major, minor = (int(part) for part in metadata.version("tensorflow-cpu" if _has("tensorflow-cpu")
+                                                              else "tensorflow").split(".")[:2])
+    except (metadata.PackageNotFoundError, ValueError):
+        return {}
+    return {"TF_USE_LEGACY_KERAS": "1"} if (major, minor) >= (2, 16) else {}
+
+
+def _has(distribution: str) -> bool:
+    from importlib import metadata
+
+    try:
+        metadata.version(distribution)
+    except metadata.PackageNotFoundError:
+        return False
+    return True

@@ -7,6 +7,8 @@ import re
 TRANSIENT_INTERVAL = 1.0  # seconds between forwarded \r progress updates per stream
 MAX_LINE = 10_000
 _LINE_END = re.compile(r"\r\n|\n|\r")
+# Keras' progress bar rewrites its line with as many backspaces as it printed, then \r.
+_BACKSPACES_THEN_CR = re.compile(r"\x08+\r")
 
 
 class LineSplitter:
@@ -24,11 +26,11 @@ class LineSplitter:
 
     def feed(self, text: str, now: float) -> tuple[list[str], str | None]:
         """Returns (complete lines, transient to show now or None)."""
-        self._buffer += text
+        self._buffer = _BACKSPACES_THEN_CR.sub("\r", self._buffer + text)
         lines: list[str] = []
         pos = 0
         for match in _LINE_END.finditer(self._buffer):
-            segment = self._buffer[pos:match.start()][:MAX_LINE]
+            segment = _erase(self._buffer[pos:match.start()])[:MAX_LINE]
             pos = match.end()
             if match.group() == "\r":
                 self.pending_transient = segment
@@ -51,6 +53,20 @@ class LineSplitter:
         tail = [t for t in (self.pending_transient, self._buffer) if t]
         self.pending_transient, self._buffer = None, ""
         return tail
+
+
+def _erase(segment: str) -> str:
+    """Apply the backspaces left in a line, as a terminal would."""
+    if "\b" not in segment:
+        return segment
+    kept: list[str] = []
+    for char in segment:
+        if char == "\b":
+            if kept:
+                kept.pop()
+        else:
+            kept.append(char)
+    return "".join(kept)
 
 
 def relayed(line: bytes, tail: bytes) -> bytes | None:

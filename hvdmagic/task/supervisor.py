@@ -90,7 +90,7 @@ class Supervisor:
         env = rank_base_environment(os.environ)
         env.update(self.spec.env)
         env.update(rank_environment(slot, (self.spec.driver_host, self.spec.rendezvous_port), interface_for(host_ip),
-                                    self.spec.controller))
+                                    self.spec.controller, self.spec.framework, self.spec.job_id))
         env[EVENT_FD_ENV] = str(events_w)
         env[JOB_ID_ENV] = self.spec.job_id
         if self.shard:

@@ -1,0 +1,290 @@
+"""What the benchmarks share (scripts/soak.py uses it too), each written once.
+
+- statistics: ``percentile``, ``describe``, ``paired_ratios``, ``bootstrap_median_ci``, ``num``;
+- the machine and the code under test: ``machine``, ``versions``, ``code_under_test``;
+- /proc and processes: ``proc_start_time``, ``thread_cpu``, ``process_tree``, ``process_role``,
+  and ``GcPauses`` for this process's garbage collections;
+- output: ``Log`` (progress lines on stderr), ``captured``, ``write_json``, ``command_line``;
+- IPython: ``ipython_shell`` and ``run_cell`` (one cell, its output kept out of the terminal).
+
+Importing this module needs the standard library only: bench_data.py also runs under a
+separate Petastorm interpreter. ``proc_start_time``, ``thread_cpu`` and ``GcPauses`` run
+inside rank processes too, shipped as source text (workloads.py) or by value with
+cloudpickle (bench_report.py), so they import what they need themselves.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import io
+import json
+import os
+import platform
+import random
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+# ---------------------------------------------------------------------------
+# Statistics
+# ---------------------------------------------------------------------------
+
+def percentile(values, q: float) -> float:
+    """The q-th percentile (linear interpolation, like numpy's default); nan for no values."""
+    data = sorted(values)
+    if not data:
+        return float("nan")
+    pos = (len(data) - 1) * q / 100
+    lo = int(pos)
+    hi = min(lo + 1, len(data) - 1)
+    return data[lo] + (data[hi] - data[lo]) * (pos - lo)
+
+
+def describe(values, **percentiles: float) -> dict:
+    """n, median, min and max of the values that are not None, and each named percentile.
+
+    ``describe(v, q1=25, q3=75)`` adds the quartiles as "q1" and "q3"; ``describe(v, p99=99)``
+    the 99th percentile. With no values: ``{"n": 0}``.
+    """
+    data = sorted(v for v in values if v is not None)
+    if not data:
+        return {"n": 0}
+    out = {"n": len(data), "median": statistics.median(data), "min": data[0], "max": data[-1]}
+    out.update((name, percentile(data, q)) for name, q in percentiles.items())
+    return out
+
+
+def paired_ratios(a: list, b: list) -> list:
+    """a[i]/b[i] for the pairs where both exist (a pair = the same round, adjacent in time)."""
+    return [x / y for x, y in zip(a, b) if x is not None and y]
+
+
+def bootstrap_median_ci(values: list, resamples: int = 4000, seed: int = 1) -> tuple[float, float]:
+    """The 95 % interval of the median, by bootstrap (seeded, so a rerun gives the same interval)."""
+    draw = random.Random(seed)
+    medians = sorted(statistics.median(draw.choices(values, k=len(values))) for _ in range(resamples))
+    return medians[int(0.025 * resamples)], medians[int(0.975 * resamples) - 1]
+
+
+def num(value) -> str:
+    """A figure for a table: two decimals, "-" for None."""
+    return "-" if value is None else f"{value:.2f}"
+
+
+# ---------------------------------------------------------------------------
+# The machine and the code under test
+# ---------------------------------------------------------------------------
+
+def cpu_model() -> str:
+    """The CPU's model name from /proc/cpuinfo ("" where there is none)."""
+    try:
+        return next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                    if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return ""
+
+
+def machine() -> dict:
+    """Python, OS, cores, CPU model and memory of this machine."""
+    import psutil
+
+    return {"python": platform.python_version(), "platform": platform.platform(), "cores": os.cpu_count() or 1,
+            "cpu_model": cpu_model(), "memory_gib": round(psutil.virtual_memory().total / 2**30, 1)}
+
+
+def versions(*modules: str) -> dict:
+    """{module: its __version__} for each module named (imported here)."""
+    import importlib
+
+    return {name: getattr(importlib.import_module(name), "__version__", None) for name in modules}
+
+
+def code_under_test() -> dict:
+    """Which hvdmagic this process imports, and its git state when that is a checkout."""
+    import hvdmagic
+
+    where = Path(hvdmagic.__file__).resolve().parent.parent
+    info: dict = {"path": str(where)}
+
+    def git(*args: str) -> str:  # --no-optional-locks: reading the state never rewrites the index
+        return subprocess.run(["git", "--no-optional-locks", *args], cwd=where, capture_output=True, text=True,
+                              check=True).stdout
+
+    try:
+        info["git_head"] = git("rev-parse", "HEAD").strip()
+        info["uncommitted_changes_in_hvdmagic"] = bool(git("status", "--porcelain", "hvdmagic").strip())
+    except (OSError, subprocess.CalledProcessError):
+        pass
+    return info
+
+
+# ---------------------------------------------------------------------------
+# /proc and processes
+# ---------------------------------------------------------------------------
+
+def proc_start_time() -> float:
+    """When this process was created, on the wall clock (from /proc/self/stat: clock-tick resolution).
+
+    Self-contained (its imports inside, no psutil): workloads.py runs its source in the ranks.
+    """
+    import os
+    import time
+
+    with open("/proc/self/stat") as f:
+        ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+    with open("/proc/uptime") as f:
+        uptime = float(f.read().split()[0])
+    return time.time() - (uptime - ticks / os.sysconf("SC_CLK_TCK"))
+
+
+def thread_cpu(tid: int | None) -> float | None:
+    """CPU seconds (user + system) of thread ``tid`` (a ``native_id``) of this process, from
+    /proc (clock-tick resolution); None when it cannot be read.
+
+    Self-contained (its imports inside): it runs in the ranks (workloads.py, bench_report.py).
+    """
+    import os
+
+    if tid is None:
+        return None
+    try:
+        with open(f"/proc/self/task/{tid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def process_tree(proc=None) -> list:
+    """``proc`` (this process by default) and every process below it; ``[proc]`` when they cannot be listed."""
+    import psutil
+
+    proc = proc or psutil.Process()
+    try:
+        return [proc, *proc.children(recursive=True)]
+    except psutil.Error:
+        return [proc]
+
+
+def process_role(cmdline: str, name: str = "") -> str:
+    """What a process is to a run, from its command line (and name): "rank", "jvm" (Spark's),
+    "spark_python" (Spark's Python daemon and workers, which host the supervisors) or "other"."""
+    if "hvdmagic.rank" in cmdline:
+        return "rank"
+    if "java" in name or "SparkSubmit" in cmdline:
+        return "jvm"
+    if "pyspark" in cmdline:
+        return "spark_python"
+    return "other"
+
+
+class GcPauses:
+    """This process's garbage collections while active: ``pauses``, a list of
+    (wall time at the end, seconds, generation).
+
+    ``with GcPauses() as pauses:`` or ``start()``/``stop()``. Runs in ranks too (by value).
+    """
+
+    def __init__(self):
+        self.pauses: list[tuple[float, float, int]] = []
+        self._began = 0.0
+
+    def _on_gc(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._began = time.perf_counter()
+        else:
+            self.pauses.append((time.time(), time.perf_counter() - self._began, info["generation"]))
+
+    def start(self) -> GcPauses:
+        gc.callbacks.append(self._on_gc)
+        return self
+
+    def stop(self) -> None:
+        gc.callbacks.remove(self._on_gc)
+
+    __enter__ = start
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def within(self, start: float | None = None, end: float | None = None) -> list[tuple[float, float, int]]:
+        """The pauses that ended between wall times start and end."""
+        return [p for p in self.pauses if (start is None or p[0] >= start) and (end is None or p[0] <= end)]
+
+    def summary(self, start: float | None = None, end: float | None = None) -> dict:
+        """Collections per generation (0, 1, 2), total and longest pause in ms, between start and end."""
+        pauses = self.within(start, end)
+        return {"collections": [sum(g == gen for _, _, g in pauses) for gen in range(3)],
+                "total_ms": sum(d for _, d, _ in pauses) * 1e3,
+                "max_pause_ms": max((d for _, d, _ in pauses), default=0.0) * 1e3}
+
+    def ms_by_generation(self) -> list[float]:
+        """Milliseconds spent collecting, per generation (0, 1, 2)."""
+        return [sum(d for _, d, g in self.pauses if g == gen) * 1e3 for gen in range(3)]
+
+
+# ---------------------------------------------------------------------------
+# Output
+# ---------------------------------------------------------------------------
+
+class Log:
+    """Progress lines on stderr: ``[name HH:MM:SS] message``, or, with no name,
+    ``[  12.3 s] message`` (seconds since the Log was made)."""
+
+    def __init__(self, name: str | None = None):
+        self.name = name
+        self._t0 = time.perf_counter()
+
+    def __call__(self, message: str) -> None:
+        stamp = f"{self.name} {time.strftime('%H:%M:%S')}" if self.name else f"{time.perf_counter() - self._t0:6.1f} s"
+        print(f"[{stamp}] {message}", file=sys.stderr, flush=True)
+
+
+@contextlib.contextmanager
+def captured(stderr: bool = True):
+    """What the block prints (stdout, and stderr unless ``stderr=False``) goes to the StringIO it yields."""
+    buffer = io.StringIO()
+    with contextlib.redirect_stdout(buffer), (contextlib.redirect_stderr(buffer) if stderr
+                                              else contextlib.nullcontext()):
+        yield buffer
+
+
+def write_json(path: str | Path, data, indent: int = 1) -> Path:
+    """Write the artifact (its folder created if need be); a value JSON lacks is written as its str()."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=indent, default=str))
+    return path
+
+
+def command_line() -> str:
+    """This run's command, to rerun it: the interpreter (relative to the working folder) and the arguments."""
+    return " ".join([os.path.relpath(sys.executable), *sys.argv])
+
+
+# ---------------------------------------------------------------------------
+# IPython
+# ---------------------------------------------------------------------------
+
+def ipython_shell():
+    """A real IPython shell (IPython's own test shell, as tests/conftest.py uses) with hvdmagic loaded."""
+    from IPython.testing.globalipapp import start_ipython
+
+    ip = start_ipython()
+    ip.run_line_magic("load_ext", "hvdmagic")
+    return ip
+
+
+def run_cell(ip, source: str):
+    """Run one cell with its output captured: (IPython's ExecutionResult, output, started, ended), wall clock."""
+    with captured() as buffer:
+        started = time.time()
+        outcome = ip.run_cell(source)
+        ended = time.time()
+    return outcome, buffer.getvalue(), started, ended
