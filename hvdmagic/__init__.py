@@ -14,7 +14,7 @@ The package is laid out by the process its code runs in:
   ``metric_rows`` (the metric columns' wire form) and ``errors`` are shared.
 
 Importing this package in a rank stays cheap: the kernel's API (``run``,
-``HorovodRunner``, ``last_run``) is imported on first use.
+``HorovodRunner``, ``TorchDistributor``, ``last_run``) is imported on first use.
 """
 
 from __future__ import annotations
@@ -24,10 +24,11 @@ from hvdmagic.rank.shards import shard
 from hvdmagic.rank.training import load_checkpoint, save_checkpoint, scale_lr
 
 __version__ = "0.1.0"
-__all__ = ["HorovodRunner", "last_run", "load_checkpoint", "log_metrics", "progress", "run", "save_checkpoint",
-           "scale_lr", "shard", "track"]
+__all__ = ["HorovodRunner", "TorchDistributor", "last_run", "load_checkpoint", "log_metrics", "progress", "run",
+           "save_checkpoint", "scale_lr", "shard", "track"]
 
 _KERNEL_API = {"run": "hvdmagic.kernel.api", "HorovodRunner": "hvdmagic.kernel.api",
+               "TorchDistributor": "hvdmagic.kernel.api",
                "last_run": "hvdmagic.kernel.record"}
 
 

@@ -6,16 +6,25 @@ import random
 import time
 
 import psutil
+import pytest
 from kernels import execute as _execute
 from kernels import start_kernel
 from kernels import wait_for_reply as _wait_for_reply
 
-TRAIN = """%%horovod --np 2
+TRAIN = {
+    "horovod": """%%horovod --np 2
 import time, horovod.torch as hvd
 hvd.init()
 print("training", flush=True)
 time.sleep(600)
-"""
+""",
+    "torchrun": """%%torchrun --np 2
+import time, torch.distributed as dist
+dist.init_process_group("gloo")
+print("training", flush=True)
+time.sleep(600)
+""",
+}
 
 
 def _rank_pids(kernel_pid: int) -> list[int]:
@@ -29,7 +38,8 @@ def _rank_pids(kernel_pid: int) -> list[int]:
     return pids
 
 
-def test_interrupt_stops_ranks_and_keeps_the_kernel(kernel):
+@pytest.mark.parametrize("magic", list(TRAIN))
+def test_interrupt_stops_ranks_and_keeps_the_kernel(kernel, magic):
     manager, client = kernel
     reply, _ = _execute(client, "%load_ext hvdmagic", timeout=60)
     assert reply["status"] == "ok"
@@ -43,7 +53,7 @@ def test_interrupt_stops_ranks_and_keeps_the_kernel(kernel):
             interrupted_at.append(time.monotonic())
             manager.interrupt_kernel()
 
-    reply, texts = _execute(client, TRAIN, timeout=180, on_output=interrupt_once_training)
+    reply, texts = _execute(client, TRAIN[magic], timeout=180, on_output=interrupt_once_training)
     assert interrupted_at, "training never started"
     assert reply["status"] == "error" and reply["ename"] == "JobInterrupted", (reply, texts)
     assert len(seen) == 2, f"expected 2 rank processes while training, saw {seen}"

@@ -83,3 +83,29 @@ def test_mpi_layout_follows_the_hosts(two_host_shell):
     _check_layout(result)
     assert rank_processes() == []
     assert mpi_processes() == []
+
+
+TORCHRUN_CELL = """%%torchrun --np 4
+import os, torch, torch.distributed as dist
+dist.init_process_group("gloo")
+t = torch.tensor([float(dist.get_rank())])
+dist.all_reduce(t)
+row = (dist.get_rank(), int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"]),
+       int(os.environ["GROUP_RANK"]), int(os.environ["GROUP_WORLD_SIZE"]),
+       os.readlink("/proc/self/ns/net"), sorted(os.listdir("/sys/class/net")), t.item(),
+       os.environ["GLOO_SOCKET_IFNAME"], os.environ["MASTER_ADDR"])
+rows = [None] * dist.get_world_size()
+dist.all_gather_object(rows, row)
+rows
+"""
+
+
+def test_torchrun_layout_follows_the_hosts_and_every_rank_reaches_the_store(two_host_shell):
+    """The store lives at the driver's address on the namespaces' network, which every host reaches."""
+    result, error = run(two_host_shell, TORCHRUN_CELL)
+    assert error is None, error
+    _check_layout(result)
+    for row in result:
+        assert row[8] == next(name for name in row[6] if name != "lo"), row  # Gloo's interface, never lo
+        assert row[9] == two_host_shell.user_ns["DRIVER"], row  # MASTER_ADDR: the driver, reachable from both
+    assert rank_processes() == []

@@ -42,8 +42,12 @@ def horovod_operation(hvd, reduce_op):
 
 def define(pl: ModuleType) -> dict[str, type]:
     """The Lightning classes, built on ``pl``'s base classes (``lightning.pytorch`` or ``pytorch_lightning``)."""
-    import horovod.torch as hvd
     import torch
+
+    try:  # HorovodStrategy needs it; the callback and the logger serve %%torchrun's strategy="ddp" too
+        import horovod.torch as hvd
+    except ImportError:
+        hvd = None
     from lightning_utilities.core.rank_zero import rank_zero_only as utilities_rank_zero_only
 
     rank_zero_only = importlib.import_module(f"{pl.__name__}.utilities.rank_zero").rank_zero_only
@@ -125,6 +129,9 @@ def define(pl: ModuleType) -> dict[str, type]:
 
         def __init__(self, accelerator=None, checkpoint_io=None, precision_plugin=None):
             super().__init__(accelerator=accelerator, checkpoint_io=checkpoint_io, precision_plugin=precision_plugin)
+            if hvd is None:
+                raise ImportError("HorovodStrategy needs horovod (run the README's set-up command); under "
+                                  "%%torchrun use Lightning's own strategy='ddp' with HvdmagicCallback")
             hvd.init()
             set_rank_zero(hvd.rank())  # before the Trainer prints its device summary
             self._exit_stack: ExitStack | None = None

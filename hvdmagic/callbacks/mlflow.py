@@ -84,7 +84,7 @@ def _tags(record) -> dict[str, str]:
     if record.notes:
         tags["hvdmagic.notes"] = "\n".join(record.notes)
     if record.timeline:
-        tags["hvdmagic.kernel.timeline"] = record.timeline
+        tags["hvdmagic.timeline"] = record.timeline
     if record.error is not None:
         tags["hvdmagic.error"] = str(record.error).splitlines()[0] if str(record.error) else type(record.error).__name__
     return tags

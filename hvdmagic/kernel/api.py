@@ -1,6 +1,6 @@
-"""The Python API: ``hvdmagic.run`` and a drop-in ``HorovodRunner``.
+"""The Python API: ``hvdmagic.run``, and drop-ins for ``HorovodRunner`` and ``TorchDistributor``.
 
-Both go through the same runner as the magic: one launcher core, the same
+All go through the same runner as the magics: one launcher core, the same
 streaming, dashboard and error reporting.
 """
 
@@ -14,14 +14,17 @@ from typing import Any
 
 import cloudpickle
 
+from hvdmagic.kernel.capture import with_notebook_sources
 from hvdmagic.kernel.runner import execute
 from hvdmagic.launch import ResultPolicy
+from hvdmagic.protocol import Framework
+from hvdmagic.rank.scripts import run_script
 
 _VERBOSITIES = ("all", "log_callback_only")
 
 
 def run(fn: Callable, np: int, *args, timeout: float | None = None, stall_timeout: float | None = None,
-        data=None, controller: str = "gloo", **kwargs) -> list:
+        data=None, controller: str = "gloo", backend: str = "horovod", **kwargs) -> list:
     """Run ``fn(*args, **kwargs)`` on |np| ranks and return every rank's result in rank order.
 
     The Python twin of a ``%%horovod`` cell: the same launcher, live dashboard and error
@@ -42,8 +45,11 @@ def run(fn: Callable, np: int, *args, timeout: float | None = None, stall_timeou
         data: a Spark DataFrame; each rank gets an equal-size shard of it, read in the rank
             with ``hvdmagic.shard()``. None (the default) sends no data.
         controller: "gloo" (the default), or "mpi" to run the ranks under Open MPI's mpirun.
+        backend: "horovod" (the default): the ranks get Horovod's rendezvous and variables; or
+            "torch": they get torchrun's (RANK, WORLD_SIZE, MASTER_ADDR, ...) for
+            ``torch.distributed.init_process_group``, and no horovod is needed.
         **kwargs: keyword arguments for ``fn``; they must be picklable, and cannot be named
-            ``timeout``, ``stall_timeout``, ``data`` or ``controller``.
+            ``timeout``, ``stall_timeout``, ``data``, ``controller`` or ``backend``.
 
     Returns:
         A list of |np| values: what ``fn`` returned on each rank, rank 0's first. Every
@@ -68,9 +74,13 @@ def run(fn: Callable, np: int, *args, timeout: float | None = None, stall_timeou
 
         accuracies = hvdmagic.run(train, 2, 0.1, epochs=5, timeout=600)  # [rank 0's, rank 1's]
     """
+    try:
+        framework = Framework(backend)
+    except ValueError:
+        raise ValueError(f"backend must be one of {', '.join(Framework)}, not {backend!r}") from None
     payload = _dumps((fn, args, kwargs), fn)
     return execute(payload, np, timeout=timeout, stall_timeout=stall_timeout, data=data,
-                   controller=controller).results
+                   controller=controller, framework=framework).results
 
 
 def _is_users_own(module) -> bool:
@@ -89,6 +99,9 @@ def _dumps(obj, fn: Callable) -> bytes:
     rank (a fresh interpreter, maybe on another machine) cannot import the user's
     ``train.py`` from the notebook's folder.
     """
+    fn_, args, kwargs = obj
+    # Functions from notebook cells carry their cells' source, so tracebacks show it.
+    obj = (with_notebook_sources(fn_, *args, *kwargs.values()), args, kwargs)
     module = sys.modules.get(getattr(fn, "__module__", "") or "")
     if module is None or not _is_users_own(module):
         return cloudpickle.dumps(obj)
@@ -159,3 +172,62 @@ class HorovodRunner:
         """
         payload = _dumps((main, (), kwargs), main)
         return execute(payload, self.num_processor, results=ResultPolicy.RANK0).result
+
+
+class TorchDistributor:
+    """pyspark's ``TorchDistributor``, as a drop-in: change only the import line.
+
+    ``TorchDistributor(num_processes=2, local_mode=False, use_gpu=False).run(train_fn, *args)``
+    runs ``train_fn`` as torchrun would, on hvdmagic's launcher: the live dashboard,
+    fail-fast, ``--stall-timeout``-style checks through ``hvdmagic.run``, and rank 0's
+    value back. Each process gets torchrun's environment, so
+    ``torch.distributed.init_process_group("gloo")`` (or "nccl") works unchanged.
+
+    Args:
+        num_processes: how many processes (ranks) to run.
+        local_mode: True (pyspark's default) runs them on the driver without Spark;
+            False runs them as one Spark barrier stage on the executors.
+        use_gpu: True (pyspark's default) gives each process one GPU: from Spark's task
+            resources (``spark.task.resource.gpu.amount``) on the executors, or one of the
+            driver's GPUs in local mode; without GPUs it fails before starting.
+
+    Example::
+
+        from hvdmagic import TorchDistributor
+
+        def train(lr):
+            import torch.distributed as dist
+            dist.init_process_group("gloo")
+            ...
+            return accuracy
+
+        accuracy = TorchDistributor(num_processes=2, local_mode=False, use_gpu=False).run(train, 0.1)
+    """
+
+    def __init__(self, num_processes: int = 1, local_mode: bool = True, use_gpu: bool = True, _ssl_conf=None):
+        if not isinstance(num_processes, int) or isinstance(num_processes, bool) or num_processes < 1:
+            raise ValueError(f"num_processes must be a positive integer, not {num_processes!r}")
+        self.num_processes = num_processes
+        self.local_mode = bool(local_mode)
+        self.use_gpu = bool(use_gpu)
+
+    def run(self, train_object: Callable | str, *args: Any, **kwargs: Any) -> Any:
+        """Run ``train_object(*args, **kwargs)`` on every process; return rank 0's value.
+
+        Args:
+            train_object: a function, or the path of a Python script that every process runs
+                as ``__main__`` with ``args`` as its command-line arguments (as torchrun would).
+            *args: the function's positional arguments, or the script's arguments.
+            **kwargs: the function's keyword arguments.
+
+        Returns:
+            What the function returned on rank 0; None for a script.
+        """
+        if isinstance(train_object, str):
+            if kwargs:
+                raise TypeError("a script takes command-line arguments only, not keyword arguments")
+            train_object, args = run_script, (train_object, *map(str, args))
+        np = -self.num_processes if self.local_mode else self.num_processes
+        payload = _dumps((train_object, args, kwargs), train_object)
+        return execute(payload, np, results=ResultPolicy.RANK0, framework=Framework.TORCH,
+                       gpus=self.use_gpu).result

@@ -1,4 +1,4 @@
-"""The %%horovod cell magic: arguments, capture, and handing off to the launcher."""
+"""The %%horovod and %%torchrun cell magics: arguments, capture, and handing off to the launcher."""
 
 from __future__ import annotations
 
@@ -11,31 +11,42 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 from hvdmagic.kernel.capture import capture_cell
 from hvdmagic.kernel.runner import execute
 from hvdmagic.launch import ResultPolicy
+from hvdmagic.protocol import Framework
+
+
+def _launch_arguments(func):
+    """The arguments every launching cell magic takes: declared once (as ipyparallel's magics share theirs)."""
+    for decorate in reversed([
+        argument("--np", type=int, required=True, metavar="N",
+                 help="Number of ranks. N > 0 runs them as one Spark barrier stage; "
+                      "N < 0 runs |N| processes on the driver without Spark (local mode)."),
+        argument("--out", metavar="NAME", help="Store rank 0's result in the notebook variable NAME."),
+        argument("--timeout", type=float, metavar="SECONDS", help="Stop every rank and fail after SECONDS."),
+        argument("--stall-timeout", type=float, metavar="SECONDS",
+                 help="Fail when a rank that has started reporting (output, progress, metrics) goes silent "
+                      "for SECONDS, e.g. in a deadlocked collective."),
+        argument("--data", metavar="NAME",
+                 help="A Spark DataFrame in the notebook: each rank gets an equal-size shard, "
+                      "read with hvdmagic.shard()."),
+        argument("--metrics", metavar="NAME",
+                 help="Store the run's metrics history (a pandas DataFrame, all ranks) in the variable NAME."),
+        argument("--mlflow", nargs="?", const="", metavar="EXPERIMENT",
+                 help="After a successful run, log rank 0's metrics, the params and the duration to MLflow "
+                      "(experiment EXPERIMENT, else MLflow's default); see hvdmagic.callbacks.mlflow."),
+    ]):
+        func = decorate(func)
+    return func
 
 
 @magics_class
 class HorovodMagics(Magics):
     @magic_arguments(name="%horovod")  # the usage line then reads %%horovod, as the cell is written
-    @argument("--np", type=int, required=True, metavar="N",
-              help="Number of Horovod ranks. N > 0 runs them as one Spark barrier stage; "
-                   "N < 0 runs |N| processes on the driver without Spark (local mode).")
-    @argument("--out", metavar="NAME", help="Store rank 0's result in the notebook variable NAME.")
-    @argument("--timeout", type=float, metavar="SECONDS", help="Stop every rank and fail after SECONDS.")
-    @argument("--stall-timeout", type=float, metavar="SECONDS",
-              help="Fail when a rank that has started reporting (output, progress, metrics) goes silent "
-                   "for SECONDS, e.g. in a deadlocked collective.")
-    @argument("--data", metavar="NAME",
-              help="A Spark DataFrame in the notebook: each rank gets an equal-size shard, read with hvdmagic.shard().")
+    @_launch_arguments
     @argument("--timeline", metavar="PATH",
               help="Record a Horovod Timeline (a Chrome trace written by rank 0) at PATH. It costs throughput.")
-    @argument("--metrics", metavar="NAME",
-              help="Store the run's metrics history (a pandas DataFrame, all ranks) in the variable NAME.")
     @argument("--controller", choices=("gloo", "mpi"), default="gloo",
               help="How the ranks talk: Gloo (the default), or Open MPI, whose mpirun starts the ranks "
                    "through the Spark tasks (no ssh), as HorovodRunner did.")
-    @argument("--mlflow", nargs="?", const="", metavar="EXPERIMENT",
-              help="After a successful run, log rank 0's metrics, the params and the duration to MLflow "
-                   "(experiment EXPERIMENT, else MLflow's default); see hvdmagic.callbacks.mlflow.")
     @cell_magic
     def horovod(self, line: str, cell: str):
         """Run the cell on Horovod ranks and return rank 0's result.
@@ -59,6 +70,40 @@ class HorovodMagics(Magics):
             hvd.allreduce(torch.tensor(evaluate(model))).item()
         """
         args = parse_argstring(self.horovod, line)
+        return self._launch("%%horovod", args, cell, Framework.HOROVOD, timeline=args.timeline,
+                            controller=args.controller)
+
+    @magic_arguments(name="%torchrun")
+    @_launch_arguments
+    @cell_magic
+    def torchrun(self, line: str, cell: str):
+        """Run the cell as torchrun would run a script on every rank, and return rank 0's result.
+
+        The cell is ordinary torch.distributed code: each rank gets the environment
+        torchrun gives (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK,
+        MASTER_ADDR, MASTER_PORT, TORCHELASTIC_*), so
+        torch.distributed.init_process_group("gloo") (or "nccl" on GPUs) joins the
+        others, and DDP, FSDP or Lightning's strategy="ddp" work as under torchrun.
+        No horovod is needed. Everything else is as with %%horovod: the notebook
+        variables the cell reads are shipped with cloudpickle, the live dashboard,
+        --out, --metrics, --data, the timeouts and local mode (--np -N).
+
+        Example:
+
+            %%torchrun --np 2 --out accuracy
+            import torch, torch.distributed as dist
+            from torch.nn.parallel import DistributedDataParallel as DDP
+            dist.init_process_group("gloo")
+            model = DDP(make_model())
+            for epoch in hvdmagic.track(range(5), desc="epoch"):
+                train_one_epoch(model, X_train[dist.get_rank()::dist.get_world_size()])
+            evaluate(model)
+        """
+        args = parse_argstring(self.torchrun, line)
+        return self._launch("%%torchrun", args, cell, Framework.TORCH)
+
+    def _launch(self, magic: str, args, cell: str, framework: Framework, **options):
+        """Check the arguments, capture the cell, run it, and store what --out and --metrics name."""
         if args.np == 0:
             raise UsageError("--np must be a positive number of Spark ranks, "
                              "or negative for local mode (e.g. --np -2).")
@@ -69,22 +114,20 @@ class HorovodMagics(Magics):
             if seconds is not None and seconds <= 0:
                 raise UsageError(f"{flag} must be a positive number of seconds.")
         if not cell.strip():
-            raise UsageError("%%horovod needs a cell body: the training code to run on every rank.")
+            raise UsageError(f"{magic} needs a cell body: the training code to run on every rank.")
         data = None
         if args.data is not None:
             data = self.shell.user_ns.get(args.data)
             if not hasattr(data, "mapInArrow"):
                 raise UsageError(f"--data needs the name of a Spark DataFrame in the notebook; "
                                  f"{args.data!r} is {'undefined' if data is None else type(data).__name__}.")
-
         if args.mlflow is not None and importlib.util.find_spec("mlflow") is None:
             raise UsageError("--mlflow needs MLflow in the notebook's environment: pip install mlflow-skinny.")
 
         capture = capture_cell(cell_source(self.shell, cell), self.shell.user_ns, set(self.shell.user_ns_hidden))
         print(capture.summary(), flush=True)
         record = execute(capture.payload, args.np, timeout=args.timeout, stall_timeout=args.stall_timeout,
-                         timeline=args.timeline, data=data, controller=args.controller,
-                         results=ResultPolicy.ALL_OR_REPR)
+                         data=data, results=ResultPolicy.ALL_OR_REPR, framework=framework, **options)
         if args.out:
             self.shell.user_ns[args.out] = record.result
         if args.metrics:

@@ -11,11 +11,13 @@ from hvdmagic.errors import JobInterrupted
 from hvdmagic.kernel.record import RunRecord, set_last
 from hvdmagic.kernel.ui import make_view
 from hvdmagic.launch import ResultPolicy, UnsentResult, launch
+from hvdmagic.protocol import Framework
 
 
 def execute(payload: bytes, np: int, *, timeout: float | None = None, stall_timeout: float | None = None,
             timeline: str | None = None, data=None, session=None, view=None, controller: str = "gloo",
-            results: ResultPolicy = ResultPolicy.ALL) -> RunRecord:
+            results: ResultPolicy = ResultPolicy.ALL, framework: Framework = Framework.HOROVOD,
+            gpus: bool = False) -> RunRecord:
     """Run a cloudpickled ``(fn, args, kwargs)`` on |np| ranks; return its record.
 
     ``timeline``: a path where rank 0 records a Horovod Timeline. ``results``: which
@@ -39,7 +41,8 @@ def execute(payload: bytes, np: int, *, timeout: float | None = None, stall_time
     view.start()
     try:
         result = launch(payload, np, timeout=timeout, stall_timeout=stall_timeout, env=env, on_event=on_event,
-                        session=session, data=data, controller=controller, results=results)
+                        session=session, data=data, controller=controller, results=results, framework=framework,
+                        gpus=gpus)
     except JobInterrupted as exc:
         record.finish(error=exc, cancelled=True)
         raise

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from hvdmagic.errors import JobInterrupted, LaunchError
 from hvdmagic.launch.interrupts import interrupted_before_job, interruptible
 from hvdmagic.launch.job import Job, JobResult, UnsentResult
-from hvdmagic.protocol import Event, ResultPolicy, Stage
+from hvdmagic.protocol import Event, Framework, ResultPolicy, Stage
 
 CONTROLLERS = ("gloo", "mpi")
 
@@ -23,26 +23,35 @@ CONTROLLERS = ("gloo", "mpi")
 def launch(payload: bytes, np: int, *, timeout: float | None = None, stall_timeout: float | None = None,
            env: dict[str, str] | None = None, on_event: Callable[[dict], None] | None = None,
            session=None, data=None, controller: str = "gloo",
-           results: ResultPolicy = ResultPolicy.ALL) -> JobResult:
-    """Run a cloudpickled ``(fn, args, kwargs)`` on |np| Horovod ranks.
+           results: ResultPolicy = ResultPolicy.ALL, framework: Framework = Framework.HOROVOD,
+           gpus: bool = False) -> JobResult:
+    """Run a cloudpickled ``(fn, args, kwargs)`` on |np| ranks.
 
     np > 0: one Spark barrier stage (the active SparkSession, or an embedded local
     one). np < 0: local mode, |np| processes on the driver without Spark.
     ``data``: a Spark DataFrame; each rank gets an equal-size shard (hvdmagic.shard()).
     ``controller``: "gloo" (the default) or "mpi" (Open MPI's mpirun, see launch.mpi).
     ``results``: which ranks send their value back (``ResultPolicy``).
+    ``framework``: Horovod's rendezvous and environment, or torch.distributed's (``Framework``).
+    ``gpus``: every rank must get a GPU (Spark's task resources, or the driver's in local
+    mode); without GPUs the launch fails. Spark gives its tasks GPUs whenever it is
+    configured to, with or without this.
     """
     notify = on_event or (lambda event: None)
     if np == 0:
         raise LaunchError("np must be a positive number of Spark ranks, or negative for local mode.")
-    try:
-        import horovod.runner.http.http_server  # noqa: F401  (the driver hosts horovod's rendezvous)
-    except ImportError as exc:
-        raise LaunchError(
-            f"horovod is not importable in this kernel's environment ({exc}). hvdmagic needs horovod "
-            "built with PyTorch and Gloo: run the set-up command from the README (make demo), or see "
-            "scripts/build_horovod.py."
-        ) from None
+    if framework == Framework.TORCH:
+        if controller != "gloo":
+            raise LaunchError(f"controller {controller!r} is for Horovod; torch.distributed ranks choose their "
+                              "backend in init_process_group (gloo, nccl).")
+        _require("torch.distributed", "torch", "pip install the project plus torch (e.g. 'pip install "
+                 "torch==2.13.0'): %%torchrun needs no horovod")
+    else:
+        # The driver hosts horovod's rendezvous.
+        _require("horovod.runner.http.http_server", "horovod",
+                 "hvdmagic needs horovod built with PyTorch and Gloo: run the set-up command from the README "
+                 "(make demo), or build it with 'python -m hvdmagic.build_horovod' (docs/frameworks.md); "
+                 "%%torchrun needs no horovod")
     if controller not in CONTROLLERS:
         raise LaunchError(f"controller must be one of {', '.join(CONTROLLERS)}, not {controller!r}.")
     if controller == "mpi":
@@ -60,17 +69,27 @@ def launch(payload: bytes, np: int, *, timeout: float | None = None, stall_timeo
             if np < 0:
                 from hvdmagic.launch.local import LocalBackend
 
-                backend = LocalBackend(-np, data)
+                backend = LocalBackend(-np, data, gpus=gpus)
             else:
                 from hvdmagic.launch.spark import SparkBackend
 
-                backend = SparkBackend(np, session, data, on_stage=on_stage)
+                backend = SparkBackend(np, session, data, on_stage=on_stage, gpus=gpus)
                 for note in backend.notes:
                     notify({"type": Event.NOTE, "text": note})
         except KeyboardInterrupt:
             raise JobInterrupted(interrupted_before_job(reached[-1] if reached else None)) from None
     return Job(backend, payload, timeout=timeout, stall_timeout=stall_timeout, env=env, controller=controller,
-               results=results, on_event=on_event).run()
+               results=results, framework=framework, on_event=on_event).run()
 
 
-__all__ = ["JobResult", "ResultPolicy", "UnsentResult", "launch"]
+def _require(module: str, name: str, how: str) -> None:
+    """A one-paragraph LaunchError when the kernel cannot import ``module``."""
+    import importlib
+
+    try:
+        importlib.import_module(module)
+    except ImportError as exc:
+        raise LaunchError(f"{name} is not importable in this kernel's environment ({exc}). {how}.") from None
+
+
+__all__ = ["Framework", "JobResult", "ResultPolicy", "UnsentResult", "launch"]

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 import threading
 from pathlib import Path
 
+from hvdmagic.errors import LaunchError
 from hvdmagic.protocol import TaskSpec
 from hvdmagic.task.shards import write_shard
 from hvdmagic.task.supervisor import run_task
@@ -16,9 +18,10 @@ class LocalBackend:
     name = "local"
     bind_host = "127.0.0.1"
 
-    def __init__(self, np: int, data=None):
+    def __init__(self, np: int, data=None, gpus: bool = False):
         self.np = np
         self.data = data
+        self.gpus = driver_gpus(np) if gpus else [[] for _ in range(np)]  # one device per task
         self._threads: list[threading.Thread] = []
         self._errors: list[str] = []
         self._shard_dir: str | None = None
@@ -48,7 +51,7 @@ class LocalBackend:
 
     def _run(self, spec: TaskSpec, task: int, shard: tuple[str, int] | None) -> None:
         try:
-            run_task(spec, task, shard=shard)
+            run_task(spec, task, self.gpus[task], shard=shard)
         except Exception as exc:  # reported through failure(); the job loop decides
             self._errors.append(f"local task {task} failed: {type(exc).__name__}: {exc}")
 
@@ -63,6 +66,30 @@ class LocalBackend:
             thread.join(timeout)
         if self._shard_dir:
             shutil.rmtree(self._shard_dir, ignore_errors=True)
+
+
+def driver_gpus(np: int) -> list[list[str]]:
+    """One of the driver's GPUs per task, found without initialising CUDA in the kernel.
+
+    CUDA_VISIBLE_DEVICES when set, else nvidia-smi's list; fewer GPUs than tasks fail
+    the launch here, in one paragraph, rather than in every rank.
+    """
+    import shutil
+    import subprocess
+
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        devices = [d.strip() for d in visible.split(",") if d.strip()]
+    elif shutil.which("nvidia-smi"):
+        listing = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True).stdout
+        devices = [str(i) for i, line in enumerate(listing.splitlines()) if line.startswith("GPU ")]
+    else:
+        devices = []
+    if len(devices) < np:
+        raise LaunchError(f"{np} processes with a GPU each need {np} GPUs on the driver, and it has {len(devices)} "
+                          "(CUDA_VISIBLE_DEVICES or nvidia-smi). Use fewer processes, use_gpu=False, or the "
+                          "executors (local_mode=False).")
+    return [[device] for device in devices[:np]]
 
 
 def _split_round_robin(table, parts: int) -> list:

@@ -252,7 +252,8 @@ def first_line(exc: BaseException) -> str:
 class SparkBackend:
     name = "spark"
 
-    def __init__(self, np: int, session=None, data=None, on_stage: Callable[[Stage], None] = lambda stage: None):
+    def __init__(self, np: int, session=None, data=None, on_stage: Callable[[Stage], None] = lambda stage: None,
+                 gpus: bool = False):
         self.np = np
         self.data = data
         self.on_stage = on_stage
@@ -260,8 +261,13 @@ class SparkBackend:
         self.session = (session or (data.sparkSession if data is not None else None)
                         or on_spark_thread(session_for, np, on_stage, self.notes))
         self.sc = self.session.sparkContext
-        self.bind_host, self.master = on_spark_thread(
-            lambda: (self.sc.getConf().get("spark.driver.host", "127.0.0.1"), self.sc.master))
+        self.bind_host, self.master, task_gpus = on_spark_thread(lambda: (
+            self.sc.getConf().get("spark.driver.host", "127.0.0.1"), self.sc.master,
+            self.sc.getConf().get("spark.task.resource.gpu.amount", None)))
+        if gpus and not task_gpus:
+            raise LaunchError("a GPU per process was asked for (use_gpu=True), but this Spark session gives its "
+                              "tasks none: set spark.task.resource.gpu.amount (and the executors' GPU "
+                              "resources, docs/clusters.md), or pass use_gpu=False.")
         self.job_group = f"hvdmagic-{uuid.uuid4().hex[:12]}"
         self._thread = None
         self._error: str | None = None

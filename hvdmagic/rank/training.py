@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -18,19 +19,34 @@ _CHECKPOINT = re.compile(r"^checkpoint-(\d+)\.pt$")
 
 
 def _horovod():
-    """horovod.torch when it has been initialised in this process, else None."""
-    try:
-        import horovod.torch as hvd
+    """horovod.torch when the cell has imported and initialised it, else None."""
+    hvd = sys.modules.get("horovod.torch")
+    return hvd if hvd is not None and hvd.is_initialized() else None
 
-        hvd.size()
-        return hvd
-    except (ImportError, ValueError):
-        return None
+
+def _torch_distributed():
+    """torch.distributed when the cell has initialised a default process group (%%torchrun), else None."""
+    dist = sys.modules.get("torch.distributed")
+    return dist if dist is not None and dist.is_available() and dist.is_initialized() else None
 
 
 def _rank_and_size() -> tuple[int, int]:
-    hvd = _horovod()
-    return (hvd.rank(), hvd.size()) if hvd else (0, 1)
+    if hvd := _horovod():
+        return hvd.rank(), hvd.size()
+    if dist := _torch_distributed():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _broadcast_from_rank0(obj):
+    """``obj`` as rank 0 has it, on every rank: over Horovod, else over torch.distributed."""
+    if (hvd := _horovod()) and hvd.size() > 1:
+        return hvd.broadcast_object(obj, root_rank=0, name="hvdmagic.load_checkpoint")
+    if (dist := _torch_distributed()) and dist.get_world_size() > 1:
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+    return obj
 
 
 def save_checkpoint(state: Any, directory: str | os.PathLike, step: int, keep: int = 3) -> Path | None:
@@ -85,7 +101,8 @@ def load_checkpoint(directory: str | os.PathLike) -> tuple[Any, int | None]:
     """The newest checkpoint's ``(state, step)``, loaded by rank 0 and broadcast to every rank.
 
     Only rank 0 needs to see the directory, as with ``save_checkpoint``. With more than
-    one rank this is a collective (``hvd.broadcast_object``): every rank must call it.
+    one rank this is a collective (Horovod's ``broadcast_object``, or torch.distributed's
+    ``broadcast_object_list`` under ``%%torchrun``): every rank must call it.
     The file is unpickled in full (``weights_only=False``): load only your own checkpoints.
 
     Args:
@@ -106,14 +123,12 @@ def load_checkpoint(directory: str | os.PathLike) -> tuple[Any, int | None]:
     """
     import torch
 
-    hvd = _horovod()
     found = None
     if _rank_and_size()[0] == 0:
         steps = _checkpoints(Path(directory))
         if steps:
             found = torch.load(Path(directory) / f"checkpoint-{max(steps)}.pt", weights_only=False)
-    if hvd is not None and hvd.size() > 1:
-        found = hvd.broadcast_object(found, root_rank=0, name="hvdmagic.load_checkpoint")
+    found = _broadcast_from_rank0(found)
     return (found["state"], found["step"]) if found else (None, None)
 
 
@@ -121,7 +136,8 @@ def scale_lr(base_lr: float, batch_size: int | None = None) -> float:
     """The linear scaling rule: ``base_lr`` times the number of ranks.
 
     The number of ranks is ``horovod.torch``'s ``hvd.size()`` once ``hvd.init()`` has run
-    in this process, else 1 (so on one node it returns ``base_lr``). With more than one
+    in this process, or torch.distributed's world size once ``init_process_group`` has
+    (``%%torchrun``), else 1 (so on one node it returns ``base_lr``). With more than one
     rank, rank 0 also notes the change in the dashboard, e.g. "learning rate scaled
     0.05 -> 0.1 for 2 ranks; effective batch size 64 (32 per rank)".
 
