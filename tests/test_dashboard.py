@@ -16,7 +16,7 @@ from conftest import run
 
 import hvdmagic
 from hvdmagic.errors import JobFailed, RankFailure
-from hvdmagic.kernel.record import RunRecord
+from hvdmagic.kernel.record import RankRecord, RunRecord
 from hvdmagic.kernel.ui import text as text_ui
 from hvdmagic.metric_rows import GAP_ROW, MetricRows, decode
 from hvdmagic.rank import report
@@ -74,11 +74,11 @@ refused
     assert list(steps) == [0, 2] and values[0] == 3.0 and math.isnan(values[1])  # the row without loss is skipped
     step, latest = record.latest_metrics()["loss"]
     assert step == 2 and math.isnan(latest), "a NaN the user logged must show as the latest value"
-    pytest.importorskip("ipywidgets")
-    from hvdmagic.kernel.ui.dashboard import svg_chart
+    from hvdmagic.kernel.ui.charts import chart_html
 
-    chart = svg_chart("loss", steps, values)
-    assert ">nan<" in chart and "nan" not in chart.split('points="')[1], "the NaN must be labelled, not plotted"
+    chart = chart_html("loss", [("rank 0", steps, values)])
+    assert ">nan<" in chart and all("nan" not in points.split('"')[0] for points in chart.split('points="')[1:]), \
+        "the NaN must be labelled, not plotted"
 
 
 @pytest.fixture
@@ -179,9 +179,10 @@ for batch in hvdmagic.track(range(40), desc="epoch 1"):
         _, error = run(ip, cell)
         assert error is None
         out = capfd.readouterr().out
-        summaries.append([line for line in out.splitlines() if line.startswith("rank ")])
+        summaries.append([line for line in out.splitlines() if line.startswith(("rank ", "%%horovod"))])
     assert summaries[0] == summaries[1]
     assert summaries[0] == [
+        "%%horovod np=2 (local): finished",
         "rank 0: epoch 1 40/40 [finished]",
         "rank 1: epoch 1 40/40 [finished]",
         "rank 0 metrics at step 39: loss=0.025",
@@ -234,30 +235,162 @@ def _fed_record() -> RunRecord:
     return record
 
 
-def test_dashboard_draws_rows_charts_logs_and_the_error_panel():
-    pytest.importorskip("ipywidgets")
-    from hvdmagic.kernel.ui.dashboard import CHART_POINTS, Dashboard
+def _widget_text(board) -> str:
+    """Every value the dashboard's widgets hold, as one string."""
+    from hvdmagic.kernel.ui.dashboard import _descendants
+
+    return "\n".join(str(getattr(widget, "value", "")) for widget in _descendants(board.box))
+
+
+def test_dashboard_draws_rows_overall_bar_recent_lines_charts_and_logs():
+    from hvdmagic.kernel.ui.dashboard import CHART_POINTS, RECENT_LINES, Dashboard
+
+    record = _fed_record()
+    record.apply({"type": "output", "rank": 0, "stream": "stdout", "lines": ["rank zero's newest"]})
+    board = Dashboard(record)
+    board._draw()
+    assert board.draw_error is None
+    assert "hvdmagic-dashboard" in board.box._dom_classes
+    assert board.rows[0].bar.value == 5 and board.rows[0].bar.max == 10
+    assert "train" in board.rows[0].left.value and "5/10" in board.rows[0].right.value
+    # A single bar with a total spans the run: the overall bar shows the slowest rank's fraction.
+    assert board.overall.layout.display is None and board.overall_bar.value == 0.5
+    assert 'class="hvdmagic-chart" data-metric="loss"' in board.charts.value
+    for points in board.charts.value.split('points="')[1:]:
+        assert len(points.split('"')[0].split()) <= CHART_POINTS + 1  # downsampled for the screen ...
+    assert len(record.rank0_series["loss"][0]) == 1000  # ... while the history stays whole
+    assert "101 older line(s) not shown" in board.panes[1].value and "100 older" in board.panes[2].value
+    assert "hvdmagic-abc" in board.header.value
+    # The newest lines of every rank, always visible, without the collapsed logs.
+    recent = board.recent.value
+    assert board.recent.layout.display is None and recent.count("\n") == RECENT_LINES
+    assert "[0] rank zero&#x27;s newest" in recent and "[1] hello" in recent
+    # Rows keep one height: fixed, with every text on one line.
+    for row in board.rows:
+        assert row.box.layout.height == "30px" and "hvdmagic-rank" in row.box._dom_classes
+        for part in (row.left, row.right, row.line, row.state):
+            assert "white-space:pre" in part.value and "\n" not in part.value
+
+
+@pytest.mark.parametrize("cancelled", [False, True], ids=["failed", "interrupted"])
+def test_an_error_is_shown_once_as_the_cells_error_not_in_the_views(cancelled):
+    from hvdmagic.errors import JobInterrupted
+    from hvdmagic.kernel.ui.dashboard import Dashboard
+    from hvdmagic.kernel.ui.snapshot import Snapshot
 
     record = _fed_record()
     board = Dashboard(record)
-    board._draw()
-    assert "hvdmagic-dashboard" in board.box._dom_classes
-    assert board.rows[0].bar.value == 5 and board.rows[0].bar.max == 10
-    assert 'class="hvdmagic-chart" data-metric="loss"' in board.charts.value
-    points = board.charts.value.split('points="')[1].split('"')[0].split()
-    assert len(points) <= CHART_POINTS + 1  # downsampled for the screen ...
-    assert len(record.rank0_series["loss"][0]) == 1000  # ... while the history stays whole
-    assert "100 older line(s) not shown" in board.panes[1].value
-    assert "hvdmagic-abc" in board.header.value
-
     record.apply({"type": "exit", "rank": 0, "code": 0})
-    record.apply({"type": "error", "rank": 1})
-    record.finish(error=JobFailed([RankFailure(1, "ValueError: bad", "Traceback...\nValueError: bad\n")], []))
+    if cancelled:
+        error = JobInterrupted("interrupted: every rank was stopped")
+    else:
+        record.apply({"type": "error", "rank": 1})
+        error = JobFailed([RankFailure(1, "ValueError: bad", "Traceback (most recent call last):\nValueError: bad\n")],
+                          [])
+    record.finish(error=error, cancelled=cancelled)
     board._draw()
+    out = io.StringIO()
+    text_ui.TextView(record, out=out).close()
+    shown = [_widget_text(board), Snapshot(record)._repr_html_(), Snapshot(record).text(), out.getvalue()]
+    for view in shown:
+        assert "ValueError: bad" not in view and "Traceback" not in view and "every rank was stopped" not in view
     assert board.rows[0].bar.bar_style == "success"
-    assert board.rows[1].bar.bar_style == "danger"
-    assert "ValueError: bad" in board.error.value and board.error.layout.display is None
-    assert ">failed<" in board.header.value
+    if cancelled:
+        assert ">interrupted<" in board.header.value
+    else:
+        assert ">failed<" in board.header.value and "see the error below" in board.header.value
+        assert board.rows[1].bar.bar_style == "danger"
+        assert "failed (see the error below)" in out.getvalue()
+
+
+def test_the_header_and_rows_show_each_start_up_stage():
+    from hvdmagic.kernel.ui.dashboard import Dashboard
+    from hvdmagic.protocol import Stage
+
+    record = RunRecord(2)
+    board = Dashboard(record)
+    board._draw()
+    assert ">launching<" in board.header.value and "hvdmagic-stage" not in board.header.value
+    record.apply({"type": "stage", "stage": Stage.SPARK_STARTING})
+    record.stage_reached[Stage.SPARK_STARTING] -= 7  # reached 7 s ago
+    board._draw()
+    assert "starting the embedded Spark · 0:07" in board.header.value
+    for stage in (Stage.WAITING_FOR_SLOTS, Stage.SUBMITTED, Stage.RANKS_STARTING):
+        record.apply({"type": "stage", "stage": stage})
+        board._draw()
+        assert f'<span class="hvdmagic-stage">{stage} · 0:00</span>' in board.header.value
+    for rank in (0, 1):
+        record.apply({"type": "placed", "rank": rank, "host": "127.0.0.1"})
+    record.apply({"type": "stage", "rank": 0, "stage": Stage.HVD_INIT})
+    record.apply({"type": "stage", "rank": 1, "stage": Stage.IMPORTING})
+    record.ranks[1].stage_since -= 3
+    board._draw()
+    assert "importing · 0:0" in board.header.value  # the slowest rank's stage
+    assert "hvd.init" in board.rows[0].left.value and "importing" in board.rows[1].left.value
+    assert "0:03" in board.rows[1].right.value  # the time the rank has spent in its stage
+    record.apply({"type": "stage", "rank": 1, "stage": Stage.FIRST_STEP})
+    record.apply({"type": "report", "rank": 0, "progress": {"train": [1, 10, 5.0]}})
+    board._draw()
+    assert "first step · 0:0" in board.header.value  # rank 0 trains: rank 1 is the slowest
+    assert "train" in board.rows[0].left.value and "first step" in board.rows[1].left.value
+    record.apply({"type": "report", "rank": 1, "progress": {"train": [1, 10, 5.0]}})
+    board._draw()
+    assert "hvdmagic-stage" not in board.header.value and ">running<" in board.header.value
+    assert list(record.timings["stages"]) == [str(s) for s in Stage]
+
+
+def test_chart_controls_redraw_the_charts_at_the_next_frame():
+    from hvdmagic.kernel.ui.dashboard import Dashboard
+
+    record = _fed_record()
+    record.apply({"type": "report", "rank": 1, "metrics": metric_batch([0, 1], [1.0, 2.0], {"acc": [0.5, 0.75]})})
+    board = Dashboard(record)
+    board._draw()
+    assert 'data-scale="log"' in board.charts.value  # auto: the loss spans three decades
+    assert 'data-metric="acc"' not in board.charts.value  # only rank 0 is charted by default
+    board.charts.value = "stale"
+    board._draw()
+    assert board.charts.value == "stale", "the charts were redrawn although nothing changed"
+    board.scale.value = "linear"
+    board._draw()
+    assert 'data-scale="linear"' in board.charts.value and 'data-scale="log"' not in board.charts.value
+    board.smoothing.value = 0.6
+    board._draw()
+    assert "hvdmagic-line-smoothed" in board.charts.value
+    board.overlay.value = True
+    board._draw()
+    assert 'data-metric="acc"' in board.charts.value and "rank 1" in board.charts.value
+    loss = board.charts.value.split('data-metric="loss"')[1].split('data-metric="')[0]
+    assert "rank 0" in loss and "rank 1" in loss, "every rank's loss should be overlaid"
+    assert board.draw_error is None
+
+
+def test_close_replaces_the_dashboard_with_the_snapshot_and_closes_every_widget():
+    from ipywidgets.widgets.widget import _instances
+
+    from hvdmagic.kernel.ui.dashboard import Dashboard, _descendants
+    from hvdmagic.kernel.ui.snapshot import Snapshot
+
+    class Handle:
+        def __init__(self):
+            self.updates = []
+
+        def update(self, obj):
+            self.updates.append(obj)
+
+    record = _fed_record()
+    board = Dashboard(record)
+    board.handle = Handle()
+    record.finish(results=[1, 1])
+    every = list(_descendants(board.box))
+    assert len(every) > 30  # rows, their layouts and styles, the controls, the logs
+    models = {widget.model_id for widget in every}
+    board.close()
+    (snapshot,) = board.handle.updates
+    assert isinstance(snapshot, Snapshot) and snapshot.record is record
+    assert set(snapshot._repr_mimebundle_()) == {"text/plain", "text/html"}
+    assert all(widget.comm is None for widget in every), "a widget was left open"
+    assert not models & set(_instances), "a closed widget is still registered (it would leak with its record)"
 
 
 def test_dashboard_redraws_at_most_ten_times_a_second():
@@ -267,7 +400,7 @@ def test_dashboard_redraws_at_most_ten_times_a_second():
     board = Dashboard(record)
     draws = []
     original = board._draw
-    board._draw = lambda: (draws.append(1), original())
+    board._draw = lambda force=False: (draws.append(1), original(force))
     stop = threading.Event()
 
     def flood():
@@ -291,38 +424,161 @@ def test_dashboard_redraws_at_most_ten_times_a_second():
     assert loop_draws >= 8, f"the redraw loop drew {loop_draws} time(s) in {elapsed:.1f} s while the record changed"
     # The helper thread waits 1/MAX_FPS between draws, however fast the record changes.
     assert loop_draws <= MAX_FPS * elapsed + 2, f"{loop_draws} draws in {elapsed:.2f} s"
+    assert board.draw_error is None
 
 
-def test_dashboard_in_a_real_kernel_reaches_its_final_state(tmp_path, monkeypatch):
-    """A real ipykernel via nbclient: the widget state the kernel sent says finished, bars full."""
-    import nbformat
-    from nbclient import NotebookClient
+def test_text_view_prints_a_line_per_epoch_and_ends_with_the_snapshot_text():
+    record = RunRecord(-1)
+    out = io.StringIO()
+    view = text_ui.TextView(record, out=out)
 
+    def feed(event):
+        record.apply(event)
+        view.on_event(event)
+
+    feed({"type": "placed", "rank": 0, "host": "127.0.0.1"})
+    t = 100.0
+    for epoch in range(3):
+        # The epoch loop's step and the next epoch's first batch arrive in one report ...
+        feed({"type": "report", "rank": 0, "progress": {"epoch": [epoch, 3, t], "train": [0, 4, t + 0.01]}})
+        for step in (2, 4):
+            t += 1
+            feed({"type": "report", "rank": 0, "progress": {"train": [step, 4, t]},
+                  "metrics": metric_batch([4 * epoch + step], [t], {"loss": [1.0 / (epoch + 1)]})})
+        t += 0.5
+    feed({"type": "report", "rank": 0, "progress": {"epoch": [3, 3, t]}})  # ... or in one of their own
+    feed({"type": "exit", "rank": 0, "code": 0})
+    record.finish(results=[None])
+    view.close()
+    lines = out.getvalue().splitlines()
+    epochs = [line for line in lines if line.startswith("rank 0 · ")]
+    assert [line.split(" · ")[1] for line in epochs] == ["epoch 1/3", "epoch 2/3", "epoch 3/3"], lines
+    assert all(" · train 4/4 · " in line for line in epochs), epochs
+    assert epochs[-1].endswith("loss=0.3333")
+    assert lines[-3:] == ["%%horovod np=1 (local): finished", "rank 0: epoch 3/3 · train 4/4 [finished]",
+                          "rank 0 metrics at step 12: loss=0.3333"]
+
+
+def test_widgets_in_any_jupyter_kernel_and_text_elsewhere(monkeypatch):
+    import IPython
+
+    from hvdmagic.kernel import ui
+
+    class Shell:
+        kernel = None
+
+    shell = Shell()
+    monkeypatch.delenv("HVDMAGIC_NONINTERACTIVE", raising=False)
+    monkeypatch.delenv("JPY_SESSION_NAME", raising=False)
+    monkeypatch.setattr(IPython, "get_ipython", lambda: shell)
+    assert not ui.interactive(), "terminal IPython has no kernel: text"
+    shell.kernel = object()
+    assert ui.interactive(), "a Jupyter kernel gets widgets, whichever front end started it"
+    monkeypatch.setenv("HVDMAGIC_NONINTERACTIVE", "1")
+    assert not ui.interactive()
     monkeypatch.setenv("HVDMAGIC_NONINTERACTIVE", "0")
-    nb = nbformat.v4.new_notebook()
-    nb.cells = [
-        nbformat.v4.new_code_cell("%load_ext hvdmagic"),
-        nbformat.v4.new_code_cell(
-            "%%horovod --np -2\n"
-            "import hvdmagic\n"
-            "for i in hvdmagic.track(range(30), desc='train'):\n"
-            "    hvdmagic.log_metrics(step=i, loss=1.0 / (i + 1))\n"
-            "print('trained')\n"
-        ),
-    ]
-    client = NotebookClient(nb, timeout=300, kernel_name="python3", store_widget_state=True,
-                            resources={"metadata": {"path": str(tmp_path)}})
-    client.execute()
-    outputs = nb.cells[1].outputs
-    assert any("application/vnd.jupyter.widget-view+json" in o.get("data", {}) for o in outputs)
-    assert not any("[rank 0] trained" in o.get("text", "") for o in outputs), "text twin used in a widget kernel"
-    models = [m["state"] for m in nb.metadata.widgets["application/vnd.jupyter.widget-state+json"]["state"].values()]
-    assert any("hvdmagic-dashboard" in m.get("_dom_classes", []) for m in models)
-    headers = [m["value"] for m in models if "hvdmagic-state" in str(m.get("value", ""))]
-    assert headers and ">finished<" in headers[0]
-    bars = [m for m in models if m.get("_model_name") == "FloatProgressModel"]
-    assert len(bars) == 2 and all(b["value"] == b["max"] == 30 and b["bar_style"] == "success" for b in bars)
-    assert any('data-metric="loss"' in str(m.get("value", "")) for m in models)
+    shell.kernel = None
+    assert ui.interactive()
+    monkeypatch.delenv("HVDMAGIC_NONINTERACTIVE")
+    monkeypatch.setattr(IPython, "get_ipython", lambda: None)
+    assert not ui.interactive(), "plain Python: text"
+
+
+# -- format.py: the progress text every view shares ------------------------------------------------
+
+def _rank(bars: dict, state: str = "running") -> RankRecord:
+    from hvdmagic.protocol import Stage
+
+    return RankRecord(0, state=state, bars=dict(bars), stage=Stage.TRAINING)
+
+
+def test_rows_keep_their_width_whatever_the_numbers():
+    from hvdmagic.kernel.record import Bar
+    from hvdmagic.kernel.ui import format
+    from hvdmagic.protocol import Stage
+
+    cases = [(0, 10, None), (5, 10, 0.004), (999, 1000, 1.5), (12345, 99999, 15234.0),
+             (2_000_000, 5_000_000, 3e6), (7, None, 12.0), (3, 7, 1e-5), (7, 7, 2.0)]
+    for epochs in (False, True):
+        widths = set()
+        for step, total, rate in cases:
+            bars = {"train": Bar(step, total, 0, 0.0, 4000.0)}
+            if epochs:
+                bars = {"epoch": Bar(3, 120, 0, -1.0, -1.0), **bars}
+            row = format.row(_rank(bars), rate=rate)
+            assert "\n" not in row
+            widths.add(len(row))
+            left, _, right = format.row_parts(_rank(bars), rate=rate)
+            assert (len(left), len(right)) == (format.left_width(epochs), format.right_width())
+        starting = RankRecord(0, state="running", stage=Stage.IMPORTING, stage_since=time.time() - 5)
+        widths.add(len(format.row(starting, epochs=epochs)))
+        assert len(widths) == 1, f"rows of {sorted(widths)} characters (epochs={epochs})"
+    assert "importing" in format.row(starting) and "0:05" in format.row(starting)
+
+
+def test_epoch_counter_and_overall_fraction_of_nested_bars():
+    from hvdmagic.kernel.record import Bar
+    from hvdmagic.kernel.ui import format
+
+    # Two epochs done; this epoch's bar restarted after the epoch loop moved, 30 of 100 done.
+    bars = {"epoch": Bar(2, 5, 0, 0.0, 20.0), "train": Bar(30, 100, 0, 20.5, 25.0, restarts=2)}
+    outer, inner = format.pick_bars(bars)
+    assert outer[0] == "epoch" and inner[0] == "train"
+    assert format.fraction(outer, inner) == pytest.approx((2 + 30 / 100) / 5)
+    assert format.rank_fraction(bars) == pytest.approx(0.46)
+    row = format.row(_rank(bars))
+    assert row.startswith("epoch 3/5 ") and " train " in row and " 30% " in row and " 30/100 " in row
+    assert format.progress_summary(_rank(bars)) == "epoch 3/5 · train 30/100"
+    # At the epoch's end the loop moves before the next epoch's bar restarts: nothing counts twice.
+    moved = {"epoch": Bar(3, 5, 0, 0.0, 30.0), "train": Bar(100, 100, 0, 20.5, 29.9, restarts=2)}
+    assert format.rank_fraction(moved) == pytest.approx(3 / 5)
+    done = {"epoch": Bar(5, 5, 0, 0.0, 50.0), "train": Bar(100, 100, 0, 40.5, 49.9, restarts=4)}
+    assert format.rank_fraction(done) == 1.0 and format.epoch_text(format.pick_bars(done)[0]) == "epoch 5/5"
+    assert format.progress_summary(_rank(done, "finished")) == "epoch 5/5 · train 100/100"
+    # Bars one after the other are not nested, and only a lone bar spans the run.
+    one_by_one = {"epoch 0": Bar(10, 10, 0, 0.0, 5.0), "epoch 1": Bar(4, 10, 0, 5.1, 7.0)}
+    assert format.pick_bars(one_by_one)[0] is None and format.rank_fraction(one_by_one) is None
+    phases = {"train": Bar(10, 10, 0, 8.0, 9.0, restarts=1), "val": Bar(2, 4, 0, 9.1, 9.5, restarts=1)}
+    assert format.pick_bars(phases)[0] is None and format.rank_fraction(phases) is None
+    assert format.rank_fraction({"train": Bar(25, 100, 0, 0.0, 9.0)}) == 0.25
+    assert format.rank_fraction({"train": Bar(25, 100, 20, 9.0, 10.0, restarts=1)}) is None
+    # The run's overall progress is its slowest rank's.
+    record = RunRecord(2)
+    record.ranks[0].bars = dict(bars)
+    record.ranks[1].bars = dict(moved)
+    value, outer = format.run_fraction(record)
+    assert value == pytest.approx(0.46) and outer[0] == "epoch"
+    assert format.overall_text(value, outer, None) == "epoch 3/5 ·  46%"
+    assert format.overall_text(value, outer, 61.2) == "epoch 3/5 ·  46% · ETA 1:02"
+
+
+def test_the_rate_is_smoothed_and_carried_over_and_no_eta_without_it():
+    from hvdmagic.kernel.record import Bar
+    from hvdmagic.kernel.ui import format
+
+    meter = format.Meter()
+    assert meter.rate is None
+    meter.update(0, 100.0)
+    assert meter.rate is None, "one sample is no rate"
+    meter.update(10, 101.0)
+    assert meter.rate == pytest.approx(10.0)
+    meter.update(10, 101.0)  # a redraw with no news changes nothing
+    assert meter.rate == pytest.approx(10.0)
+    meter.update(30, 102.0)  # 20 it/s now: the smoothed rate moves towards it, not onto it
+    smoothed = meter.rate
+    assert 10 < smoothed < 20
+    meter.update(0, 102.5)  # the next epoch restarts the bar: the rate stays, no flicker
+    assert meter.rate == smoothed
+    meter.update(15, 103.5)
+    assert 10 < meter.rate < 20
+
+    fresh = _rank({"train": Bar(0, 100, 0, 5.0, 5.0)})
+    assert "<" not in format.row(fresh), "an ETA without a rate"
+    assert "0:00<0:10" in format.row(fresh, rate=10.0)
+    assert "<" not in format.row(_rank({"train": Bar(100, 100, 0, 5.0, 15.0)}), rate=10.0), "an ETA of a full bar"
+    assert "<0:01" in format.row(_rank({"train": Bar(99, 100, 0, 5.0, 15.0)}), rate=10.0), "ETA rounds up, never 0:00"
+    assert format.rate_text(15234) == "15.2k it/s" and format.rate_text(0.5) == "2 s/it"
+    assert format.count(123456) == "123k" and format.count(99999) == "99999" and format.count(2.5) == "2.5"
 
 
 def test_history_keeps_columns_with_gaps_and_no_python_object_per_row():

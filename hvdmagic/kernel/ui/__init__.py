@@ -1,4 +1,10 @@
-"""How a run is shown: the widget dashboard, or its text twin when no widget front end is there."""
+"""How a run is shown: the widget dashboard in a Jupyter kernel, its text twin elsewhere.
+
+The dashboard is made of widgets while the run is live and becomes a static snapshot
+(``snapshot.Snapshot``: HTML and text) when it ends; the text view prints rank output
+and ends with the same snapshot's text. Both read the run's ``RunRecord``;
+``format`` holds the progress text they share.
+"""
 
 from __future__ import annotations
 
@@ -8,12 +14,14 @@ from hvdmagic.kernel.record import RunRecord
 
 
 def interactive() -> bool:
-    """Whether a front end that renders widgets is likely attached.
+    """Whether to show the widget dashboard rather than the text view.
 
-    ``HVDMAGIC_NONINTERACTIVE=1`` forces text and ``=0`` forces widgets. Otherwise:
-    text outside a Jupyter kernel (terminal IPython, plain Python), and text in a
-    kernel that no Jupyter server started (nbclient, nbconvert, nbval, papermill
-    start kernels without ``JPY_SESSION_NAME``), since those ignore widget updates.
+    ``HVDMAGIC_NONINTERACTIVE=1`` forces text and ``=0`` forces widgets. Otherwise, as
+    tqdm.auto and ipywidgets decide: widgets in any Jupyter (ZMQ) kernel, whichever front
+    end started it (JupyterLab, Notebook, VS Code, Colab, Databricks, nbclient, papermill);
+    text in terminal IPython and plain Python. A front end that does not render widgets
+    shows the display's text/plain meanwhile, and every front end keeps the snapshot that
+    replaces the widgets when the run ends.
     """
     forced = os.environ.get("HVDMAGIC_NONINTERACTIVE")
     if forced is not None and forced.strip() != "":
@@ -23,9 +31,7 @@ def interactive() -> bool:
     except ImportError:
         return False
     shell = get_ipython()
-    if shell is None or getattr(shell, "kernel", None) is None:
-        return False
-    return "JPY_SESSION_NAME" in os.environ
+    return shell is not None and getattr(shell, "kernel", None) is not None
 
 
 def make_view(record: RunRecord):

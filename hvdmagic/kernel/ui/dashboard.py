@@ -1,145 +1,279 @@
-"""The live ipywidgets dashboard of one run: header, a row per rank, rank-0 charts, logs.
+"""The live ipywidgets dashboard of one run, replaced by a static snapshot when the run ends.
+
+Layout, top to bottom: a one-line header (state, the start-up stage and its time while the
+ranks start, elapsed time, np, the Spark job group); the run's overall bar with its ETA,
+when the ranks' bars say how far the run is; a row per rank (``format.row_parts``: epoch,
+bar, steps, rate, ETA, state, last line; the rank's own stage until it trains); the newest
+lines of every rank; rank 0's metric charts with their controls (scale, smoothing, every
+rank overlaid); notes; and the full per-rank logs, collapsed.
 
 The job loop only updates the RunRecord. A helper thread redraws from it at most
-``MAX_FPS`` times a second, inside ``hold_sync`` so each widget sends one message
-per redraw. The thread runs in a copy of the cell's context, so its updates land
-in the launching cell under ipykernel 6 and 7 alike. No user code ever runs
-inside an output widget: ranks run in other processes and their output is only
-ever text we render.
+``MAX_FPS`` times a second; a change of a chart control makes its next redraw redraw the
+charts. The thread runs in a copy of the cell's context, so its updates land in the
+launching cell under ipykernel 6 and 7 alike. No user code ever runs inside an output
+widget: ranks run in other processes and their output is only ever text we render.
+
+The widgets are displayed with a display id. When the run ends, the thread stops, the
+output is updated to a ``Snapshot`` (HTML and a deterministic text/plain) and the widgets
+are closed: a saved notebook, nbviewer and GitHub show the final figures rather than
+"model not found", and a notebook executed by nbclient stores the snapshot. The error, if
+any, is the cell's error output; the dashboard only says "failed: see the error below".
 """
 
 from __future__ import annotations
 
 import contextvars
 import html
-import math
+import re
 import threading
-from collections.abc import Sequence
+import time
+from array import array
+from collections.abc import Iterator
 
 import ipywidgets as widgets
 from IPython.display import display
 
 from hvdmagic.kernel.record import RankRecord, RunRecord
 from hvdmagic.kernel.timeline import describe
+from hvdmagic.kernel.ui import charts, format
+from hvdmagic.metric_rows import GAP_BITS
 
 MAX_FPS = 10
-CHART_POINTS = 300  # per metric on screen; the record keeps the full history
-LOG_LINES = 200  # per pane on screen
+CHART_POINTS = charts.CHART_POINTS  # per series on screen; the record keeps the full history
+LOG_LINES = 200  # per pane of the collapsed logs
+RECENT_LINES = 10  # the newest lines of every rank, always visible
 _STATE_COLOURS = {"launching": "#888", "running": "#1f77b4", "finished": "#2ca02c",
                   "failed": "#d62728", "cancelled": "#ff7f0e", "stopped": "#888"}
+_MONO = "SFMono-Regular,Menlo,Consolas,'DejaVu Sans Mono',monospace"
+_ONE_LINE = "white-space:pre;overflow:hidden;text-overflow:ellipsis;line-height:20px"
+_ANSI = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b[@-Z\\-_]")
 
 
-def _duration(seconds: float | None) -> str:
-    if seconds is None:
-        return "?"
-    seconds = int(seconds)
-    if seconds >= 3600:
-        return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
-    return f"{seconds // 60}:{seconds % 60:02d}"
+def _mono(text: str, colour: str = "") -> str:
+    style = f"font-family:{_MONO};font-size:12px;{_ONE_LINE}" + (f";color:{colour}" if colour else "")
+    return f'<div style="{style}">{html.escape(text)}</div>'
 
 
-def _label(x: float) -> str:
-    return str(int(x)) if float(x).is_integer() else f"{x:.4g}"
-
-
-def svg_chart(name: str, steps: Sequence[float], values: Sequence[float], width: int = 300, height: int = 120) -> str:
-    """An inline SVG line chart of ``values`` against ``steps``, downsampled for display."""
-    xs, ys = list(steps[-1:]), list(values[-1:])
-    if len(steps) > CHART_POINTS:
-        stride = -(-len(steps) // CHART_POINTS)
-        xs, ys = list(steps[::stride]) + xs, list(values[::stride]) + ys
-    else:
-        xs, ys = list(steps), list(values)
-    latest = ys[-1]
-    # A logged NaN or inf shows as the latest value but has no place on the axes.
-    points = [(x, y) for x, y in zip(xs, ys) if math.isfinite(y)] or [(xs[-1], 0.0)]
-    xs, ys = [x for x, _ in points], [y for _, y in points]
-    x0, x1 = min(xs), max(xs)
-    y0, y1 = min(ys), max(ys)
-    pad = 24
-
-    def sx(x):
-        return pad + (x - x0) / ((x1 - x0) or 1) * (width - 2 * pad)
-
-    def sy(y):
-        return height - pad + -(y - y0) / ((y1 - y0) or 1) * (height - 2 * pad)
-
-    path = " ".join(f"{sx(x):.1f},{sy(y):.1f}" for x, y in zip(xs, ys))
-    label = html.escape(name)
-    return (
-        f'<div class="hvdmagic-chart" data-metric="{label}">'
-        f'<svg width="{width}" height="{height}" viewBox="0 0 {width} {height}" role="img" aria-label="{label}">'
-        f'<rect x="0" y="0" width="{width}" height="{height}" fill="white" stroke="#ddd"/>'
-        f'<text x="{pad}" y="14" font-size="12" font-weight="bold">{label}</text>'
-        f'<text x="{width - pad}" y="14" font-size="10" text-anchor="end">{latest:.4g}</text>'
-        f'<text x="2" y="{pad + 4}" font-size="9">{y1:.3g}</text>'
-        f'<text x="2" y="{height - pad}" font-size="9">{y0:.3g}</text>'
-        f'<text x="{pad}" y="{height - 6}" font-size="9">{_label(x0)}</text>'
-        f'<text x="{width - pad}" y="{height - 6}" font-size="9" text-anchor="end">{_label(x1)}</text>'
-        f'<polyline fill="none" stroke="#1f77b4" stroke-width="1.5" points="{path}"/>'
-        f"</svg></div>"
-    )
+def _clean(line: str) -> str:
+    return _ANSI.sub("", line)
 
 
 class _RankRow:
     def __init__(self, rank: int):
-        self.label = widgets.HTML(f"<b>rank {rank}</b>", layout=widgets.Layout(width="150px"))
-        self.bar = widgets.FloatProgress(value=0, min=0, max=1, layout=widgets.Layout(width="240px"))
-        self.stats = widgets.HTML(layout=widgets.Layout(width="230px"))
-        self.line = widgets.HTML(layout=widgets.Layout(flex="1", overflow="hidden"))
-        self.state = widgets.HTML(layout=widgets.Layout(width="80px"))
-        self.box = widgets.HBox([self.label, self.bar, self.stats, self.state, self.line])
-        self.box.add_class("hvdmagic-rank")
+        one_line = widgets.Layout(flex="0 0 auto", overflow="hidden", margin="0 4px 0 0")
+        self.label = widgets.HTML(f"<b>rank {rank}</b>", layout=widgets.Layout(width="120px", overflow="hidden"))
+        self.left = widgets.HTML(layout=one_line)
+        self.bar = widgets.FloatProgress(value=0, min=0, max=1, layout=widgets.Layout(width="180px", flex="0 0 auto"))
+        self.right = widgets.HTML(layout=widgets.Layout(flex="0 0 auto", overflow="hidden", margin="0 4px"))
+        self.state = widgets.HTML(layout=widgets.Layout(width="70px", flex="0 0 auto", overflow="hidden"))
+        self.line = widgets.HTML(layout=widgets.Layout(flex="1 1 0", min_width="0", overflow="hidden"))
+        self.box = widgets.HBox([self.label, self.left, self.bar, self.right, self.state, self.line],
+                                layout=widgets.Layout(height="30px", flex_flow="row nowrap", align_items="center",
+                                                      overflow="hidden"),
+                                _dom_classes=["hvdmagic-rank"])
+        self.meter = format.Meter()
+        self._bar_key: tuple | None = None
 
-    def draw(self, record: RankRecord) -> None:
+    def draw(self, record: RankRecord, epochs: bool, now: float) -> None:
         host = f" <small>@ {html.escape(record.host)}</small>" if record.host else ""
-        self.label.value = f"<b>rank {record.rank}</b>{host}"
-        bar = record.bar
-        if bar is not None:
-            self.bar.max = bar.total if bar.total else max(bar.step, 1)
-            self.bar.value = min(bar.step, self.bar.max)
-            rate = f" · {bar.rate:.3g} it/s" if bar.rate else ""
-            eta = f" · ETA {_duration(bar.eta)}" if bar.eta is not None and record.state == "running" else ""
-            total = f"/{bar.total:g}" if bar.total is not None else ""
-            desc = f"{html.escape(record.last_bar)} " if record.last_bar else ""
-            self.stats.value = f"{desc}{bar.step:g}{total}{rate}{eta}"
-        if record.state == "finished":
-            self.bar.bar_style = "success"
-            if bar is None or not bar.total:
-                self.bar.max, self.bar.value = 1, 1
-        elif record.state == "failed":
-            self.bar.bar_style = "danger"
+        self.label.value = f'<div style="{_ONE_LINE}"><b>rank {record.rank}</b>{host}</div>'
+        _, inner = format.pick_bars(dict(record.bars))
+        rate = None
+        if inner is not None:
+            desc, bar = inner
+            key = (desc, bar.restarts)
+            if key != self._bar_key:  # another bar, or the next epoch's: keep the rate, count from here
+                self._bar_key = key
+                self.meter.anchor(bar.step, bar.time)
+            rate = self.meter.update(bar.step, bar.time)
+        left, _, right = format.row_parts(record, rate=rate, epochs=epochs, now=now)
+        self.left.value = _mono(left)
+        self.right.value = _mono(right)
+        with self.bar.hold_sync():
+            if inner is not None:
+                bar = inner[1]
+                self.bar.max = bar.total if bar.total else max(bar.step, 1)
+                self.bar.value = min(bar.step, self.bar.max)
+            if record.state == "finished":
+                self.bar.bar_style = "success"
+                if inner is None or not inner[1].total:
+                    self.bar.max, self.bar.value = 1, 1
+            elif record.state == "failed":
+                self.bar.bar_style = "danger"
         colour = _STATE_COLOURS.get(record.state, "#888")
-        self.state.value = f'<span style="color:{colour}">{record.state}</span>'
-        self.line.value = f"<code>{html.escape(record.last_line[-200:])}</code>"
+        self.state.value = f'<div style="{_ONE_LINE};color:{colour}">{record.state}</div>'
+        self.line.value = _mono(_clean(record.last_line[-300:]), "#555")
+
+
+class _AllRanks:
+    """Every rank's series of each metric, built incrementally from the record's history.
+
+    Only rows added since the last call are read, as copies (a buffer held on the record's
+    arrays would stop the job thread from extending them).
+    """
+
+    def __init__(self):
+        self.done = 0
+        self.series: dict[str, dict[int, tuple[array, array]]] = {}
+
+    def update(self, history) -> dict[str, list[charts.Series]]:
+        import numpy as np
+
+        columns = list(history.columns.items())
+        rows = min([len(history.ranks), len(history.steps)] + [len(column) for _, column in columns])
+        if rows > self.done:
+            start, self.done = self.done, rows
+            ranks = np.frombuffer(history.ranks[start:rows], dtype=np.int32)
+            steps = np.frombuffer(history.steps[start:rows], dtype=np.float64)
+            present_ranks = np.unique(ranks)
+            for name, column in columns:
+                raw = column[start:rows].tobytes()
+                values = np.frombuffer(raw, dtype=np.float64)
+                logged = np.frombuffer(raw, dtype=np.uint64) != GAP_BITS
+                by_rank = self.series.setdefault(name, {})
+                for rank in present_ranks:
+                    mask = logged & (ranks == rank)
+                    if not mask.any():
+                        continue
+                    xs, ys = by_rank.setdefault(int(rank), (array("d"), array("d")))
+                    xs.frombytes(steps[mask].tobytes())
+                    ys.frombytes(values[mask].tobytes())
+        return {name: [(f"rank {rank}", xs, ys) for rank, (xs, ys) in sorted(by_rank.items())]
+                for name, by_rank in self.series.items()}
+
+
+class _ControlRoute:
+    """Lets the chart controls work while the cell runs.
+
+    A running cell holds the kernel's main shell, and the front end's messages for widgets
+    wait behind it until the cell ends. ipykernel 7 can route a comm's messages to a
+    subshell (its own thread) instead: this creates one and routes the controls' comms to
+    it, so a click reaches the dashboard at once. Without subshells (ipykernel 6) a click
+    would wait for the run to end, so the dashboard leaves the controls out.
+    """
+
+    def __init__(self, controls: list[widgets.Widget]):
+        self.subshell: str | None = None
+        self._comms = []
+        try:
+            from IPython import get_ipython
+
+            kernel = getattr(get_ipython(), "kernel", None)
+            if kernel is None or not getattr(kernel, "_supports_kernel_subshells", False):
+                return
+            thread = kernel.shell_channel_thread
+            manager = thread.manager
+            created: list = []
+            ready = threading.Event()
+
+            def create():
+                try:
+                    created.append(manager._create_subshell())
+                finally:
+                    ready.set()
+
+            thread.io_loop.add_callback(create)
+            if not ready.wait(5) or not created:
+                return
+            self.subshell, self._thread, self._manager = created[0], thread, manager
+        except Exception:  # an ipykernel without these internals: the controls wait for the cell
+            return
+        subshell = self.subshell
+        for control in controls:
+            comm = getattr(control, "comm", None)
+            if comm is not None and hasattr(comm, "_reply_subshell_for"):
+                comm._reply_subshell_for = lambda data, default, _id=subshell: _id  # read by the shell channel
+                self._comms.append(comm)
+
+    def close(self) -> None:
+        for comm in self._comms:
+            comm.__dict__.pop("_reply_subshell_for", None)
+        self._comms = []
+        if self.subshell is not None:
+            subshell, manager, self.subshell = self.subshell, self._manager, None
+            try:
+                self._thread.io_loop.add_callback(lambda: manager._delete_subshell(subshell))
+            except Exception:
+                pass
+
+
+def _descendants(widget: widgets.Widget) -> Iterator[widgets.Widget]:
+    """A widget and every widget it holds: children, layouts, styles."""
+    seen: set[int] = set()
+    stack = [widget]
+    while stack:
+        current = stack.pop()
+        if id(current) in seen:
+            continue
+        seen.add(id(current))
+        yield current
+        for name in current.keys:
+            value = getattr(current, name, None)
+            if isinstance(value, widgets.Widget):
+                stack.append(value)
+            elif isinstance(value, (tuple, list)):
+                stack.extend(v for v in value if isinstance(v, widgets.Widget))
 
 
 class Dashboard:
     def __init__(self, record: RunRecord):
         self.record = record
-        self._drawn_version = -1
+        self.handle = None  # the DisplayHandle of the displayed dashboard
+        self.draw_error: BaseException | None = None  # the first exception a redraw raised, if any
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self.header = widgets.HTML()
-        self.rows = [_RankRow(r) for r in range(record.np)]
-        self.charts = widgets.HTML()
-        self.table = widgets.HTML()
-        self.panes = [widgets.HTML() for _ in range(record.np + 1)]  # "all ranks" first
-        self.logs = widgets.Tab(children=self.panes)
-        for i, title in enumerate(["all ranks"] + [f"rank {r}" for r in range(record.np)]):
-            self.logs.set_title(i, title)
-        self.error = widgets.HTML(layout=widgets.Layout(display="none"))
-        self.notes = widgets.HTML()
-        self.box = widgets.VBox([
-            self.header, *[row.box for row in self.rows],
-            widgets.HBox([self.charts, self.table]), self.error, self.notes,
-            widgets.Accordion(children=[self.logs], titles=("logs",)),
-        ])
-        self.box.add_class("hvdmagic-dashboard")
+        self._drawn_version = -1
+        self._drawn_metrics: tuple | None = None
+        self._drawn_logs: tuple | None = None
+        self._drawn_recent = 0
+        self._last_done: float | None = None
+        self._controls_version = 0
+        self._route: _ControlRoute | None = None
+        self._controls_work = True  # False in a kernel whose busy shell would hold the controls' messages
+        self._overall = format.Meter(smoothing=0.1)
+        self._all_ranks = _AllRanks()
 
+        self.header = widgets.HTML(layout=widgets.Layout(overflow="hidden"))
+        self.overall_bar = widgets.FloatProgress(value=0, min=0, max=1, layout=widgets.Layout(width="300px"))
+        self.overall_text = widgets.HTML()
+        self.overall = widgets.HBox(
+            [widgets.HTML("<b>overall</b>", layout=widgets.Layout(width="120px")), self.overall_bar,
+             self.overall_text],
+            layout=widgets.Layout(display="none", height="30px", align_items="center", overflow="hidden"))
+        self.rows = [_RankRow(r) for r in range(record.np)]
+        self.recent = widgets.HTML(layout=widgets.Layout(display="none"))
+        self.scale = widgets.ToggleButtons(options=list(charts.SCALES), value="auto",
+                                           tooltips=["log when a metric spans two decades", "linear", "log"],
+                                           style={"button_width": "64px"})
+        self.smoothing = widgets.FloatSlider(value=0.0, min=0.0, max=0.99, step=0.01, description="smoothing",
+                                             continuous_update=False, readout_format=".2f",
+                                             style={"description_width": "70px"},
+                                             layout=widgets.Layout(width="280px"))
+        self.overlay = widgets.Checkbox(value=False, description="all ranks", indent=False,
+                                        layout=widgets.Layout(width="110px"))
+        for control in (self.scale, self.smoothing, self.overlay):
+            control.observe(self._control_changed, names="value")
+        self.controls = widgets.HBox([widgets.HTML("scale", layout=widgets.Layout(width="40px")), self.scale,
+                                      self.smoothing, self.overlay],
+                                     layout=widgets.Layout(display="none", align_items="center", flex_flow="row wrap"))
+        self.charts = widgets.HTML()
+        self.notes = widgets.HTML()
+        self.panes = [widgets.HTML() for _ in range(record.np + 1)]  # "all ranks" first
+        self.logs = widgets.Tab(children=self.panes, titles=["all ranks"] + [f"rank {r}" for r in range(record.np)])
+        self.box = widgets.VBox([
+            self.header, self.overall, *[row.box for row in self.rows], self.recent,
+            self.controls, self.charts, self.notes,
+            widgets.Accordion(children=[self.logs], titles=("logs",), selected_index=None),
+        ], _dom_classes=["hvdmagic-dashboard"])
+
+    # -- the view protocol ----------------------------------------------------
     def start(self) -> None:
         self._draw()
-        display(self.box)
+        bundle = self.box._repr_mimebundle_()
+        bundle["text/plain"] = self.fallback_text()
+        self.handle = display(bundle, raw=True, display_id=True)
+        self._route = _ControlRoute([self.scale, self.smoothing, self.overlay])
+        self._controls_work = self._route.subshell is not None
         context = contextvars.copy_context()
         self._thread = threading.Thread(target=context.run, args=(self._loop,), name="hvdmagic-dashboard", daemon=True)
         self._thread.start()
@@ -148,63 +282,140 @@ class Dashboard:
         pass  # everything is in the record; the helper thread redraws from it
 
     def close(self) -> None:
+        """Stop redrawing, replace the output with the run's snapshot and close the widgets."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
-        self._draw()
+        if self._route is not None:
+            self._route.close()
+        if self.handle is None:  # never displayed (no IPython): the widgets' final state is all there is
+            self._draw(force=True)
+            return
+        try:
+            from hvdmagic.kernel.ui.snapshot import Snapshot
 
-    def _draw_notes(self) -> None:
+            self.handle.update(Snapshot(self.record))
+        except Exception as exc:  # keep the live widgets, drawn in their final state, rather than nothing
+            self.draw_error = self.draw_error or exc
+            self._draw(force=True)
+            return
+        for widget in list(_descendants(self.box)):
+            widget.close()
+
+    def fallback_text(self) -> str:
+        """The live display's text/plain, for a front end that does not render widgets."""
         record = self.record
-        notes = [html.escape(note) for note in record.notes]
-        if record.timeline and record.ended is not None:
-            notes.append(html.escape(describe(record.timeline)))
-        self.notes.value = "".join(f"<pre style='margin:2px 0'>{note}</pre>" for note in notes)
+        return (f"%%horovod np={record.np} ({record.mode}): live dashboard (widgets); "
+                "the run's final state replaces this output when it ends")
+
+    # -- drawing ----------------------------------------------------------------
+    def _control_changed(self, change) -> None:
+        self._controls_version += 1
 
     def _loop(self) -> None:
         while not self._stop.wait(1 / MAX_FPS):
-            self._draw()
+            try:
+                self._draw()
+            except Exception as exc:  # a drawing problem must never end the run
+                self.draw_error = self.draw_error or exc
 
-    def _draw(self) -> None:
+    def _draw(self, force: bool = False) -> None:
         record = self.record
+        now = time.time()
         version = record.version
-        header_only = version == self._drawn_version
-        with self.box.hold_sync(), self.header.hold_sync():
-            self._draw_header()
-            if header_only:
-                return  # only the clock moved
-            self._drawn_version = version
+        self._draw_header(now)
+        epochs = False
+        if force or version != self._drawn_version or record.state in ("launching", "running"):
+            bars = [dict(rank.bars) for rank in record.ranks]
+            epochs = any(format.pick_bars(b)[0] is not None for b in bars)
             for row, rank in zip(self.rows, record.ranks):
-                with row.bar.hold_sync():
-                    row.draw(rank)
-            self._draw_metrics()
+                row.draw(rank, epochs, now)
+            self._draw_overall(now)
+        self._draw_recent()
+        self._draw_metrics(force)
+        if force or version != self._drawn_version:
             self._draw_logs()
-            self._draw_error()
             self._draw_notes()
+        self._drawn_version = version
 
-    def _draw_header(self) -> None:
+    def _draw_header(self, now: float) -> None:
         record = self.record
         colour = _STATE_COLOURS.get(record.state, "#888")
-        job = f" · Spark job group <code>{html.escape(record.job_group)}</code>" if record.job_group else ""
-        self.header.value = (
-            f'<b>%%horovod</b> · <span class="hvdmagic-state" style="color:{colour}">{record.state}</span>'
-            f" · {_duration(record.elapsed)} · np={record.np} ({record.mode}){job}"
-        )
+        word = "interrupted" if record.state == "cancelled" else record.state
+        state = f'<span class="hvdmagic-state" style="color:{colour};font-weight:600">{word}</span>'
+        if record.state == "failed":
+            state += f'<span style="color:{colour}">: see the error below</span>'
+        items = ["<b>%%horovod</b>", state]
+        stage = format.run_stage(record, now)
+        if stage is not None:
+            items.append(f'<span class="hvdmagic-stage">{html.escape(stage)}</span>')
+        items.append(format.duration((record.ended or now) - record.started))
+        items.append(f"np={record.np} ({record.mode})")
+        if record.job_group:
+            items.append(f"Spark job group <code>{html.escape(record.job_group)}</code>")
+        self.header.value = f'<div style="{_ONE_LINE}">' + " · ".join(items) + "</div>"
 
-    def _draw_metrics(self) -> None:
-        series = {name: xy for name, xy in self.record.rank0_series.items() if len(xy[0])}
-        if not series:
+    def _draw_overall(self, now: float) -> None:
+        found = format.run_fraction(self.record)
+        if found is None:
             return
-        self.charts.value = "<div style='display:flex;flex-wrap:wrap;gap:6px'>" + "".join(
-            svg_chart(name, xs, ys) for name, (xs, ys) in sorted(series.items())) + "</div>"
-        rows = "".join(f"<tr><td>{html.escape(name)}</td><td>{step}</td><td>{value:.5g}</td></tr>"
-                       for name, (step, value) in sorted(self.record.latest_metrics().items()))
-        self.table.value = (f"<table class='hvdmagic-metrics'><tr><th>metric (rank 0)</th><th>step</th>"
-                            f"<th>latest</th></tr>{rows}</table>")
+        done, outer = found
+        if done != self._last_done:  # only when it moves: the ranks report every 100 ms, this runs every 100 ms
+            self._last_done = done
+            self._overall.update(done, now)
+        rate = self._overall.rate
+        eta = (1 - done) / rate if rate and done < 1 and self.record.state == "running" else None
+        with self.overall_bar.hold_sync():
+            self.overall_bar.value = done
+            if self.record.state == "finished":
+                self.overall_bar.bar_style = "success"
+            elif self.record.state == "failed":
+                self.overall_bar.bar_style = "danger"
+        self.overall_text.value = _mono(format.overall_text(done, outer, eta))
+        self.overall.layout.display = None
+
+    def _draw_recent(self) -> None:
+        logs = self.record.all_logs
+        count = len(logs)
+        if not count or count == self._drawn_recent:
+            return
+        self._drawn_recent = count
+        width = len(str(self.record.np - 1))
+        lines = "".join(html.escape(f"[{rank:>{width}}] {_clean(line)}") + "\n"
+                        for rank, _, line in logs[-RECENT_LINES:])
+        # A fixed height, so that what lies below (the chart controls) does not move as lines arrive.
+        self.recent.value = (f'<pre class="hvdmagic-recent" style="margin:4px 0;padding:2px 6px;'
+                             f'background-color:#f7f7f7;font-family:{_MONO};font-size:12px;line-height:17px;'
+                             f'height:{RECENT_LINES * 17}px;box-sizing:content-box;white-space:pre;'
+                             f'overflow:hidden">{lines}</pre>')
+        self.recent.layout.display = None
+
+    def series(self) -> dict[str, list[charts.Series]]:
+        """What the charts show: rank 0's series of each metric, or every rank's with "all ranks"."""
+        if self.overlay.value:
+            return self._all_ranks.update(self.record.history)
+        return charts.series_by_metric(dict(self.record.rank0_series))
+
+    def _draw_metrics(self, force: bool) -> None:
+        rows = len(self.record.history)
+        key = (rows, self._controls_version)
+        if not rows or (key == self._drawn_metrics and not force):
+            return
+        self._drawn_metrics = key
+        html_text = charts.metrics_html(self.series(), scale=self.scale.value, smoothing=self.smoothing.value)
+        if html_text:
+            self.charts.value = html_text
+            if self._controls_work:
+                self.controls.layout.display = None
 
     def _draw_logs(self) -> None:
         record = self.record
+        counts = (len(record.all_logs), *(len(rank.logs) for rank in record.ranks))
+        if counts == self._drawn_logs:
+            return
+        self._drawn_logs = counts
         merged = [(f"[{rank}] ", line) for rank, _, line in record.all_logs[-LOG_LINES:]]
-        panes = [(merged, len(record.all_logs), "hvdmagic.last_run().logs")]
+        panes = [(merged, counts[0], "hvdmagic.last_run().logs")]
         for rank in record.ranks:
             panes.append(([("", line) for _, line in rank.logs[-LOG_LINES:]], len(rank.logs),
                           f"hvdmagic.last_run().logs[{rank.rank}]"))
@@ -212,14 +423,12 @@ class Dashboard:
             dropped = count - len(lines)
             note = (f"<i>{dropped} older line(s) not shown here; the full log is in <code>{where}</code></i>\n"
                     if dropped > 0 else "")
-            body = "".join(html.escape(prefix + line) + "\n" for prefix, line in lines)
+            body = "".join(html.escape(prefix + _clean(line)) + "\n" for prefix, line in lines)
             widget.value = f"<pre style='max-height:300px;overflow:auto;margin:0'>{note}{body}</pre>"
 
-    def _draw_error(self) -> None:
-        error = self.record.error
-        if error is None:
-            return
-        render = getattr(error, "_render_traceback_", None)
-        text = "\n".join(render()) if render else f"{type(error).__name__}: {error}"
-        self.error.value = f"<pre style='color:#b00;white-space:pre-wrap'>{html.escape(text)}</pre>"
-        self.error.layout.display = None
+    def _draw_notes(self) -> None:
+        record = self.record
+        notes = [html.escape(note) for note in record.notes]
+        if record.timeline and record.ended is not None:
+            notes.append(html.escape(describe(record.timeline)))
+        self.notes.value = "".join(f"<pre style='margin:2px 0'>{note}</pre>" for note in notes)

@@ -1,18 +1,22 @@
-"""The text twin: a run as plain text, for terminals, nbconvert and nbval.
+"""The text twin: a run as plain text, for terminal IPython and plain Python.
 
-While the job runs it prints each rank's output lines, labelled, up to a cap per
-rank. At the end it prints a deterministic summary (no timings, no rates), so a
-notebook checked by nbval can compare it: each rank's final progress and state,
-and rank 0's latest metrics.
+While the job runs it prints each rank's output lines, labelled, up to a cap per rank,
+and, as Keras does without a progress bar, one line per finished epoch of rank 0's outer
+loop (nested ``hvdmagic.track`` calls): the epoch, its inner bar, rate and time, and rank
+0's latest metrics. At the end it prints the run's ``Snapshot`` text: a deterministic
+headline and summary (no timings, no rates), so a notebook checked by nbval can compare
+it: each rank's final progress and state, and rank 0's latest metrics. The error, if
+any, is the cell's error output; the text says only "failed (see the error below)".
 """
 
 from __future__ import annotations
 
 import sys
 
-from hvdmagic.kernel.record import RunRecord
+from hvdmagic.kernel.record import RankRecord, RunRecord
 from hvdmagic.kernel.timeline import describe
-from hvdmagic.protocol import Event
+from hvdmagic.kernel.ui import format
+from hvdmagic.protocol import Event, Stage
 
 MAX_LIVE_LINES = 1000  # per rank; the record keeps every line
 
@@ -24,12 +28,21 @@ class TextView:
         self._err = err
         self._max_lines = max_lines
         self._printed = [0] * record.np
+        self._epochs_done = 0
+        self._inner: str | None = None  # rank 0's inner bar of the epoch under way, as text
+        self._spark_said = False
 
     def start(self) -> None:
         pass
 
     def on_event(self, event: dict) -> None:
-        if event.get("type") != Event.OUTPUT:
+        kind = event.get("type")
+        if kind == Event.STAGE and event.get("stage") == Stage.SPARK_STARTING and not self._spark_said:
+            self._spark_said = True
+            self._write("hvdmagic: starting the embedded Spark (the first run in this process)\n")
+        elif kind == Event.REPORT and event.get("rank") == 0 and event.get("progress"):
+            self._epoch_line(self.record.ranks[0])
+        if kind != Event.OUTPUT:
             return
         rank = event["rank"]
         lines = list(event.get("lines") or [])
@@ -44,29 +57,63 @@ class TextView:
         if self._printed[rank] >= self._max_lines:
             text += (f"[rank {rank}] ... output capped at {self._max_lines} lines here; "
                      f"the full log is in hvdmagic.last_run().logs[{rank}]\n")
-        stream = (self._err or sys.stderr) if event.get("stream") == "stderr" else (self._out or sys.stdout)
+        self._write(text, stderr=event.get("stream") == "stderr")
+
+    def _epoch_line(self, rank: RankRecord) -> None:
+        """When rank 0's outer bar moves on, a line for the epoch it finished."""
+        outer, inner = format.pick_bars(dict(rank.bars))
+        # The inner bar is the finished epoch's until it restarts after the outer bar moved.
+        stale = inner is not None and outer is not None and inner[1].first_time < outer[1].time
+        if outer is not None:
+            desc, bar = outer
+            done = int(min(bar.step, bar.total))
+            if done > self._epochs_done:
+                self._epochs_done = done
+                parts = [f"{desc.strip() or 'epoch'} {format.count(done)}/{format.count(bar.total)}"]
+                finished = _inner_text(*inner) if stale else self._inner
+                if finished:
+                    parts.append(finished)
+                latest = self.record.latest_metrics()
+                if latest:
+                    parts.append("  ".join(f"{name}={value:.4g}" for name, (_, value) in sorted(latest.items())))
+                self._write("rank 0 · " + " · ".join(parts) + "\n")
+        if inner is not None and not stale:
+            self._inner = _inner_text(*inner)
+
+    def _write(self, text: str, stderr: bool = False) -> None:
+        stream = (self._err or sys.stderr) if stderr else (self._out or sys.stdout)
         stream.write(text)
         stream.flush()
 
     def close(self) -> None:
-        text = summary(self.record)
+        from hvdmagic.kernel.ui.snapshot import Snapshot  # it reads summary() from here
+
+        text = Snapshot(self.record).text()
         if self.record.timeline:
             text += describe(self.record.timeline) + "\n"
-        if text:
-            out = self._out or sys.stdout
-            out.write(text)
-            out.flush()
+        self._write(text)
+
+
+def _inner_text(desc: str, bar) -> str:
+    total = f"/{format.count(bar.total)}" if bar.total is not None else ""
+    parts = [f"{desc} {format.count(bar.step)}{total}".strip()]
+    if bar.rate:
+        parts.append(format.rate_text(bar.rate))
+    parts.append(format.duration(bar.time - bar.first_time))
+    return " · ".join(parts)
 
 
 def summary(record: RunRecord) -> str:
+    """Deterministic: each rank's final progress and state, the notes, rank 0's latest metrics."""
     lines = []
     for rank in record.ranks:
-        bar = rank.bar
-        if bar is None:
-            continue
-        label = f" {rank.last_bar}" if rank.last_bar else ""
-        total = f"/{bar.total:g}" if bar.total is not None else ""
-        lines.append(f"rank {rank.rank}:{label} {bar.step:g}{total} [{rank.state}]")
+        progress = format.progress_summary(rank)
+        stage = rank.stage is not None and rank.stage is not Stage.TRAINING and rank.state != "finished"
+        state = f"{rank.state} at {rank.stage}" if stage else rank.state
+        if progress:
+            lines.append(f"rank {rank.rank}: {progress} [{state}]")
+        elif rank.state != "finished":
+            lines.append(f"rank {rank.rank}: [{state}]")
     lines.extend(record.notes)
     latest = record.latest_metrics()
     if latest:

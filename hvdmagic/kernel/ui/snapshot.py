@@ -1,0 +1,195 @@
+"""The record that survives the kernel: a static view of a run that has ended.
+
+The live dashboard is made of widgets, which a saved notebook shows only while
+their kernel lives (and nbviewer or GitHub never). When a run ends, its output
+is replaced by a ``Snapshot``: plain HTML with inline styles and no script, and
+a deterministic text twin, which the notebook stores like any other output.
+
+What it shows: the final state, each rank's final progress and exit code, the
+metric charts and latest values, the notes, and the tail of every rank's log.
+Not the error's traceback: the cell's error output shows that.
+"""
+
+from __future__ import annotations
+
+import html
+import re
+
+from hvdmagic.kernel.record import RankRecord, RunRecord
+from hvdmagic.kernel.ui import charts
+from hvdmagic.kernel.ui import format as progress
+from hvdmagic.kernel.ui.text import summary
+from hvdmagic.protocol import Stage
+
+TAIL_LINES = 20  # per rank, always visible
+LOG_LINES = 200  # per rank, in its collapsed section
+STATE_COLOURS = {"launching": "#888", "running": "#1f77b4", "finished": "#2ca02c",
+                 "failed": "#d62728", "cancelled": "#ff7f0e", "stopped": "#888"}
+_FONT = "-apple-system,BlinkMacSystemFont,'Segoe UI',Helvetica,Arial,sans-serif"
+_MONO = "SFMono-Regular,Menlo,Consolas,'DejaVu Sans Mono',monospace"
+_ANSI = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b[@-Z\\-_]")
+
+
+def _seconds(seconds: float) -> str:
+    return f"{seconds:.1f} s" if seconds < 60 else progress.duration(seconds)
+
+
+def _fraction(rank: RankRecord) -> float | None:
+    value = progress.fraction(*progress.pick_bars(dict(rank.bars)))
+    return 1.0 if value is None and rank.state == "finished" else value
+
+
+class Snapshot:
+    """A run as it ended, for a notebook's saved output: ``display(Snapshot(record))``."""
+
+    def __init__(self, record: RunRecord):
+        self.record = record
+
+    # -- text ---------------------------------------------------------------
+    def headline(self) -> str:
+        record = self.record
+        state = "failed (see the error below)" if record.state == "failed" else record.state
+        return f"%%horovod np={record.np} ({record.mode}): {state}"
+
+    def text(self) -> str:
+        """Deterministic (no timings, rates or hosts), so nbval and nbclient outputs are stable:
+        the headline, then what the text view prints at the end of a run."""
+        return self.headline() + "\n" + summary(self.record)
+
+    def __repr__(self) -> str:
+        return self.text().rstrip("\n")
+
+    # -- HTML ---------------------------------------------------------------
+    def _repr_html_(self) -> str:
+        record = self.record
+        parts = [self._header(), self._ranks()]
+        metrics = charts.metrics_html(charts.series_by_metric(record.rank0_series))
+        if metrics:
+            parts.append(_section("metrics (rank 0)", metrics))
+        notes = self._notes()
+        if notes:
+            parts.append(_section("notes", notes))
+        logs = self._logs()
+        if logs:
+            parts.append(_section("logs", logs))
+        return (f'<div class="hvdmagic-snapshot" data-state="{html.escape(record.state)}" '
+                f'style="font-family:{html.escape(_FONT)};font-size:13px;line-height:1.4;color:#222;'
+                f'border:1px solid #e0e0e0;border-radius:4px;padding:8px 10px;max-width:1100px">'
+                + "".join(parts) + "</div>")
+
+    def _repr_mimebundle_(self, include=None, exclude=None) -> dict:
+        bundle = {"text/plain": self.text(), "text/html": self._repr_html_()}
+        if include:
+            bundle = {k: v for k, v in bundle.items() if k in include}
+        if exclude:
+            bundle = {k: v for k, v in bundle.items() if k not in exclude}
+        return bundle
+
+    def _header(self) -> str:
+        record = self.record
+        colour = STATE_COLOURS.get(record.state, "#888")
+        state = (f'<span class="hvdmagic-state" style="color:{colour};font-weight:600">'
+                 f"{html.escape(record.state)}</span>")
+        if record.state == "failed":
+            state += f'<span style="color:{colour}">: see the error below</span>'
+        items = ["<b>%%horovod</b>", state]
+        items += [progress.duration(record.elapsed), f"np={record.np} ({html.escape(record.mode)})"]
+        if record.job_group:
+            items.append(f"Spark job group <code>{html.escape(record.job_group)}</code>")
+        header = ('<div class="hvdmagic-snapshot-header" style="font-size:14px;margin-bottom:4px">'
+                  + " · ".join(items) + "</div>")
+        stages = record.timings.get("stages") or {}
+        if stages:
+            steps = " → ".join(f"{html.escape(name)} {_seconds(seconds)}" for name, seconds in stages.items())
+            header += f'<div class="hvdmagic-stages" style="font-size:11px;color:#777;margin-bottom:4px">{steps}</div>'
+        return header
+
+    def _ranks(self) -> str:
+        cell = "padding:2px 10px 2px 0;text-align:left;white-space:nowrap;vertical-align:middle"
+        head = "".join(f'<th style="{cell}">{title}</th>'
+                       for title in ("rank", "host", "progress", "", "state", "exit code"))
+        rows = []
+        for rank in self.record.ranks:
+            colour = STATE_COLOURS.get(rank.state, "#888")
+            fraction = _fraction(rank)
+            bar = ""
+            if fraction is not None:
+                bar = (f'<div style="width:120px;height:6px;background-color:#eee;border-radius:3px">'
+                       f'<div style="width:{fraction * 100:.1f}%;height:6px;background-color:{colour};'
+                       f'border-radius:3px"></div></div>')
+            state = html.escape(rank.state)
+            if rank.stage is not None and rank.stage is not Stage.TRAINING and rank.state != "finished":
+                state += f' <span style="color:#888">at {html.escape(str(rank.stage))}</span>'
+            exit_code = "" if rank.exit_code is None else str(rank.exit_code)
+            done = html.escape(progress.progress_summary(rank))
+            rows.append(
+                f'<tr class="hvdmagic-rank" data-rank="{rank.rank}">'
+                f'<td style="{cell}"><b>rank {rank.rank}</b></td>'
+                f'<td style="{cell}">{html.escape(rank.host)}</td>'
+                f'<td style="{cell};font-variant-numeric:tabular-nums">{done}</td>'
+                f'<td style="{cell}">{bar}</td>'
+                f'<td style="{cell};color:{colour}">{state}</td>'
+                f'<td style="{cell}">{exit_code}</td></tr>')
+        return (f'<table class="hvdmagic-ranks" style="border-collapse:collapse;font-size:12px;margin:2px 0 6px">'
+                f'<thead><tr style="border-bottom:1px solid #ddd">{head}</tr></thead>'
+                f"<tbody>{''.join(rows)}</tbody></table>")
+
+    def _notes(self) -> str:
+        record = self.record
+        notes = list(record.notes)
+        if record.timeline:
+            try:
+                from hvdmagic.kernel.timeline import describe
+
+                notes.append(describe(record.timeline))
+            except (OSError, ValueError, KeyError, TypeError):
+                notes.append(f"Horovod Timeline: {record.timeline}")
+        return "".join(f'<pre class="hvdmagic-note" style="margin:2px 0;white-space:pre-wrap;font-family:{_MONO};'
+                       f'font-size:12px">{html.escape(note)}</pre>' for note in notes)
+
+    def _logs(self) -> str:
+        blocks = []
+        pre = (f"margin:0;padding:4px 6px;background-color:#f7f7f7;border-radius:3px;font-family:{_MONO};"
+               "font-size:11.5px;line-height:1.35;white-space:pre-wrap;word-break:break-word")
+        for rank in self.record.ranks:
+            count = len(rank.logs)
+            where = f"hvdmagic.last_run().logs[{rank.rank}]"
+            host = f" @ {html.escape(rank.host)}" if rank.host else ""
+            if not count:
+                blocks.append(f'<div class="hvdmagic-log" data-rank="{rank.rank}" style="margin:4px 0">'
+                              f'<span style="font-size:12px"><b>rank {rank.rank}</b>{host}</span> '
+                              f'<span style="font-size:11px;color:#888">no output</span></div>')
+                continue
+            tail = _lines(rank.logs[-TAIL_LINES:])
+            shown = min(count, TAIL_LINES)
+            caption = (f"{count} lines, the last {shown} below; every line is in <code>{where}</code>"
+                       if count > shown else f"{count} line{'s' if count != 1 else ''}")
+            block = (f'<div class="hvdmagic-log" data-rank="{rank.rank}" style="margin:6px 0">'
+                     f'<div style="font-size:12px"><b>rank {rank.rank}</b>{host} '
+                     f'<span style="font-size:11px;color:#888">{caption}</span></div>'
+                     f'<pre style="{pre}">{tail}</pre>')
+            if count > TAIL_LINES:
+                longer = min(count, LOG_LINES)
+                older = (f'<div style="font-size:11px;color:#888;margin:2px 0">the last {longer} of {count} lines; '
+                         f"every line is in <code>{where}</code> while this kernel lives</div>"
+                         if count > longer else "")
+                block += (f'<details style="margin-top:2px"><summary style="font-size:12px;cursor:pointer">'
+                          f"rank {rank.rank}: {count} lines</summary>{older}"
+                          f'<pre style="{pre};max-height:400px;overflow-y:auto">{_lines(rank.logs[-LOG_LINES:])}'
+                          f"</pre></details>")
+            blocks.append(block + "</div>")
+        return "".join(blocks)
+
+
+def _lines(logs: list[tuple[str, str]]) -> str:
+    out = []
+    for stream, line in logs:
+        text = html.escape(_ANSI.sub("", line))
+        out.append(f'<span style="color:#b22">{text}</span>' if stream == "stderr" else text)
+    return "\n".join(out)
+
+
+def _section(title: str, body: str) -> str:
+    return (f'<div class="hvdmagic-section" style="margin-top:8px">'
+            f'<div style="font-size:12px;font-weight:600;color:#555;border-bottom:1px solid #eee;'
+            f'margin-bottom:4px;white-space:nowrap">{html.escape(title)}</div>{body}</div>')

@@ -1,0 +1,183 @@
+"""The dashboard in front ends that no Jupyter server started, and the snapshot a notebook keeps.
+
+A kernel started straight through jupyter_client (as VS Code, Colab or Databricks start
+one: no ``JPY_SESSION_NAME``) gets the widget dashboard; when the run ends its output
+becomes the static snapshot. A notebook executed by nbclient stores that snapshot, with
+no widget view left in it. ``HVDMAGIC_NONINTERACTIVE`` is left unset throughout.
+"""
+
+from __future__ import annotations
+
+import queue
+import time
+
+import pytest
+from kernels import execute, start_kernel
+
+WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
+
+TRAIN = """%%horovod --np -2
+import time, hvdmagic
+steps = 40
+for i in range(steps):
+    time.sleep(0.05)
+    hvdmagic.progress(i + 1, total=steps, desc="train")
+    hvdmagic.log_metrics(step=i, loss=1.0 / (i + 1))
+print("trained")
+"""
+
+FINAL_TEXT = """\
+%%horovod np=2 (local): finished
+rank 0: train 40/40 [finished]
+rank 1: train 40/40 [finished]
+rank 0 metrics at step 39: loss=0.025
+"""
+
+
+def _run(client, code: str, timeout: float, on_message=None) -> tuple[dict, list[dict]]:
+    """Run code; return the execute_reply content and every iopub message of the cell, in order.
+
+    Comm messages are kept too: ipywidgets sends them with the cell as parent, but a
+    message from a subshell has the front end's request as its parent.
+    """
+    msg_id = client.execute(code)
+    messages = []
+    deadline = time.monotonic() + timeout
+    while True:
+        remaining = deadline - time.monotonic()
+        assert remaining > 0, f"no reply within {timeout} s; {len(messages)} message(s) so far"
+        try:
+            msg = client.get_iopub_msg(timeout=remaining)
+        except queue.Empty:
+            continue
+        if msg["parent_header"].get("msg_id") != msg_id and not msg["msg_type"].startswith("comm_"):
+            continue
+        messages.append(msg)
+        if on_message:
+            on_message(msg)
+        if (msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle"
+                and msg["parent_header"].get("msg_id") == msg_id):
+            while True:
+                reply = client.get_shell_msg(timeout=10)
+                if reply["parent_header"].get("msg_id") == msg_id:
+                    return reply["content"], messages
+
+
+@pytest.fixture
+def plain_kernel(monkeypatch):
+    """A kernel started through jupyter_client with neither JPY_SESSION_NAME nor HVDMAGIC_NONINTERACTIVE."""
+    monkeypatch.delenv("HVDMAGIC_NONINTERACTIVE", raising=False)
+    manager, client = start_kernel()
+    try:
+        client.wait_for_ready(timeout=60)
+        yield client
+    finally:
+        client.stop_channels()
+        manager.shutdown_kernel(now=True)
+
+
+def test_a_kernel_without_a_jupyter_server_shows_widgets_then_the_snapshot(plain_kernel):
+    client = plain_kernel
+    reply, texts = execute(client, "%load_ext hvdmagic", timeout=60)
+    assert reply["status"] == "ok", texts
+    subshells = _subshells(client)
+    models: dict[str, dict] = {}  # comm id -> the widget's state as opened
+    control: dict = {}
+
+    def click_log_scale_once_charts_show(msg):
+        """A user's click on "log" while the ranks train, as the front end sends it."""
+        content = msg["content"]
+        if msg["msg_type"] == "comm_open":
+            models[content["comm_id"]] = content["data"]["state"]
+        state = content.get("data", {}).get("state", {}) if msg["msg_type"] == "comm_msg" else {}
+        if control or 'class="hvdmagic-chart"' not in str(state.get("value", "")):
+            return
+        toggle = next(cid for cid, m in models.items() if m.get("_model_name") == "ToggleButtonsModel")
+        control["sent"] = time.monotonic()
+        client.shell_channel.send(client.session.msg("comm_msg", {
+            "comm_id": toggle, "data": {"method": "update", "state": {"index": 2}, "buffer_paths": []}}))
+
+    reply, messages = _run(client, TRAIN, timeout=240, on_message=click_log_scale_once_charts_show)
+    assert reply["status"] == "ok", reply
+    kinds = [m["msg_type"] for m in messages]
+    streams = "".join(m["content"]["text"] for m in messages if m["msg_type"] == "stream")
+    assert "[rank 0] trained" not in streams, "the text view ran in a Jupyter kernel"
+
+    # The dashboard's widget models were opened and displayed, with a text/plain fallback.
+    names = [state.get("_model_name") for state in models.values()]
+    assert names.count("FloatProgressModel") == 3, names  # a bar per rank and the overall bar
+    dashboard = next(cid for cid, state in models.items() if "hvdmagic-dashboard" in state.get("_dom_classes", []))
+    shown = next(m for m in messages if m["msg_type"] == "display_data")
+    assert shown["content"]["data"][WIDGET_VIEW]["model_id"] == dashboard
+    assert "%%horovod np=2 (local)" in shown["content"]["data"]["text/plain"]
+    display_id = shown["content"]["transient"]["display_id"]
+
+    # While the ranks trained, the widgets were updated: the bars moved, the charts appeared.
+    end = kinds.index("update_display_data")
+    live = [m["content"] for m in messages[:end] if m["msg_type"] == "comm_msg"]
+    bars = {cid for cid, state in models.items() if state.get("_model_name") == "FloatProgressModel"}
+    steps = {c["data"]["state"]["value"] for c in live if c["comm_id"] in bars and "value" in c["data"]["state"]}
+    assert any(0 < value < 40 for value in steps), f"no bar moved while the ranks trained: {sorted(steps)}"
+    charts = [str(c["data"]["state"].get("value", "")) for c in live]
+    assert any('data-metric="loss"' in value for value in charts), "no chart was drawn during the run"
+
+    # The click reached the kernel while the cell ran (a subshell), and the charts were redrawn log-scaled.
+    if subshells:
+        assert control, "the charts never showed, so the control was never clicked"
+        assert any('data-scale="log"' in value for value in charts), \
+            "a click on the log scale did not redraw the charts while the cell ran"
+
+    # The run ended: one update of the same display, to the snapshot; then the widgets were closed.
+    final = messages[end]["content"]
+    assert final["transient"]["display_id"] == display_id
+    assert final["data"]["text/plain"] == FINAL_TEXT
+    assert 'class="hvdmagic-snapshot"' in final["data"]["text/html"]
+    assert WIDGET_VIEW not in final["data"]
+    closed = {m["content"]["comm_id"] for m in messages[end:] if m["msg_type"] == "comm_close"}
+    assert set(models) <= closed, f"{len(set(models) - closed)} widget(s) left open after the run"
+    assert kinds.count("update_display_data") == 1
+
+
+def _subshells(client) -> bool:
+    """Whether the kernel can route messages to subshells (ipykernel 7), as the controls need."""
+    msg_id = client.kernel_info()
+    while True:
+        reply = client.get_shell_msg(timeout=10)
+        if reply["parent_header"].get("msg_id") == msg_id:
+            return "kernel subshells" in reply["content"].get("supported_features", [])
+
+
+def test_nbclient_stores_the_snapshot_not_the_widgets(tmp_path, monkeypatch):
+    import nbformat
+    from nbclient import NotebookClient
+
+    monkeypatch.delenv("HVDMAGIC_NONINTERACTIVE", raising=False)
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [
+        nbformat.v4.new_code_cell("%load_ext hvdmagic"),
+        nbformat.v4.new_code_cell(
+            "%%horovod --np -2\n"
+            "import hvdmagic\n"
+            "for i in hvdmagic.track(range(30), desc='train'):\n"
+            "    hvdmagic.log_metrics(step=i, loss=1.0 / (i + 1))\n"
+            "print('trained')\n"
+        ),
+    ]
+    NotebookClient(nb, timeout=300, kernel_name="python3",
+                   resources={"metadata": {"path": str(tmp_path)}}).execute()
+    path = tmp_path / "executed.ipynb"
+    nbformat.write(nb, path)
+    outputs = nbformat.read(path, as_version=4).cells[1].outputs
+    assert not any(WIDGET_VIEW in o.get("data", {}) for o in outputs), "a widget view was left in the saved output"
+    displays = [o for o in outputs if o.output_type == "display_data"]
+    assert len(displays) == 1, outputs
+    data = displays[0].data
+    assert data["text/plain"] == ("%%horovod np=2 (local): finished\n"
+                                  "rank 0: train 30/30 [finished]\n"
+                                  "rank 1: train 30/30 [finished]\n"
+                                  "rank 0 metrics at step 29: loss=0.03333\n")
+    page = data["text/html"]
+    assert 'class="hvdmagic-snapshot" data-state="finished"' in page
+    assert 'data-metric="loss"' in page and "<script" not in page
+    assert "trained" in page, "the snapshot should keep the ranks' last lines"
+    assert not any("[rank 0] trained" in o.get("text", "") for o in outputs), "text view used in a Jupyter kernel"
