@@ -25,10 +25,10 @@ from hvdmagic.rank.training import load_checkpoint, save_checkpoint, scale_lr
 
 __version__ = "0.1.0"
 __all__ = ["HorovodRunner", "TorchDistributor", "last_run", "load_checkpoint", "log_metrics", "progress", "run",
-           "save_checkpoint", "scale_lr", "shard", "track"]
+           "save_checkpoint", "scale_lr", "session", "shard", "track"]
 
 _KERNEL_API = {"run": "hvdmagic.kernel.api", "HorovodRunner": "hvdmagic.kernel.api",
-               "TorchDistributor": "hvdmagic.kernel.api",
+               "TorchDistributor": "hvdmagic.kernel.api", "session": "hvdmagic.kernel.sessions",
                "last_run": "hvdmagic.kernel.record"}
 
 

@@ -52,6 +52,10 @@ class Link:
     """One authenticated, ordered, bidirectional connection (either end)."""
 
     def __init__(self, sock: socket.socket, secret: bytes, nonce: bytes, *, is_server: bool):
+        # Events are small frames, often two in a row (a result, then idle): with Nagle's
+        # algorithm the second waits for the peer's delayed ACK, 40 ms on Linux.
+        if sock.family in (socket.AF_INET, socket.AF_INET6):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.sock = sock
         self._secret = secret
         self._nonce = nonce

@@ -29,9 +29,12 @@ class Event(StrEnum):
     HEARTBEAT = "heartbeat"  # alive, for the driver's watchdog
     NOTE = "note"  # a line for the dashboard's notes (scale_lr, --data)
     STAGE = "stage"  # a Stage reached: by the driver (no "rank") or by one rank
+    IDLE = "idle"  # a session rank is ready for a cell: "cell" names the one it finished, "rss" its memory
     # driver -> task
     GO = "go"  # the task's slot, devices and rows per rank: start the rank
     ABORT = "abort"  # stop the rank now
+    CELL = "cell"  # a session: run this payload ("id", base64 "payload") in the rank's namespace
+    INTERRUPT = "interrupt"  # a session: SIGINT to the rank, as Ctrl-C in a terminal
     EXEC = "exec"  # --controller mpi: run mpirun's daemon command here
     # rsh agent <-> driver <-> task (--controller mpi)
     RSH = "rsh"
@@ -103,6 +106,7 @@ class TaskSpec:
     controller: str = "gloo"  # or "mpi": mpirun starts the ranks, and the task adopts its own
     results: str = "all"  # which ranks send their value back: a ResultPolicy
     framework: str = "horovod"  # whose collectives the ranks use: a Framework
+    session: bool = False  # the ranks stay up and run cells as they come (launch.session)
 
 
 class Framework(StrEnum):

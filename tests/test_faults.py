@@ -123,16 +123,23 @@ def test_twenty_reruns_leak_nothing(ip):
     assert grown < 40, f"the kernel's memory grew {grown:.0f} MiB over 20 runs ({before['rss'] / 2**20:.0f} MiB before)"
 
 
-@pytest.mark.parametrize("np", [-2, 2])
-def test_ranks_exit_when_the_kernel_dies(np):
-    """SIGKILL a real Jupyter kernel mid-run: its ranks notice and exit within 10 s."""
+@pytest.mark.parametrize("np, session", [(-2, False), (2, False), (-2, True), (2, True)],
+                         ids=["local", "spark", "local-session", "spark-session"])
+def test_ranks_exit_when_the_kernel_dies(np, session):
+    """SIGKILL a real Jupyter kernel mid-run (or with a session's ranks idle): its ranks exit within 10 s."""
     manager, client = start_kernel(HVDMAGIC_NONINTERACTIVE="1")
     kernel_pid = manager.provisioner.process.pid
     try:
         reply, texts = execute(client, "%load_ext hvdmagic", timeout=60)
         assert reply["status"] == "ok", texts
-        msg_id = client.execute(f"%%horovod --np {np}\nimport os, time\n"
-                                "print('training', os.getpid(), flush=True)\ntime.sleep(600)")
+        if session:
+            reply, texts = execute(client, f"%horovod start --np {np}", timeout=120)
+            assert reply["status"] == "ok", texts
+            # The ranks print their pids, then sit idle in the session.
+            msg_id = client.execute("%%horovod\nimport os\nprint('training', os.getpid(), flush=True)")
+        else:
+            msg_id = client.execute(f"%%horovod --np {np}\nimport os, time\n"
+                                    "print('training', os.getpid(), flush=True)\ntime.sleep(600)")
         pids: list[int] = []
         deadline = time.monotonic() + 120
         while len(pids) < abs(np):

@@ -23,8 +23,9 @@ from hvdmagic.rank.scripts import run_script
 _VERBOSITIES = ("all", "log_callback_only")
 
 
-def run(fn: Callable, np: int, *args, timeout: float | None = None, stall_timeout: float | None = None,
-        data=None, controller: str = "gloo", backend: str = "horovod", **kwargs) -> list:
+def run(fn: Callable, np: int | None = None, *args, timeout: float | None = None,
+        stall_timeout: float | None = None, data=None, controller: str = "gloo", backend: str = "horovod",
+        session=None, **kwargs) -> list:
     """Run ``fn(*args, **kwargs)`` on |np| ranks and return every rank's result in rank order.
 
     The Python twin of a ``%%horovod`` cell: the same launcher, live dashboard and error
@@ -48,6 +49,8 @@ def run(fn: Callable, np: int, *args, timeout: float | None = None, stall_timeou
         backend: "horovod" (the default): the ranks get Horovod's rendezvous and variables; or
             "torch": they get torchrun's (RANK, WORLD_SIZE, MASTER_ADDR, ...) for
             ``torch.distributed.init_process_group``, and no horovod is needed.
+        session: a running ``hvdmagic.session(...)``: ``fn`` runs on its warm ranks (leave out
+            ``np``, ``data``, ``controller`` and ``backend``: the session has its own).
         **kwargs: keyword arguments for ``fn``; they must be picklable, and cannot be named
             ``timeout``, ``stall_timeout``, ``data``, ``controller`` or ``backend``.
 
@@ -78,9 +81,11 @@ def run(fn: Callable, np: int, *args, timeout: float | None = None, stall_timeou
         framework = Framework(backend)
     except ValueError:
         raise ValueError(f"backend must be one of {', '.join(Framework)}, not {backend!r}") from None
+    if (np is None) == (session is None):
+        raise ValueError("give hvdmagic.run either np (new ranks) or session= (a session's warm ranks)")
     payload = _dumps((fn, args, kwargs), fn)
     return execute(payload, np, timeout=timeout, stall_timeout=stall_timeout, data=data,
-                   controller=controller, framework=framework).results
+                   controller=controller, framework=framework, session=session).results
 
 
 def _is_users_own(module) -> bool:

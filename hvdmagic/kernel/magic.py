@@ -5,9 +5,10 @@ from __future__ import annotations
 import importlib.util
 
 from IPython.core.error import UsageError
-from IPython.core.magic import Magics, cell_magic, magics_class
+from IPython.core.magic import Magics, line_cell_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
+from hvdmagic.kernel import sessions
 from hvdmagic.kernel.capture import capture_cell
 from hvdmagic.kernel.runner import execute
 from hvdmagic.launch import ResultPolicy
@@ -17,9 +18,10 @@ from hvdmagic.protocol import Framework
 def _launch_arguments(func):
     """The arguments every launching cell magic takes: declared once (as ipyparallel's magics share theirs)."""
     for decorate in reversed([
-        argument("--np", type=int, required=True, metavar="N",
+        argument("--np", type=int, metavar="N",
                  help="Number of ranks. N > 0 runs them as one Spark barrier stage; "
-                      "N < 0 runs |N| processes on the driver without Spark (local mode)."),
+                      "N < 0 runs |N| processes on the driver without Spark (local mode). "
+                      "Without --np the cell runs on the ranks of the session that %%horovod start began."),
         argument("--out", metavar="NAME", help="Store rank 0's result in the notebook variable NAME."),
         argument("--timeout", type=float, metavar="SECONDS", help="Stop every rank and fail after SECONDS."),
         argument("--stall-timeout", type=float, metavar="SECONDS",
@@ -47,8 +49,8 @@ class HorovodMagics(Magics):
     @argument("--controller", choices=("gloo", "mpi"), default="gloo",
               help="How the ranks talk: Gloo (the default), or Open MPI, whose mpirun starts the ranks "
                    "through the Spark tasks (no ssh), as HorovodRunner did.")
-    @cell_magic
-    def horovod(self, line: str, cell: str):
+    @line_cell_magic
+    def horovod(self, line: str, cell: str | None = None):
         """Run the cell on Horovod ranks and return rank 0's result.
 
         The cell is ordinary PyTorch + Horovod code: call hvd.init() in it. The notebook
@@ -69,14 +71,16 @@ class HorovodMagics(Magics):
                 hvdmagic.log_metrics(loss=loss)
             hvd.allreduce(torch.tensor(evaluate(model))).item()
         """
+        if cell is None:
+            return sessions.line_magic("%horovod", line, Framework.HOROVOD)
         args = parse_argstring(self.horovod, line)
         return self._launch("%%horovod", args, cell, Framework.HOROVOD, timeline=args.timeline,
                             controller=args.controller)
 
     @magic_arguments(name="%torchrun")
     @_launch_arguments
-    @cell_magic
-    def torchrun(self, line: str, cell: str):
+    @line_cell_magic
+    def torchrun(self, line: str, cell: str | None = None):
         """Run the cell as torchrun would run a script on every rank, and return rank 0's result.
 
         The cell is ordinary torch.distributed code: each rank gets the environment
@@ -99,12 +103,21 @@ class HorovodMagics(Magics):
                 train_one_epoch(model, X_train[dist.get_rank()::dist.get_world_size()])
             evaluate(model)
         """
+        if cell is None:
+            return sessions.line_magic("%torchrun", line, Framework.TORCH)
         args = parse_argstring(self.torchrun, line)
         return self._launch("%%torchrun", args, cell, Framework.TORCH)
 
     def _launch(self, magic: str, args, cell: str, framework: Framework, **options):
         """Check the arguments, capture the cell, run it, and store what --out and --metrics name."""
-        if args.np == 0:
+        session = None
+        if args.np is None:
+            session = sessions.for_cell(magic, framework)
+            for flag in ("data", "timeline"):
+                if getattr(args, flag, None) is not None:
+                    raise UsageError(f"--{flag} needs ranks of its own: give the cell --np N (a session's ranks "
+                                     "are already running).")
+        elif args.np == 0:
             raise UsageError("--np must be a positive number of Spark ranks, "
                              "or negative for local mode (e.g. --np -2).")
         for flag, name in (("--out", args.out), ("--metrics", args.metrics)):
@@ -127,7 +140,8 @@ class HorovodMagics(Magics):
         capture = capture_cell(cell_source(self.shell, cell), self.shell.user_ns, set(self.shell.user_ns_hidden))
         print(capture.summary(), flush=True)
         record = execute(capture.payload, args.np, timeout=args.timeout, stall_timeout=args.stall_timeout,
-                         data=data, results=ResultPolicy.ALL_OR_REPR, framework=framework, **options)
+                         data=data, results=ResultPolicy.ALL_OR_REPR, framework=framework, session=session,
+                         **options)
         if args.out:
             self.shell.user_ns[args.out] = record.result
         if args.metrics:

@@ -15,16 +15,20 @@ from hvdmagic.protocol import Framework
 
 
 def execute(payload: bytes, np: int, *, timeout: float | None = None, stall_timeout: float | None = None,
-            timeline: str | None = None, data=None, session=None, view=None, controller: str = "gloo",
+            timeline: str | None = None, data=None, spark=None, view=None, controller: str = "gloo",
             results: ResultPolicy = ResultPolicy.ALL, framework: Framework = Framework.HOROVOD,
-            gpus: bool = False) -> RunRecord:
+            gpus: bool = False, session=None) -> RunRecord:
     """Run a cloudpickled ``(fn, args, kwargs)`` on |np| ranks; return its record.
 
     ``timeline``: a path where rank 0 records a Horovod Timeline. ``results``: which
     ranks send their value back. Raises the job's error after the record and the
     view have been closed with it. Under ``ResultPolicy.ALL_OR_REPR`` an unpicklable
     rank-0 value is printed as a one-line warning with its repr, and the result is None.
+    ``session``: a running ``launch.session.Session`` whose warm ranks run it instead of
+    new ones (``np`` is then the session's).
     """
+    if session is not None:
+        np = session.np
     record = RunRecord(np)
     env = {}
     if timeline:
@@ -40,9 +44,12 @@ def execute(payload: bytes, np: int, *, timeout: float | None = None, stall_time
 
     view.start()
     try:
-        result = launch(payload, np, timeout=timeout, stall_timeout=stall_timeout, env=env, on_event=on_event,
-                        session=session, data=data, controller=controller, results=results, framework=framework,
-                        gpus=gpus)
+        if session is not None:
+            values = session.run_cell(payload, on_event, timeout=timeout, stall_timeout=stall_timeout)
+        else:
+            values = launch(payload, np, timeout=timeout, stall_timeout=stall_timeout, env=env, on_event=on_event,
+                            spark=spark, data=data, controller=controller, results=results, framework=framework,
+                            gpus=gpus).results
     except JobInterrupted as exc:
         record.finish(error=exc, cancelled=True)
         raise
@@ -50,7 +57,6 @@ def execute(payload: bytes, np: int, *, timeout: float | None = None, stall_time
         record.finish(error=exc)
         raise
     else:
-        values = result.results
         if values and isinstance(values[0], UnsentResult):
             print(values[0].warning(), flush=True)
             values = [None, *values[1:]]

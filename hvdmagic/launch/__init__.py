@@ -1,10 +1,11 @@
-"""The driver's side of a job: the one launcher core behind the magic, the Python API and local mode.
+"""The driver's side of a job: the one launcher core behind the magics, the Python API and local mode.
 
 Runs in the notebook kernel (or any driver process). ``job`` runs one job,
-``spark`` and ``local`` are its backends, ``layout`` places the ranks,
-``rendezvous`` is horovod's Gloo rendezvous, and ``mpi``/``mpi_rsh`` drive
-``--controller mpi``. Modules here may import pyspark and horovod's runner
-(lazily: importing this package must work without horovod) and ``hvdmagic.task``,
+``session`` keeps one job's ranks up across cells, ``spark`` and ``local`` are
+their backends, ``layout`` places the ranks, ``rendezvous`` is horovod's Gloo
+rendezvous and ``torch_store`` torch.distributed's, and ``mpi``/``mpi_rsh`` drive
+``--controller mpi``. Modules here may import pyspark, torch and horovod's runner
+(lazily: importing this package must work without them) and ``hvdmagic.task``,
 whose code they ship to the tasks; never IPython or widgets.
 """
 
@@ -22,13 +23,13 @@ CONTROLLERS = ("gloo", "mpi")
 
 def launch(payload: bytes, np: int, *, timeout: float | None = None, stall_timeout: float | None = None,
            env: dict[str, str] | None = None, on_event: Callable[[dict], None] | None = None,
-           session=None, data=None, controller: str = "gloo",
+           spark=None, data=None, controller: str = "gloo",
            results: ResultPolicy = ResultPolicy.ALL, framework: Framework = Framework.HOROVOD,
            gpus: bool = False) -> JobResult:
     """Run a cloudpickled ``(fn, args, kwargs)`` on |np| ranks.
 
-    np > 0: one Spark barrier stage (the active SparkSession, or an embedded local
-    one). np < 0: local mode, |np| processes on the driver without Spark.
+    np > 0: one Spark barrier stage (``spark``, the active SparkSession, or an embedded
+    local one). np < 0: local mode, |np| processes on the driver without Spark.
     ``data``: a Spark DataFrame; each rank gets an equal-size shard (hvdmagic.shard()).
     ``controller``: "gloo" (the default) or "mpi" (Open MPI's mpirun, see launch.mpi).
     ``results``: which ranks send their value back (``ResultPolicy``).
@@ -37,7 +38,14 @@ def launch(payload: bytes, np: int, *, timeout: float | None = None, stall_timeo
     mode); without GPUs the launch fails. Spark gives its tasks GPUs whenever it is
     configured to, with or without this.
     """
-    notify = on_event or (lambda event: None)
+    preflight(np, framework, controller)
+    backend = make_backend(np, on_event, spark=spark, data=data, gpus=gpus)
+    return Job(backend, payload, timeout=timeout, stall_timeout=stall_timeout, env=env, controller=controller,
+               results=results, framework=framework, on_event=on_event).run()
+
+
+def preflight(np: int, framework: Framework, controller: str) -> None:
+    """The checks that fail in one paragraph before anything starts."""
     if np == 0:
         raise LaunchError("np must be a positive number of Spark ranks, or negative for local mode.")
     if framework == Framework.TORCH:
@@ -58,6 +66,15 @@ def launch(payload: bytes, np: int, *, timeout: float | None = None, stall_timeo
         from hvdmagic.launch.mpi import check_available
 
         check_available()
+
+
+def make_backend(np: int, on_event: Callable[[dict], None] | None, *, spark=None, data=None, gpus: bool = False):
+    """The Spark backend (np > 0) or the local one (np < 0), ready to start tasks.
+
+    Finding or starting the Spark session and checking its slots happen here, and an
+    interrupt here ends in one line that says what it left behind.
+    """
+    notify = on_event or (lambda event: None)
     reached: list[Stage] = []
 
     def on_stage(stage: Stage) -> None:
@@ -69,17 +86,15 @@ def launch(payload: bytes, np: int, *, timeout: float | None = None, stall_timeo
             if np < 0:
                 from hvdmagic.launch.local import LocalBackend
 
-                backend = LocalBackend(-np, data, gpus=gpus)
-            else:
-                from hvdmagic.launch.spark import SparkBackend
+                return LocalBackend(-np, data, gpus=gpus)
+            from hvdmagic.launch.spark import SparkBackend
 
-                backend = SparkBackend(np, session, data, on_stage=on_stage, gpus=gpus)
-                for note in backend.notes:
-                    notify({"type": Event.NOTE, "text": note})
+            backend = SparkBackend(np, spark, data, on_stage=on_stage, gpus=gpus)
+            for note in backend.notes:
+                notify({"type": Event.NOTE, "text": note})
+            return backend
         except KeyboardInterrupt:
             raise JobInterrupted(interrupted_before_job(reached[-1] if reached else None)) from None
-    return Job(backend, payload, timeout=timeout, stall_timeout=stall_timeout, env=env, controller=controller,
-               results=results, framework=framework, on_event=on_event).run()
 
 
 def _require(module: str, name: str, how: str) -> None:

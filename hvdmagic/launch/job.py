@@ -76,7 +76,8 @@ class Job:
     def __init__(self, backend, payload: bytes, *, timeout: float | None = None,
                  stall_timeout: float | None = None, env: dict[str, str] | None = None,
                  controller: str = "gloo", results: ResultPolicy = ResultPolicy.ALL,
-                 framework: Framework = Framework.HOROVOD, on_event: Callable[[dict], None] | None = None):
+                 framework: Framework = Framework.HOROVOD, session: bool = False,
+                 on_event: Callable[[dict], None] | None = None):
         self.backend = backend
         self.np = backend.np
         self.payload = payload
@@ -86,6 +87,10 @@ class Job:
         self.controller = controller
         self.results = results
         self.framework = framework
+        # A session's ranks outlive their cells: a cell's error is the session's business
+        # (launch.session), and only a rank that dies fails the job.
+        self.session = session
+        self.server: channel.ChannelServer | None = None  # while the job runs: send() reaches every task
         self.mpi: MpiDriver | None = None
         self.on_event = on_event or (lambda event: None)
         self.job_id = uuid.uuid4().hex[:12]
@@ -104,7 +109,7 @@ class Job:
 
         started = time.monotonic()
         secret = channel.new_secret()
-        server = channel.ChannelServer(self.backend.bind_host, secret)
+        server = self.server = channel.ChannelServer(self.backend.bind_host, secret)
         rendezvous = Rendezvous(self.backend.bind_host, self.np)
         state = _State(self.np)
         if self.controller == "mpi":
@@ -114,6 +119,7 @@ class Job:
                 job_id=self.job_id, driver_host=self.backend.bind_host, channel_port=server.address[1],
                 rendezvous_port=rendezvous.port, secret=secret, payload=self.payload, env=self.env,
                 controller=self.controller, results=self.results, framework=self.framework,
+                session=self.session,
             )
             self.on_event({"type": Event.LAUNCHING, "description": self.backend.describe(),
                            "job_group": getattr(self.backend, "job_group", None),
@@ -212,8 +218,10 @@ class Job:
         state.last_heard[rank] = now
         if kind in PROGRESS_EVENTS:
             state.last_progress[rank] = now
-        if kind == Event.RESULT:
-            state.results[rank] = _result_value(event)
+        if self.session and kind in (Event.RESULT, Event.ERROR):
+            pass  # a session's cell outcome: launch.session reads it from the event
+        elif kind == Event.RESULT:
+            state.results[rank] = result_value(event)
         elif kind == Event.ERROR:
             stamp = event.get("time")
             state.failures.append(RankFailure(rank, f"{event.get('exc_type')}: {event.get('message')}",
@@ -226,6 +234,11 @@ class Job:
                 state.failures.append(RankFailure(rank, _describe_exit(code), "", state.hosts.get(rank, "")))
         if kind != Event.HEARTBEAT:
             self.on_event(event)
+
+    def send(self, event: dict) -> None:
+        """``event`` to every task of the running job (a session's cells and interrupts)."""
+        if self.server is not None:
+            self.server.broadcast(event)
 
     def _place(self, state: _State, rendezvous) -> None:
         """Every task has said hello: lay the ranks out and send each task its go."""
@@ -293,7 +306,7 @@ def _data_note(rows: dict[int, tuple[int, int]]) -> str:
             + (f" ({padding} repeated as padding)" if padding else ""))
 
 
-def _result_value(event: dict) -> Any:
+def result_value(event: dict) -> Any:
     if event.get("unpicklable"):
         return UnsentResult(str(event["unpicklable"]), str(event.get("repr", "")), str(event.get("reason", "")))
     if event.get("data") is None:  # a value the policy does not send back

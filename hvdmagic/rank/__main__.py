@@ -76,10 +76,11 @@ def _shutdown_horovod() -> None:
         hvd.shutdown()
 
 
-def _report_result(value, rank: int, policy: str) -> None:
+def report_result(value, rank: int, policy: str, **fields) -> None:
+    """Send the cell's value as the policy says; ``fields`` tag the event (a session's cell id)."""
     import cloudpickle
 
-    event = {"type": Event.RESULT, "data": None}
+    event = {"type": Event.RESULT, "data": None, **fields}
     if policy != ResultPolicy.RANK0 or rank == 0:  # under RANK0 the others' values would be thrown away
         try:
             event["data"] = base64.b64encode(cloudpickle.dumps(value)).decode("ascii")
@@ -102,11 +103,26 @@ def _short_repr(value, limit: int = 500) -> str:
     return text if len(text) <= limit else text[:limit] + "..."
 
 
+def error_event(exc: BaseException, **fields) -> dict:
+    return {
+        "type": Event.ERROR,
+        "time": time.time(),  # lets the driver tell the first failure from its fallout
+        "exc_type": type(exc).__name__,
+        "message": str(exc),
+        "traceback": _user_traceback(exc),
+        **fields,
+    }
+
+
 def main() -> int:
     boot = pickle.load(sys.stdin.buffer)
-    threading.Thread(target=_exit_when_supervisor_dies, name="hvdmagic-parent-watch", daemon=True).start()
     report.open_events()
     report.emit({"type": Event.STAGE, "stage": Stage.IMPORTING})
+    if boot.get("session"):
+        from hvdmagic.rank.session import serve
+
+        return serve(boot["rank"], boot.get("results", ResultPolicy.ALL))
+    threading.Thread(target=_exit_when_supervisor_dies, name="hvdmagic-parent-watch", daemon=True).start()
     try:
         import cloudpickle
 
@@ -119,17 +135,11 @@ def main() -> int:
                 value = None
             else:
                 raise
-        _report_result(value, boot["rank"], boot.get("results", ResultPolicy.ALL))
+        report_result(value, boot["rank"], boot.get("results", ResultPolicy.ALL))
         _shutdown_horovod()
     except BaseException as exc:
         report.flush()
-        report.emit({
-            "type": Event.ERROR,
-            "time": time.time(),  # lets the driver tell the first failure from its fallout
-            "exc_type": type(exc).__name__,
-            "message": str(exc),
-            "traceback": _user_traceback(exc),
-        })
+        report.emit(error_event(exc))
         sys.stdout.flush()
         sys.stderr.flush()
         return 1

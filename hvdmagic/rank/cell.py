@@ -80,20 +80,29 @@ class CellFunction:
     sources: Sources = field(default_factory=dict)
     display_name: str = ""
 
-    def __call__(self):
+    def __call__(self, namespace: dict | None = None, filename: str | None = None):
+        """Run the cell in a fresh module namespace, or in ``namespace`` (a session rank's own,
+        kept between cells): the notebook globals it reads are set there first, so they win
+        over a rank variable of the same name. ``filename`` names the code: a session gives
+        each cell its own, so functions defined in an earlier cell keep their source lines."""
         import cloudpickle
 
+        filename = filename or self.filename
         register_sources(getattr(self, "sources", None) or {})
         # Registered so that tracebacks show the cell's own lines (the kernel checked the syntax).
         lines = self.source.splitlines(keepends=True)
-        register_sources({self.filename: (getattr(self, "display_name", ""), lines)})
-        body, last = split_last_expression(ast.parse(self.source, self.filename))
-        namespace = {"__name__": "__main__", "__builtins__": builtins, "get_ipython": _RankShell}
+        register_sources({filename: (getattr(self, "display_name", ""), lines)})
+        body, last = split_last_expression(ast.parse(self.source, filename))
+        if namespace is None:
+            namespace = {}
+        namespace.setdefault("__name__", "__main__")
+        namespace.setdefault("__builtins__", builtins)
+        namespace.setdefault("get_ipython", _RankShell)
         namespace.update({name: cloudpickle.loads(data) for name, data in self.pickled_globals.items()})
-        exec(compile(body, self.filename, "exec"), namespace)
+        exec(compile(body, filename, "exec"), namespace)
         if last is None:
             return None
-        return eval(compile(last, self.filename, "eval"), namespace)
+        return eval(compile(last, filename, "eval"), namespace)
 
 
 @dataclass

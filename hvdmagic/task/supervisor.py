@@ -9,6 +9,7 @@ forwards its output and events until it exits or the driver says abort.
 
 from __future__ import annotations
 
+import base64
 import os
 import pickle
 import signal
@@ -129,7 +130,7 @@ class Supervisor:
             thread.start()
         try:
             self.proc.stdin.write(pickle.dumps({"payload": self.spec.payload, "rank": slot.rank,
-                                                "results": self.spec.results}))
+                                                "results": self.spec.results, "session": self.spec.session}))
             self.proc.stdin.flush()
         except (BrokenPipeError, OSError):
             pass  # the rank died before reading; its exit code tells why
@@ -159,9 +160,35 @@ class Supervisor:
             while (message := link.recv()).get("type") != Event.ABORT:
                 if message.get("type") == Event.EXEC:
                     self._exec(link, message)
+                elif message.get("type") == Event.CELL:
+                    self._send_cell(message)
+                elif message.get("type") == Event.INTERRUPT:
+                    self._signal(signal.SIGINT)
         except (channel.ChannelError, OSError):
             pass  # a lost driver means the same as abort
         self.abort()
+
+    def _send_cell(self, message: dict) -> None:
+        """A session's cell, to the rank's stdin as a length-prefixed pickle.
+
+        The payload came over the channel, so its frame passed the job's HMAC check; the
+        pipe leads only to our own child.
+        """
+        frame = pickle.dumps({"id": message.get("id"), "payload": base64.b64decode(message.get("payload", ""))})
+        try:
+            self.proc.stdin.write(len(frame).to_bytes(4, "big") + frame)
+            self.proc.stdin.flush()
+        except (AttributeError, OSError, ValueError):
+            pass  # the rank is gone; its exit tells the driver
+
+    def _signal(self, sig: int) -> None:
+        """``sig`` to the rank's process group, as a terminal's Ctrl-C reaches a foreground job."""
+        proc = self.proc
+        if proc is not None and proc.poll() is None:
+            try:
+                os.killpg(proc.pid, sig)
+            except ProcessLookupError:
+                pass
 
     def abort(self) -> None:
         self._aborted.set()

@@ -1,0 +1,170 @@
+"""The kernel's warm-rank sessions: ``%horovod start|stop|status`` and ``hvdmagic.session``.
+
+One session per magic (``%horovod``, ``%torchrun``) per kernel; a cell of that magic
+without ``--np`` runs on it. The ranks themselves are ``hvdmagic.launch.session``'s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import shlex
+import time
+
+from IPython.core.error import UsageError
+
+from hvdmagic.errors import LaunchError
+from hvdmagic.launch.session import Session
+from hvdmagic.protocol import Framework
+
+_sessions: dict[Framework, Session] = {}
+
+
+def session(np: int, *, backend: str = "horovod", controller: str = "gloo", timeout: float | None = None,
+            idle_timeout: float | None = None) -> Session:
+    """Warm ranks for ``hvdmagic.run(fn, session=s)``: started now, stopped by ``stop()`` or ``with``.
+
+    Args:
+        np: ranks as one Spark barrier stage (> 0), or processes on the driver (< 0).
+        backend: "horovod" or "torch" (torchrun's environment), as in ``hvdmagic.run``.
+        controller: "gloo" (the default) or "mpi" (Horovod only).
+        timeout: seconds the ranks get to come up; None waits.
+        idle_timeout: stop the ranks, freeing their slots and GPUs, after this many idle seconds.
+
+    Returns:
+        A running ``Session``; each ``hvdmagic.run(fn, session=s)`` then calls ``fn`` on its ranks,
+        in processes that keep their imports, ``hvd.init()`` and module state between calls.
+
+    Example::
+
+        with hvdmagic.session(2) as s:
+            hvdmagic.run(setup, session=s)          # import torch, hvd.init(), load data: once
+            for lr in (0.1, 0.05):
+                print(hvdmagic.run(train, session=s, lr=lr))
+    """
+    from hvdmagic.kernel.record import RunRecord
+    from hvdmagic.kernel.ui import make_view
+
+    warm = Session(np, framework=Framework(backend), controller=controller, start_timeout=timeout,
+                   idle_timeout=idle_timeout)
+    _start(warm, make_view, RunRecord)
+    atexit.register(warm.stop)
+    return warm
+
+
+def for_cell(magic: str, framework: Framework) -> Session:
+    """The session a cell without --np runs on, or a UsageError that says what to do."""
+    warm = _sessions.get(framework)
+    if warm is None:
+        raise UsageError(f"{magic} needs --np N, or a session: start one with {magic[1:]} start --np N.")
+    if not warm.running:
+        raise UsageError(f"the {magic[1:]} session is not running ({warm.ended}): start it again with "
+                         f"{magic[1:]} start --np {warm.np}, or give the cell --np N.")
+    return warm
+
+
+def _parser(magic: str) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=magic, add_help=False, exit_on_error=False)
+    commands = parser.add_subparsers(dest="command", required=True)
+    start = commands.add_parser("start", add_help=False, exit_on_error=False)
+    start.add_argument("--np", type=int, required=True)
+    start.add_argument("--controller", choices=("gloo", "mpi"), default="gloo")
+    start.add_argument("--timeout", type=float, help="seconds the ranks get to come up")
+    start.add_argument("--idle-timeout", type=float, help="stop the session after this many idle seconds")
+    start.add_argument("--restart", action="store_true", help="stop a running session first")
+    commands.add_parser("stop", add_help=False, exit_on_error=False)
+    commands.add_parser("status", add_help=False, exit_on_error=False)
+    return parser
+
+
+USAGE = ("{magic} start --np N [--controller gloo|mpi] [--timeout S] [--idle-timeout S] [--restart] | "
+         "{magic} stop | {magic} status")
+
+
+def line_magic(magic: str, line: str, framework: Framework):
+    """``%horovod start|stop|status``: the session's life, from a line magic."""
+    try:
+        args = _parser(magic).parse_args(shlex.split(line))
+    except (argparse.ArgumentError, SystemExit, ValueError) as exc:
+        raise UsageError(f"{exc}. Usage: {USAGE.format(magic=magic)}") from None
+    warm = _sessions.get(framework)
+    if args.command == "stop":
+        if warm is None or not warm.running:
+            print(f"hvdmagic: no {magic} session is running.")
+            return None
+        warm.stop()
+        del _sessions[framework]
+        print(f"hvdmagic: the {magic} session stopped; its Spark slots and GPUs are free.")
+        return None
+    if args.command == "status":
+        print(describe(magic, warm))
+        return None
+    if args.np == 0:
+        raise UsageError("--np must be a positive number of Spark ranks, or negative for local mode.")
+    for flag, seconds in (("--timeout", args.timeout), ("--idle-timeout", args.idle_timeout)):
+        if seconds is not None and seconds <= 0:
+            raise UsageError(f"{flag} must be a positive number of seconds.")
+    if warm is not None and warm.running:
+        if not args.restart:
+            raise UsageError(f"a {magic} session of {warm.np} ranks is running: stop it with {magic} stop, "
+                             f"or start over with {magic} start --np N --restart.")
+        warm.stop()
+    try:
+        warm = Session(args.np, framework=framework, controller=args.controller, start_timeout=args.timeout,
+                       idle_timeout=args.idle_timeout)
+    except LaunchError as exc:
+        raise UsageError(str(exc)) from None
+    from hvdmagic.kernel.record import RunRecord
+    from hvdmagic.kernel.ui import make_view
+
+    _start(warm, make_view, RunRecord)
+    _sessions[framework] = warm
+    print(f"hvdmagic: {magic} session of {warm.size} ranks ready ({'local' if warm.np < 0 else 'spark'}); "
+          f"cells without --np run on it.")
+    return None
+
+
+def _start(warm: Session, make_view, record_type) -> None:
+    """Start the ranks under a dashboard of their own, so their start-up stages show as a cell's do."""
+    record = record_type(warm.np)
+    view = make_view(record)
+
+    def on_event(event: dict) -> None:
+        record.apply(event)
+        view.on_event(event)
+
+    view.start()
+    try:
+        warm.start(on_event)
+    except BaseException as exc:
+        record.finish(error=exc)
+        raise
+    else:
+        record.finish(results=[None] * warm.size)
+    finally:
+        view.close()
+
+
+def describe(magic: str, warm: Session | None) -> str:
+    if warm is None:
+        return f"no {magic} session: start one with {magic} start --np N"
+    if not warm.running:
+        return f"{magic} session: not running ({warm.ended})"
+    now = time.monotonic()
+    lines = [f"{magic} session: {warm.size} ranks ({'local' if warm.np < 0 else 'spark'}), "
+             f"{'busy' if warm.busy else 'idle'}",
+             f"{'rank':>4}  {'host':<16} {'state':<5} {'memory':>9}  idle"]
+    for row in warm.status():
+        memory = f"{row.rss / 2**20:.0f} MiB" if row.rss else "?"
+        idle = "-" if row.idle_since is None else f"{now - row.idle_since:.0f} s"
+        lines.append(f"{row.rank:>4}  {row.host[:16]:<16} {'busy' if row.busy else 'idle':<5} {memory:>9}  {idle}")
+    return "\n".join(lines)
+
+
+def stop_all() -> None:
+    for warm in _sessions.values():
+        warm.stop()
+    _sessions.clear()
+
+
+atexit.register(stop_all)

@@ -1,0 +1,310 @@
+"""Warm ranks: one job whose ranks stay up between cells, each keeping its own namespace.
+
+``%horovod start`` (or ``hvdmagic.session``) starts a Job in session mode on a
+thread of the kernel: its ranks run ``hvdmagic.rank.session`` and wait. A cell is
+one ``cell`` message over the job's authenticated channel, relayed by every
+task's supervisor to its rank's stdin; the ranks answer with the usual events,
+tagged with the cell's id, and ``idle`` when done. No Spark stage, no process
+start and no import lie on a cell's path: a few messages on sockets already open.
+
+Stop sends ``interrupt``: each supervisor signals its rank, whose cell code sees
+KeyboardInterrupt. Ranks that do not come back within ``INTERRUPT_GRACE`` (stuck in
+a collective, where no signal reaches Python) and ranks whose collectives broke
+make the session restart its ranks, and say that their state is lost. A rank
+that dies ends the job; the session restarts its ranks the same way.
+"""
+
+from __future__ import annotations
+
+import base64
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from hvdmagic.errors import JobFailed, JobInterrupted, JobTimeout, LaunchError, RankFailure
+from hvdmagic.launch import make_backend, preflight
+from hvdmagic.launch.interrupts import interruptible
+from hvdmagic.launch.job import Job, result_value
+from hvdmagic.protocol import Event, Framework, ResultPolicy
+
+INTERRUPT_GRACE = 5.0  # seconds the ranks get to leave a cell after Stop, before they are restarted
+FAILURE_GRACE = 5.0  # seconds the other ranks get to finish a cell after one rank's error
+POLL = 0.05
+LOST_STATE = "the session's ranks were restarted, and what they held (models, data, variables) is lost"
+
+
+@dataclass
+class RankStatus:
+    rank: int
+    host: str
+    busy: bool
+    rss: int | None  # bytes, at the rank's last idle
+    idle_since: float | None  # the kernel's monotonic clock
+
+
+class Session:
+    """Ranks that stay up between cells. See the module doc; ``hvdmagic.session`` is the Python API.
+
+    Args:
+        np: ranks as a Spark barrier stage (> 0) or processes on the driver (< 0).
+        framework: Horovod's environment, or torch.distributed's.
+        controller: "gloo" or "mpi" (Horovod only).
+        start_timeout: seconds the ranks get to come up.
+        idle_timeout: stop the session, freeing its slots and GPUs, after this many idle seconds.
+    """
+
+    def __init__(self, np: int, *, framework: Framework = Framework.HOROVOD, controller: str = "gloo",
+                 start_timeout: float | None = None, idle_timeout: float | None = None, spark=None):
+        preflight(np, framework, controller)
+        self.np = np
+        self.size = abs(np)
+        self.framework = framework
+        self.controller = controller
+        self.start_timeout = start_timeout
+        self.idle_timeout = idle_timeout
+        self.spark = spark
+        self.ended: str | None = "not started"  # why the session is not running, or None while it runs
+        self._job: Job | None = None
+        self._thread: threading.Thread | None = None
+        self._job_error: BaseException | None = None
+        self._inbox: queue.Queue[dict] = queue.Queue()
+        self._lock = threading.Lock()  # one cell at a time
+        self._cells = 0
+        self._busy = False
+        self._hosts: dict[int, str] = {}
+        self._rss: dict[int, int] = {}
+        self._idle_since: dict[int, float] = {}
+        self._watcher: threading.Thread | None = None
+
+    # -- lifecycle ------------------------------------------------------------
+    @property
+    def running(self) -> bool:
+        return self.ended is None and self._thread is not None and self._thread.is_alive()
+
+    def start(self, on_event: Callable[[dict], None] | None = None) -> None:
+        """Bring the ranks up and wait until every one is idle in its namespace."""
+        on_event = on_event or (lambda event: None)
+        backend = make_backend(self.np, on_event, spark=self.spark)
+        self._inbox = queue.Queue()
+        self._job_error = None
+        self._job = Job(backend, b"", controller=self.controller, framework=self.framework, session=True,
+                        results=ResultPolicy.ALL_OR_REPR, on_event=self._inbox.put)
+        self._thread = threading.Thread(target=self._run_job, name="hvdmagic-session", daemon=True)
+        self._thread.start()
+        self.ended = None
+        idle: set[int] = set()
+        deadline = time.monotonic() + self.start_timeout if self.start_timeout else None
+        try:
+            with interruptible():
+                while len(idle) < self.size:
+                    event = self._next_event(deadline, "start")
+                    if event is None:
+                        continue
+                    if event.get("type") == Event.IDLE:
+                        idle.add(event["rank"])
+                        self._note_idle(event)
+                    elif event.get("type") == Event.PLACED:
+                        self._hosts[event["rank"]] = event.get("host", "")
+                    if event.get("type") != Event.IDLE:
+                        on_event(event)
+        except BaseException:
+            self.stop()
+            raise
+        if self.idle_timeout and self._watcher is None:
+            self._watcher = threading.Thread(target=self._watch_idle, name="hvdmagic-session-idle", daemon=True)
+            self._watcher.start()
+
+    def stop(self, reason: str = "stopped") -> None:
+        """End the ranks and the Spark job; nothing is left behind. Idempotent."""
+        if self.ended is None:
+            self.ended = reason  # first: the job thread's own "its ranks exited" must not replace it
+        job, thread = self._job, self._thread
+        if job is not None:
+            job.send({"type": Event.ABORT})
+        if thread is not None:
+            thread.join(timeout=60)
+        self._job = self._thread = None
+
+    def restart(self, on_event: Callable[[dict], None] | None = None) -> None:
+        self.stop("restarting")
+        self.ended = None
+        self.start(on_event)
+
+    @property
+    def busy(self) -> bool:
+        return self._busy
+
+    def status(self) -> list[RankStatus]:
+        return [RankStatus(rank, self._hosts.get(rank, ""), self._busy, self._rss.get(rank),
+                           None if self._busy else self._idle_since.get(rank)) for rank in range(self.size)]
+
+    def __enter__(self) -> Session:
+        if not self.running:
+            self.start()
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.stop()
+
+    # -- cells ------------------------------------------------------------------
+    def run_cell(self, payload: bytes, on_event: Callable[[dict], None], *, timeout: float | None = None,
+                 stall_timeout: float | None = None) -> list:
+        """Run a cloudpickled ``(fn, args, kwargs)`` (a CellFunction runs in the ranks' namespaces);
+        return every rank's value, raising as a one-shot job would."""
+        if not self.running:
+            raise LaunchError(f"the session is not running ({self.ended or 'its ranks have exited'}): start one "
+                              "with %horovod start --np N (or hvdmagic.session), or give the cell --np.")
+        if not self._lock.acquire(blocking=False):
+            raise LaunchError("the session is running another cell; sessions run one cell at a time.")
+        try:
+            with interruptible():
+                return self._run_cell(payload, on_event, timeout, stall_timeout)
+        finally:
+            self._busy = False
+            self._lock.release()
+
+    def _run_cell(self, payload, on_event, timeout, stall_timeout) -> list:
+        self._cells += 1
+        cell = self._cells
+        self._busy = True
+        for rank in range(self.size):
+            on_event({"type": Event.PLACED, "rank": rank, "host": self._hosts.get(rank, "")})
+        self._job.send({"type": Event.CELL, "id": cell, "payload": base64.b64encode(payload).decode("ascii")})
+        started = time.monotonic()
+        pending = set(range(self.size))
+        values: dict[int, object] = {}
+        failures: list[RankFailure] = []
+        broken = False
+        last_progress = {rank: started for rank in pending}
+        first_failure_at: float | None = None
+        try:
+            while pending:
+                now = time.monotonic()
+                if first_failure_at is not None and now - first_failure_at > FAILURE_GRACE:
+                    # The others wait in a collective for the failed rank: interrupt them, or restart.
+                    stuck = self._interrupt(pending, on_event)
+                    if stuck:
+                        broken = True
+                    break
+                verdict = self._watchdog(started, now, last_progress, pending, timeout, stall_timeout)
+                if verdict:
+                    self._interrupt(pending, on_event)
+                    self._restart_after(on_event)
+                    raise JobTimeout(failures, sorted(pending), note=f"{verdict}; {LOST_STATE}")
+                event = self._next_event(None, "cell", wait=POLL)
+                if event is None:
+                    continue
+                kind, rank = event.get("type"), event.get("rank")
+                if event.get("cell", cell) != cell:
+                    continue  # a late answer to an earlier, interrupted cell
+                if isinstance(rank, int):
+                    last_progress[rank] = time.monotonic()
+                if kind == Event.IDLE:
+                    pending.discard(rank)
+                    self._note_idle(event)
+                    continue
+                if kind == Event.RESULT:
+                    values[rank] = result_value(event)
+                elif kind == Event.ERROR:
+                    failures.append(RankFailure(rank, f"{event.get('exc_type')}: {event.get('message')}",
+                                                event.get("traceback", ""), self._hosts.get(rank, ""),
+                                                event.get("time") or float("inf")))
+                    broken |= bool(event.get("broken"))
+                    first_failure_at = first_failure_at or time.monotonic()
+                on_event(event)
+        except KeyboardInterrupt:
+            stuck = self._interrupt(pending, on_event)
+            if stuck:
+                self._restart_after(on_event)
+                raise JobInterrupted(f"interrupted: rank(s) {', '.join(map(str, stuck))} did not stop within "
+                                     f"{INTERRUPT_GRACE:g} s (stuck in a collective?), so {LOST_STATE}.") from None
+            raise JobInterrupted("interrupted: every rank stopped the cell; the session keeps its ranks and "
+                                 "their state.") from None
+        if failures:
+            if broken:
+                self._restart_after(on_event)
+            note = LOST_STATE if broken else "the session keeps its ranks and their state"
+            raise JobFailed(failures, sorted(pending), note=note)
+        return [values.get(rank) for rank in range(self.size)]
+
+    def _interrupt(self, pending: set[int], on_event) -> list[int]:
+        """Stop (SIGINT) the ranks still in the cell; the ranks that did not get back to idle."""
+        self._job.send({"type": Event.INTERRUPT})
+        deadline = time.monotonic() + INTERRUPT_GRACE
+        while pending and time.monotonic() < deadline:
+            try:
+                event = self._next_event(deadline, "cell", wait=POLL)
+            except (JobFailed, LaunchError):
+                break  # a rank died: the caller restarts
+            except KeyboardInterrupt:
+                break  # Stop pressed again: do not wait any longer
+            if event is None:
+                continue
+            if event.get("type") == Event.IDLE:
+                pending.discard(event.get("rank"))
+                self._note_idle(event)
+            elif event.get("type") != Event.ERROR:
+                on_event(event)
+        return sorted(pending)
+
+    def _restart_after(self, on_event) -> None:
+        on_event({"type": Event.NOTE, "text": f"hvdmagic: {LOST_STATE}"})
+        self.restart(on_event)
+
+    @staticmethod
+    def _watchdog(started, now, last_progress, pending, timeout, stall_timeout) -> str | None:
+        if timeout and now - started > timeout:
+            return f"the cell exceeded --timeout {timeout:g} s"
+        if stall_timeout:
+            stalled = sorted(r for r in pending if now - last_progress[r] > stall_timeout)
+            if stalled:
+                return (f"rank(s) {', '.join(map(str, stalled))} made no progress for {stall_timeout:g} s "
+                        "(--stall-timeout)")
+        return None
+
+    # -- the job's events -------------------------------------------------------
+    def _run_job(self) -> None:
+        try:
+            self._job.run()
+        except BaseException as exc:  # a rank died: reported to the cell that waits, if any
+            self._job_error = exc
+        finally:
+            if self.ended is None:
+                self.ended = "its ranks exited"
+            self._inbox.put({"type": "job_ended"})
+
+    def _next_event(self, deadline: float | None, during: str, wait: float = POLL) -> dict | None:
+        """The next event from the job; raises once the job has ended (a rank died)."""
+        if deadline is not None and time.monotonic() > deadline:
+            self.stop()
+            raise LaunchError(f"the session's ranks did not come up within {self.start_timeout:g} s (--timeout).")
+        try:
+            event = self._inbox.get(timeout=wait)
+        except queue.Empty:
+            return None
+        if event.get("type") != "job_ended":
+            return event
+        error = self._job_error
+        if isinstance(error, JobFailed):
+            if during == "cell":
+                # The caller's cell fails with the lost rank named; the ranks come back for the next cell.
+                self.restart()
+                raise JobFailed(error.failures, error.stopped, note=LOST_STATE) from None
+            raise error
+        raise LaunchError(f"the session's job ended: {error or 'its ranks exited'}") from None
+
+    def _note_idle(self, event: dict) -> None:
+        rank = event["rank"]
+        if event.get("rss"):
+            self._rss[rank] = int(event["rss"])
+        self._idle_since[rank] = time.monotonic()
+
+    def _watch_idle(self) -> None:
+        while self.ended is None or self.ended == "restarting":
+            time.sleep(1.0)  # a coarse clock for a limit in seconds; nothing waits on this loop
+            idle_since = max(self._idle_since.values(), default=time.monotonic())
+            if self.running and not self._busy and time.monotonic() - idle_since > self.idle_timeout:
+                self.stop(f"stopped after {self.idle_timeout:g} s idle (--idle-timeout)")
+        self._watcher = None
