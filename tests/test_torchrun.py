@@ -55,6 +55,7 @@ def test_ddp_ranks_end_with_identical_weights_and_torchruns_environment(ip, np):
         assert env["MASTER_ADDR"] == "127.0.0.1" and env["MASTER_PORT"] == envs[0]["MASTER_PORT"]
         assert env["TORCHELASTIC_RUN_ID"] == envs[0]["TORCHELASTIC_RUN_ID"]
     assert len(hvdmagic.last_run().metrics) == 20 * n
+    assert hvdmagic.last_run().command == "%%torchrun"
     assert rank_processes() == []
 
 

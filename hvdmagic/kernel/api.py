@@ -85,7 +85,7 @@ def run(fn: Callable, np: int | None = None, *args, timeout: float | None = None
         raise ValueError("give hvdmagic.run either np (new ranks) or session= (a session's warm ranks)")
     payload = _dumps((fn, args, kwargs), fn)
     return execute(payload, np, timeout=timeout, stall_timeout=stall_timeout, data=data,
-                   controller=controller, framework=framework, session=session).results
+                   controller=controller, framework=framework, session=session, command="hvdmagic.run").results
 
 
 def _is_users_own(module) -> bool:
@@ -176,7 +176,7 @@ class HorovodRunner:
             accuracy = HorovodRunner(np=2).run(train, lr=0.1)
         """
         payload = _dumps((main, (), kwargs), main)
-        return execute(payload, self.num_processor, results=ResultPolicy.RANK0).result
+        return execute(payload, self.num_processor, results=ResultPolicy.RANK0, command="HorovodRunner").result
 
 
 class TorchDistributor:
@@ -235,4 +235,4 @@ class TorchDistributor:
         np = -self.num_processes if self.local_mode else self.num_processes
         payload = _dumps((train_object, args, kwargs), train_object)
         return execute(payload, np, results=ResultPolicy.RANK0, framework=Framework.TORCH,
-                       gpus=self.use_gpu).result
+                       gpus=self.use_gpu, command="TorchDistributor").result

@@ -141,7 +141,7 @@ class HorovodMagics(Magics):
         print(capture.summary(), flush=True)
         record = execute(capture.payload, args.np, timeout=args.timeout, stall_timeout=args.stall_timeout,
                          data=data, results=ResultPolicy.ALL_OR_REPR, framework=framework, session=session,
-                         **options)
+                         command=magic, **options)
         if args.out:
             self.shell.user_ns[args.out] = record.result
         if args.metrics:

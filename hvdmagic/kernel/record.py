@@ -60,9 +60,10 @@ class RankRecord:
 
 
 class RunRecord:
-    def __init__(self, np: int):
+    def __init__(self, np: int, command: str = "%%horovod"):
         self.np = abs(np)
         self.mode = "local" if np < 0 else "spark"
+        self.command = command  # how the run was asked for: "%%horovod", "%%torchrun", "hvdmagic.run", ...
         self.state = "launching"
         self.description = ""
         self.job_group: str | None = None

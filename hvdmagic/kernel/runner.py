@@ -17,7 +17,7 @@ from hvdmagic.protocol import Framework
 def execute(payload: bytes, np: int, *, timeout: float | None = None, stall_timeout: float | None = None,
             timeline: str | None = None, data=None, spark=None, view=None, controller: str = "gloo",
             results: ResultPolicy = ResultPolicy.ALL, framework: Framework = Framework.HOROVOD,
-            gpus: bool = False, session=None) -> RunRecord:
+            gpus: bool = False, session=None, command: str = "%%horovod") -> RunRecord:
     """Run a cloudpickled ``(fn, args, kwargs)`` on |np| ranks; return its record.
 
     ``timeline``: a path where rank 0 records a Horovod Timeline. ``results``: which
@@ -25,11 +25,11 @@ def execute(payload: bytes, np: int, *, timeout: float | None = None, stall_time
     view have been closed with it. Under ``ResultPolicy.ALL_OR_REPR`` an unpicklable
     rank-0 value is printed as a one-line warning with its repr, and the result is None.
     ``session``: a running ``launch.session.Session`` whose warm ranks run it instead of
-    new ones (``np`` is then the session's).
+    new ones (``np`` is then the session's). ``command`` names the run in its views.
     """
     if session is not None:
         np = session.np
-    record = RunRecord(np)
+    record = RunRecord(np, command)
     env = {}
     if timeline:
         record.timeline = str(Path(timeline).expanduser().resolve())

@@ -126,7 +126,7 @@ def line_magic(magic: str, line: str, framework: Framework):
 
 def _start(warm: Session, make_view, record_type) -> None:
     """Start the ranks under a dashboard of their own, so their start-up stages show as a cell's do."""
-    record = record_type(warm.np)
+    record = record_type(warm.np, f"%{'torchrun' if warm.framework == Framework.TORCH else 'horovod'} start")
     view = make_view(record)
 
     def on_event(event: dict) -> None:

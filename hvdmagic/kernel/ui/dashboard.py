@@ -305,7 +305,7 @@ class Dashboard:
     def fallback_text(self) -> str:
         """The live display's text/plain, for a front end that does not render widgets."""
         record = self.record
-        return (f"%%horovod np={record.np} ({record.mode}): live dashboard (widgets); "
+        return (f"{record.command} np={record.np} ({record.mode}): live dashboard (widgets); "
                 "the run's final state replaces this output when it ends")
 
     # -- drawing ----------------------------------------------------------------
@@ -345,7 +345,7 @@ class Dashboard:
         state = f'<span class="hvdmagic-state" style="color:{colour};font-weight:600">{word}</span>'
         if record.state == "failed":
             state += f'<span style="color:{colour}">: see the error below</span>'
-        items = ["<b>%%horovod</b>", state]
+        items = [f"<b>{html.escape(record.command)}</b>", state]
         stage = format.run_stage(record, now)
         if stage is not None:
             items.append(f'<span class="hvdmagic-stage">{html.escape(stage)}</span>')

@@ -49,7 +49,7 @@ class Snapshot:
     def headline(self) -> str:
         record = self.record
         state = "failed (see the error below)" if record.state == "failed" else record.state
-        return f"%%horovod np={record.np} ({record.mode}): {state}"
+        return f"{record.command} np={record.np} ({record.mode}): {state}"
 
     def text(self) -> str:
         """Deterministic (no timings, rates or hosts), so nbval and nbclient outputs are stable:
@@ -92,7 +92,7 @@ class Snapshot:
                  f"{html.escape(record.state)}</span>")
         if record.state == "failed":
             state += f'<span style="color:{colour}">: see the error below</span>'
-        items = ["<b>%%horovod</b>", state]
+        items = [f"<b>{html.escape(record.command)}</b>", state]
         items += [progress.duration(record.elapsed), f"np={record.np} ({html.escape(record.mode)})"]
         if record.job_group:
             items.append(f"Spark job group <code>{html.escape(record.job_group)}</code>")
