@@ -2,7 +2,10 @@
 
 Each renders itself for IPython through ``_render_traceback_`` (as ipyparallel's
 CompositeError does), so the user sees the remote traceback of their own cell,
-not the launcher's frames or a page of Java.
+not the launcher's frames or a page of Java. Each also subclasses the standard
+exception it means (as nbclient's do), so callers can catch it without importing
+hvdmagic: a launch that cannot start and a failed job are RuntimeErrors, a
+timeout is a TimeoutError, a cell that cannot be captured is a ValueError.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ class HvdmagicError(Exception):
         return [f"{type(self).__name__}: {self}"]
 
 
-class LaunchError(HvdmagicError):
+class LaunchError(HvdmagicError, RuntimeError):
     """The job could not start: bad set-up, not enough slots, no Spark, no horovod.
 
     The message is one paragraph; ``details`` keeps the whole underlying error (a
@@ -29,7 +32,7 @@ class LaunchError(HvdmagicError):
         self.details = details
 
 
-class CaptureError(HvdmagicError):
+class CaptureError(HvdmagicError, ValueError):
     """The cell could not be turned into something the ranks can run."""
 
 
@@ -59,16 +62,19 @@ class RankFailure:
         return self.summary.split(":", 1)[0] in FALLOUT
 
 
-class JobFailed(HvdmagicError):
+class JobFailed(HvdmagicError, RuntimeError):
     """One or more ranks failed; the others were stopped."""
 
     MAX_TRACEBACKS = 3
+    QUIET_LINES = 20
 
     def __init__(self, failures: list[RankFailure], stopped: list[int], note: str = ""):
         # The root cause first: a real error before fallout, then the earliest.
         self.failures = sorted(failures, key=lambda f: (f.is_fallout, f.time))
         self.stopped = stopped
         self.note = note
+        # By rank: start-up chatter the views hid while it ran (kernel.noise), shown with the failure.
+        self.quiet_output: dict[int, list[str]] = {}
         super().__init__(self._headline())
 
     def _headline(self) -> str:
@@ -97,12 +103,16 @@ class JobFailed(HvdmagicError):
                 break
             lines.append("")
             lines.append(f"--- rank {', '.join(map(str, ranks))} ---")
+            for rank in ranks:
+                if quiet := self.quiet_output.get(rank):
+                    lines.append(f"(rank {rank}'s start-up messages, hidden while it ran:)")
+                    lines.extend(quiet[-self.QUIET_LINES:])
             lines.extend(text.rstrip("\n").splitlines())
         return lines
 
 
-class JobTimeout(JobFailed):
-    pass
+class JobTimeout(JobFailed, TimeoutError):
+    """--timeout or --stall-timeout ran out; a TimeoutError, so callers can catch it without hvdmagic."""
 
 
 class JobInterrupted(HvdmagicError):

@@ -8,7 +8,7 @@ import pytest
 from conftest import run
 from IPython.core.error import UsageError
 
-from hvdmagic.errors import CaptureError, CellSyntaxError
+from hvdmagic.errors import CaptureError, CellSyntaxError, LaunchError
 
 
 def test_local_mode_runs_ranks_on_the_driver(ip, capfd):
@@ -59,7 +59,7 @@ def test_syntax_error_points_at_the_cell_line(ip):
     ("--np 0", "--np must be"),
     ("--np abc", "invalid int value"),
     ("--np 2 --bogus", "unrecognized arguments"),
-    ("", "required: --np"),
+    ("", "needs --np N, or a session"),
     ("--np 2 --out 3x", "valid Python variable name"),
     ("--np 2 --timeout -1", "--timeout must be"),
 ])
@@ -170,6 +170,47 @@ def test_without_horovod_load_ext_works_and_a_cell_says_how_to_install_it(tmp_pa
 
 def test_help_shows_the_cell_magic_with_two_percent_signs_plain_text_and_an_example(ip):
     doc = ip.find_cell_magic("horovod").__doc__
-    assert doc.lstrip(":\n ").startswith("%%horovod --np N"), doc[:80]
+    assert doc.lstrip(":\n ").startswith("%%horovod [--np N]"), doc[:80]
     assert "``" not in doc, "reST markup shows through in %%horovod?"
     assert "Example:" in doc and "%%horovod --np 2 --out accuracy" in doc
+
+
+@pytest.fixture
+def fake_horovod(tmp_path, monkeypatch):
+    """A horovod package whose metadata.json says what it was built for (the file horovod itself writes)."""
+    import importlib
+    import json
+    import sys
+
+    def built_for(**frameworks):
+        package = tmp_path / "horovod"
+        package.mkdir(exist_ok=True)
+        (package / "__init__.py").write_text("")
+        (package / "metadata.json").write_text(json.dumps({**frameworks, "dummy": "none"}))
+        monkeypatch.syspath_prepend(str(tmp_path))
+        for name in [m for m in sys.modules if m == "horovod" or m.startswith("horovod.")]:
+            monkeypatch.delitem(sys.modules, name)
+        importlib.invalidate_caches()
+
+    return built_for
+
+
+def test_a_cell_that_needs_tensorflow_from_a_horovod_built_without_it_names_the_rebuild(ip, fake_horovod):
+    fake_horovod(pytorch="2.13.0+cpu")
+    ip.user_ns["before"] = 1
+    _, error = run(ip, "%%horovod --np -2 --out before\nimport horovod.tensorflow.keras as hvd\nhvd.init()")
+    assert isinstance(error, LaunchError), error
+    assert "built without TensorFlow" in str(error) and "python -m hvdmagic.build_horovod" in str(error)
+    assert "\n" not in str(error) and ip.user_ns["before"] == 1
+
+
+def test_a_framework_version_that_differs_from_the_build_names_the_rebuild(ip, fake_horovod):
+    fake_horovod(pytorch="2.1.0")
+    _, error = run(ip, "%%horovod --np -2\nimport horovod.torch as hvd")
+    assert isinstance(error, LaunchError), error
+    assert "built against PyTorch 2.1.0, and PyTorch 2.13.0" in str(error)
+
+
+def test_mxnet_says_it_was_retired(ip):
+    _, error = run(ip, "%%horovod --np -2\nimport mxnet as mx\nimport horovod.mxnet as hvd")
+    assert isinstance(error, LaunchError) and "Apache retired MXNet in 2023" in str(error), error

@@ -245,3 +245,39 @@ def test_rank_environment_drops_only_sparks_own_pythonpath_entries():
     assert env["PYTHONPATH"] == "/work/userfiles/deps.zip:/work/src"
     assert env["HOME"] == "/root"
     assert "PYTHONPATH" not in rank_base_environment({"PYTHONPATH": "/x/pyspark.zip:/x/spark-core.jar"})
+
+
+def test_errors_subclass_the_standard_exception_they_mean():
+    from hvdmagic.errors import CaptureError, JobTimeout, LaunchError
+
+    assert issubclass(LaunchError, RuntimeError) and issubclass(JobFailed, RuntimeError)
+    assert issubclass(JobTimeout, TimeoutError) and issubclass(JobTimeout, JobFailed)
+    assert issubclass(CaptureError, ValueError)
+    with pytest.raises(TimeoutError):
+        raise JobTimeout([RankFailure(0, "stalled")], [])
+
+
+def test_tensorflow_start_up_chatter_is_kept_out_of_the_views_and_shown_when_the_rank_fails():
+    from hvdmagic.kernel.noise import is_startup_noise
+    from hvdmagic.kernel.record import RunRecord
+
+    chatter = [
+        "2026-11-23 17:00:00.123456: I tensorflow/core/util/port.cc:153] oneDNN custom operations are on. You may "
+        "see slightly different numerical results due to floating-point round-off errors.",
+        "E0000 00:00:1763917200.123456   4242 cuda_dnn.cc:8310] Unable to register cuDNN factory: Attempting to "
+        "register factory for plugin cuDNN when one has already been registered",
+        "WARNING: All log messages before absl::InitializeLog() is called are written to STDERR",
+        "To enable the following instructions: AVX2 AVX512F FMA, in other operations, rebuild TensorFlow with the "
+        "appropriate compiler flags.",
+    ]
+    mine = ["Epoch 1/2", "loss: 0.5 - error: the data is bad", "E: my own message"]
+    assert all(is_startup_noise(line) for line in chatter)
+    assert not any(is_startup_noise(line) for line in mine)
+    record = RunRecord(1)
+    record.apply({"type": "output", "rank": 0, "stream": "stderr", "lines": chatter + mine, "transient": None})
+    assert [line for _, _, line in record.all_logs] == mine  # what the views show
+    assert record.logs[0].count("\n") == len(chatter) + len(mine)  # the full log keeps everything
+    failure = JobFailed([RankFailure(0, "ImportError: x", "Traceback...\nImportError: x\n")], [])
+    failure.quiet_output = {0: record.ranks[0].quiet}
+    rendered = "\n".join(failure._render_traceback_())
+    assert "rank 0's start-up messages, hidden while it ran" in rendered and chatter[1] in rendered

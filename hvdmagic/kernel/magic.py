@@ -10,6 +10,7 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 
 from hvdmagic.kernel import sessions
 from hvdmagic.kernel.capture import capture_cell
+from hvdmagic.kernel.preflight import check_cell
 from hvdmagic.kernel.runner import execute
 from hvdmagic.launch import ResultPolicy
 from hvdmagic.protocol import Framework
@@ -137,7 +138,10 @@ class HorovodMagics(Magics):
         if args.mlflow is not None and importlib.util.find_spec("mlflow") is None:
             raise UsageError("--mlflow needs MLflow in the notebook's environment: pip install mlflow-skinny.")
 
-        capture = capture_cell(cell_source(self.shell, cell), self.shell.user_ns, set(self.shell.user_ns_hidden))
+        source = cell_source(self.shell, cell)
+        if framework == Framework.HOROVOD:
+            check_cell(source)
+        capture = capture_cell(source, self.shell.user_ns, set(self.shell.user_ns_hidden))
         print(capture.summary(), flush=True)
         record = execute(capture.payload, args.np, timeout=args.timeout, stall_timeout=args.stall_timeout,
                          data=data, results=ResultPolicy.ALL_OR_REPR, framework=framework, session=session,

@@ -14,6 +14,7 @@ from typing import Any
 
 from hvdmagic import metric_rows
 from hvdmagic.kernel.history import MetricHistory
+from hvdmagic.kernel.noise import is_startup_noise
 from hvdmagic.protocol import STAGE_ORDER, Event, Stage
 
 STATES = ("launching", "running", "finished", "failed", "cancelled")
@@ -52,6 +53,7 @@ class RankRecord:
     logs: list[tuple[str, str]] = field(default_factory=list)  # (stream, line)
     exit_code: int | None = None
     stage: Stage | None = None  # the furthest start-up stage this rank reached
+    quiet: list[str] = field(default_factory=list)  # start-up chatter kept out of the views (kernel.noise)
     stage_since: float | None = None  # when it reached that stage, on the kernel's clock
 
     @property
@@ -114,6 +116,8 @@ class RunRecord:
                 lines = list(event.get("lines") or [])
                 stream = event.get("stream", "stdout")
                 record.logs.extend((stream, line) for line in lines)
+                record.quiet.extend(line for line in lines if is_startup_noise(line))
+                lines = [line for line in lines if not is_startup_noise(line)]
                 self.all_logs.extend((rank, stream, line) for line in lines)
                 shown = event.get("transient") or (lines[-1] if lines else None)
                 if shown is not None:

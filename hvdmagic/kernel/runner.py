@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from hvdmagic.errors import JobInterrupted
+from hvdmagic.errors import JobFailed, JobInterrupted
 from hvdmagic.kernel.record import RunRecord, set_last
 from hvdmagic.kernel.ui import make_view
 from hvdmagic.launch import ResultPolicy, UnsentResult, launch
@@ -54,6 +54,9 @@ def execute(payload: bytes, np: int, *, timeout: float | None = None, stall_time
         record.finish(error=exc, cancelled=True)
         raise
     except BaseException as exc:
+        if isinstance(exc, JobFailed):
+            exc.quiet_output = {f.rank: record.ranks[f.rank].quiet for f in exc.failures
+                                if 0 <= f.rank < record.np and record.ranks[f.rank].quiet}
         record.finish(error=exc)
         raise
     else:

@@ -103,12 +103,21 @@ def _short_repr(value, limit: int = 500) -> str:
     return text if len(text) <= limit else text[:limit] + "..."
 
 
+# What horovod says when its build does not fit this host's frameworks (not built for one, another version).
+_BUILD_MISMATCH = ("has not been built", "Reinstall Horovod", "undefined symbol", "was built without")
+_REBUILD = ("this host's horovod does not match its frameworks: rebuild it here with python -m "
+            "hvdmagic.build_horovod --frameworks pytorch,tensorflow (docs/frameworks.md)")
+
+
 def error_event(exc: BaseException, **fields) -> dict:
+    message = str(exc)
+    if any(sign in message for sign in _BUILD_MISMATCH) and "horovod" in _user_traceback(exc):
+        message = f"{message} ({_REBUILD})"
     return {
         "type": Event.ERROR,
         "time": time.time(),  # lets the driver tell the first failure from its fallout
         "exc_type": type(exc).__name__,
-        "message": str(exc),
+        "message": message,
         "traceback": _user_traceback(exc),
         **fields,
     }

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import sys
 
+from hvdmagic.kernel.noise import is_startup_noise
 from hvdmagic.kernel.record import RankRecord, RunRecord
 from hvdmagic.kernel.timeline import describe
 from hvdmagic.kernel.ui import format
@@ -45,7 +46,7 @@ class TextView:
         if kind != Event.OUTPUT:
             return
         rank = event["rank"]
-        lines = list(event.get("lines") or [])
+        lines = [line for line in event.get("lines") or [] if not is_startup_noise(line)]
         if event.get("transient"):
             lines.append(event["transient"])
         room = self._max_lines - self._printed[rank]
