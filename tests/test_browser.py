@@ -1,8 +1,23 @@
-"""The live dashboard of a real ``%%horovod --np 2`` cell, in JupyterLab in headless Chromium.
+"""Real ``%%horovod`` cells in JupyterLab, in headless Chromium: what a user sees.
 
-nbclient and nbval only see the widgets' final state; this test checks what a user sees:
-progress bars that move and a metric chart that appears while the ranks train.
-Needs Debian's chromium (scripts/install_browser.sh) and the dev extras (jupyterlab, playwright).
+nbclient and nbval only see a cell's final outputs; these tests drive JupyterLab and check
+the page, each saving a screenshot under artifacts/screenshots/:
+
+- a live run: the rank bars and the overall bar move while the ranks train, a metric chart
+  and the newest output lines appear, a chart control works mid-run, and the end of the
+  run replaces the widgets by the static snapshot (running.png, dashboard.png, finished.png);
+- a failing rank: the snapshot's header says failed and the traceback is shown once, in
+  the cell's error output (failed.png);
+- the Stop button while the run starts: the cell ends with a one-line JobInterrupted and
+  the next cell runs on the Spark that went on starting (interrupted.png, after-interrupt.png);
+- the saved notebook reopened with its kernel shut down and none started: the snapshot
+  with its figures, and no "Error displaying widget" (reopened.png).
+
+One JupyterLab server and one Chromium serve every test. Each notebook gets its own
+kernel, and so its own embedded Spark, which a test shuts down when it ends. Needs Debian's
+chromium (scripts/install_browser.sh) and the dev extras (jupyterlab, playwright).
+``HVDMAGIC_UPDATE_SCREENSHOT=1`` also copies the live dashboard's screenshot to
+docs/images/dashboard.png, which the README shows.
 """
 
 from __future__ import annotations
@@ -11,6 +26,8 @@ import contextlib
 import json
 import os
 import shutil
+import urllib.request
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import nbformat
@@ -20,6 +37,7 @@ from browser.jupyter import JupyterLab, launch_chromium, missing_chromium
 REPO = Path(__file__).resolve().parents[1]
 ARTIFACTS = REPO / "artifacts"
 SCREENSHOTS = ARTIFACTS / "screenshots"
+SERVER_LOG = ARTIFACTS / "jupyter-server.log"
 DOCS_IMAGE = REPO / "docs" / "images" / "dashboard.png"
 
 # The indicator also reads idle for a moment before any kernel is attached ("No Kernel"),
@@ -31,12 +49,23 @@ KERNEL_READY = """() => {
     return !!idle && !!kernel && kernel !== "No Kernel";
 }"""
 DASHBOARD = ".hvdmagic-dashboard"
-BARS = f"{DASHBOARD} .widget-hprogress .progress-bar"
-STATE = f"{DASHBOARD} .hvdmagic-state"
+RANK_BARS = f"{DASHBOARD} .hvdmagic-rank .widget-hprogress .progress-bar"
+STAGE = f"{DASHBOARD} .hvdmagic-stage"
 CHART = f"{DASHBOARD} .hvdmagic-chart svg"
+RECENT = f"{DASHBOARD} .hvdmagic-recent"
+SNAPSHOT = ".hvdmagic-snapshot"
+ERROR_OUTPUT = ".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr']"
+NOTEBOOK_CELLS = ".jp-NotebookPanel .jp-Notebook .jp-Cell"
+NO_KERNEL = """() => {
+    const kernel = document.querySelector(".jp-NotebookPanel-toolbar [data-jp-item-name='kernelName']");
+    return !document.querySelector(".jp-Dialog") && kernel?.innerText.trim() === "No Kernel";
+}"""
+WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
 NP = 2
+KERNELSPEC = {"name": "python3", "display_name": "Python 3", "language": "python"}
 
 LOAD_CELL = "%load_ext hvdmagic"
+STEPS = 150
 # ~15 s of steps: long enough to watch the bars move, short enough for `make test`.
 TRAIN_CELL = f"""\
 %%horovod --np {NP}
@@ -47,27 +76,52 @@ import hvdmagic
 
 hvd.init()
 hvd.allreduce(torch.ones(1), name="warmup")
-steps = 150
+steps = {STEPS}
 for i in range(steps):
     time.sleep(0.1)  # the workload
-    hvdmagic.log_metrics(step=i, loss=1 / (i + 1))
+    loss = (1 + hvd.rank()) / (i + 1)
+    hvdmagic.log_metrics(step=i, loss=loss)
     hvdmagic.progress(i + 1, total=steps, desc="train")
+    if i % 10 == 0:
+        print(f"step {{i}}: loss {{loss:.4f}}")
 hvd.rank()
 """
+# Local mode (no Spark): what the page shows of a failure does not depend on the backend.
+FAIL_CELL = """\
+%%horovod --np -2
+import os
+import time
+import hvdmagic
 
-WIDTHS = f"() => Array.from(document.querySelectorAll({json.dumps(BARS)}), e => e.style.width)"
+rank = int(os.environ["HOROVOD_RANK"])
+for i in range(200):
+    hvdmagic.progress(i + 1, total=200, desc="train")
+    if rank == 1 and i == 9:
+        raise ValueError(f"boom at step {i}")
+    time.sleep(0.05)
+"""
+# Long enough that the Stop button always lands before the ranks train.
+SLOW_CELL = f"%%horovod --np {NP}\nimport time\ntime.sleep(60)\n"
+NEXT_CELL = f'%%horovod --np {NP}\nimport os\nint(os.environ["HOROVOD_SIZE"]) * 21\n'
 
 
-@pytest.fixture
-def lab(tmp_path):
-    root = tmp_path / "notebooks"
+def rank_widths(selector: str = RANK_BARS) -> str:
+    return f"() => Array.from(document.querySelectorAll({json.dumps(selector)}), e => e.style.width)"
+
+
+# -- fixtures ------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory):
+    base = tmp_path_factory.mktemp("lab")
+    root = base / "notebooks"
     root.mkdir()
-    with JupyterLab(root, home=tmp_path / "jupyter", log=ARTIFACTS / "jupyter-server.log") as server:
+    with JupyterLab(root, home=base / "jupyter", log=SERVER_LOG) as server:
         yield server
 
 
-@pytest.fixture
-def page():
+@pytest.fixture(scope="module")
+def browser():
     problem = missing_chromium()
     try:
         from playwright.sync_api import sync_playwright
@@ -75,84 +129,336 @@ def page():
         problem = "playwright is not installed: run scripts/setup.sh (it installs the dev extras)"
     if problem:
         pytest.fail(problem, pytrace=False)
+    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
     with sync_playwright() as pw:
-        browser = launch_chromium(pw)
+        chromium = launch_chromium(pw)
         try:
-            yield browser.new_page(viewport={"width": 1280, "height": 900}, device_scale_factor=2)
+            yield chromium
         finally:
-            browser.close()
+            chromium.close()
 
+
+@contextlib.contextmanager
+def new_page(browser, name: str):
+    """A fresh page; on any failure (pytest.fail and timeouts too) its screenshot is saved as ``name``-failure.png."""
+    context = browser.new_context(viewport={"width": 1280, "height": 900}, device_scale_factor=2)
+    page = context.new_page()
+    try:
+        yield page
+    except BaseException:
+        with contextlib.suppress(Exception):
+            page.screenshot(path=SCREENSHOTS / f"{name}-failure.png")
+        raise
+    finally:
+        context.close()
+
+
+# -- helpers ---------------------------------------------------------------------------
 
 def wait_for(page, js: str, *, timeout: float, failure: str, arg=None):
     """``page.wait_for_function`` that fails with ``failure`` and the cell outputs."""
     from playwright.sync_api import TimeoutError as PlaywrightTimeout
 
     try:
-        return page.wait_for_function(js, arg=arg, timeout=timeout * 1000).json_value()
+        return page.wait_for_function(js, arg=arg, timeout=timeout * 1000, polling=100).json_value()
     except PlaywrightTimeout:
         pass
     pytest.fail(f"{failure} within {timeout:.0f} s.\n{outputs(page)}", pytrace=False)
 
 
 def outputs(page) -> str:
-    text = page.eval_on_selector_all(".jp-OutputArea", "els => els.map(e => e.innerText).join('\\n---\\n')")
-    return f"Cell outputs:\n{text or '(none)'}\nServer and kernel log: {ARTIFACTS / 'jupyter-server.log'}"
+    try:
+        text = page.eval_on_selector_all(".jp-OutputArea", "els => els.map(e => e.innerText).join('\\n---\\n')")
+    except Exception as exc:  # the page is gone or still loading
+        text = f"(could not read them: {exc})"
+    return f"Cell outputs:\n{text or '(none)'}\nServer and kernel log: {SERVER_LOG}"
 
 
-def run_all_cells(page, url: str) -> None:
-    page.goto(url)
-    wait_for(page, KERNEL_READY, timeout=90, failure="The notebook did not open with an idle kernel")
+def write_notebook(lab: JupyterLab, name: str, *sources: str) -> Path:
+    path = lab.root / name
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(s) for s in sources],
+                                  metadata={"kernelspec": KERNELSPEC})
+    nbformat.write(nb, path)
+    return path
+
+
+def open_notebook(page, lab: JupyterLab, name: str) -> None:
+    page.goto(f"{lab.url}/lab/tree/{name}?reset")
+    wait_for(page, KERNEL_READY, timeout=90, failure=f"{name} did not open with an idle kernel")
+
+
+def run_all_cells(page) -> None:
     page.get_by_role("menuitem", name="Run", exact=True).click()
     page.get_by_role("menuitem", name="Run All Cells", exact=True).click()
 
 
-@pytest.mark.timeout(300)
-def test_live_dashboard_in_jupyterlab(page, lab):
-    nb = nbformat.v4.new_notebook(
-        cells=[nbformat.v4.new_code_cell(LOAD_CELL), nbformat.v4.new_code_cell(TRAIN_CELL)],
-        metadata={"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}})
-    nbformat.write(nb, lab.root / "dashboard.ipynb")
-    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
-    try:
-        run_all_cells(page, f"{lab.url}/lab/tree/dashboard.ipynb?reset")
-        check_dashboard(page)
-    except BaseException:  # pytest.fail and pytest-timeout raise BaseExceptions too
-        with contextlib.suppress(Exception):
-            page.screenshot(path=SCREENSHOTS / "failure.png")
-        raise
+def cell_js(index: int, body: str) -> str:
+    """A function of the page's ``index``-th cell (``cell``; null until it exists) returning ``body``."""
+    return f"""() => {{
+        const cell = document.querySelectorAll({json.dumps(NOTEBOOK_CELLS)})[{index}] || null;
+        return {body};
+    }}"""
 
 
-def check_dashboard(page) -> None:
+def cell_text(page, index: int) -> str:
+    return page.evaluate(cell_js(index, "cell ? cell.querySelector('.jp-OutputArea').innerText : ''"))
+
+
+def wait_for_snapshot(page, index: int, *, timeout: float, what: str) -> str:
+    """Wait until cell ``index`` shows the static snapshot; return its data-state."""
+    return wait_for(page, cell_js(index, f"cell?.querySelector({json.dumps(SNAPSHOT)})?.dataset.state || false"),
+                    timeout=timeout, failure=f"{what}: cell {index + 1} did not show the snapshot ({SNAPSHOT})")
+
+
+def wait_until_idle(page, *, timeout: float, what: str) -> None:
+    wait_for(page, "() => !!document.querySelector(\".jp-NotebookPanel-toolbar "
+             ".jp-Notebook-ExecutionIndicator[data-status='idle']\")", timeout=timeout,
+             failure=f"{what}: the kernel did not go idle")
+
+
+def shut_down_kernels(lab: JupyterLab) -> None:
+    """End every session (its kernel and the kernel's Spark) through the server's REST API."""
+    with urllib.request.urlopen(f"{lab.url}/api/sessions", timeout=10) as response:
+        sessions = json.load(response)
+    for session in sessions:
+        request = urllib.request.Request(f"{lab.url}/api/sessions/{session['id']}", method="DELETE")
+        with contextlib.suppress(OSError), urllib.request.urlopen(request, timeout=30):
+            pass
+
+
+def sessions(lab: JupyterLab) -> list:
+    with urllib.request.urlopen(f"{lab.url}/api/sessions", timeout=10) as response:
+        return json.load(response)
+
+
+# -- a live run, kept for the reopened notebook ------------------------------------------
+
+@dataclass
+class LiveRun:
+    page: object
+    path: Path
+    seen: dict = field(default_factory=dict)  # what the page showed, for the test to assert on
+
+
+@pytest.fixture(scope="module")
+def live_run(lab, browser):
+    """Run TRAIN_CELL in JupyterLab, watching the dashboard, then save the notebook.
+
+    The page stays open for ``test_reopened_notebook_shows_the_snapshot``, which shuts the
+    kernel down and reloads it.
+    """
+    path = write_notebook(lab, "dashboard.ipynb", LOAD_CELL, TRAIN_CELL)
+    with new_page(browser, "live") as page:
+        open_notebook(page, lab, path.name)
+        # The file browser closed, as for the README's screenshot: the dashboard gets the page's width.
+        page.locator(".jp-SideBar.jp-mod-left .lm-TabBar-tab.lm-mod-current").click()
+        wait_for(page, "() => document.getElementById('jp-left-stack')?.classList.contains('lm-mod-hidden')",
+                 timeout=10, failure="The left sidebar did not close")
+        run_all_cells(page)
+        run = LiveRun(page, path)
+        watch_live_run(page, run.seen)
+        yield run
+    shut_down_kernels(lab)
+
+
+def watch_live_run(page, seen: dict) -> None:
     # Generous: the cell also starts the embedded SparkSession, and the bars sit at 0%
     # through the whole launch, which takes over 30 s on a loaded 2-core machine.
-    wait_for(page, f"() => document.querySelectorAll({json.dumps(BARS)}).length === {NP}", timeout=150,
+    wait_for(page, f"() => document.querySelectorAll({json.dumps(RANK_BARS)}).length === {NP}", timeout=150,
              failure=f"The dashboard ({DASHBOARD}) did not show {NP} rank progress bars")
-    first = wait_for(page, f"() => {{ const w = ({WIDTHS})(); return w.some(x => parseFloat(x) > 0) && w; }}",
+    first = wait_for(page, f"() => {{ const w = ({rank_widths()})(); return w.some(x => parseFloat(x) > 0) && w; }}",
                      timeout=150, failure="No rank reported any progress")
-    assert not all(w == "100%" for w in first), f"the run had already finished when first seen: {first}"
+    seen["first"] = first
     # Progress must advance while the cell runs, not only when it ends.
-    later = wait_for(page, f"first => {{ const w = ({WIDTHS})(); return w.join() !== first.join() && w; }}",
-                     arg=first, timeout=30,
-                     failure=f"The rank progress bars did not move from {first}")
-    print(f"progress bars moved from {first} to {later}")
+    seen["later"] = wait_for(
+        page, f"first => {{ const w = ({rank_widths()})(); return w.join() !== first.join() && w; }}",
+        arg=first, timeout=30, failure=f"The rank progress bars did not move from {first}")
+    # The overall bar: the only bar of the dashboard outside the rank rows, with an ETA once there is a rate.
+    seen["overall"] = wait_for(page, f"""() => {{
+            const bars = Array.from(document.querySelectorAll("{DASHBOARD} .widget-hprogress"))
+                .filter(b => !b.closest(".hvdmagic-rank"));
+            const row = bars.length === 1 ? bars[0].parentElement : null;
+            const text = row ? row.innerText : "";
+            return /ETA \\d+:\\d\\d/.test(text) && {{width: bars[0].querySelector(".progress-bar").style.width, text}};
+        }}""", timeout=30, failure="The overall bar with an ETA did not appear")
     wait_for(page, f"() => !!document.querySelector({json.dumps(CHART)})", timeout=30,
              failure=f"No metric chart ({CHART}) appeared")
+    seen["recent"] = wait_for(
+        page, f"() => {{ const t = document.querySelector({json.dumps(RECENT)})?.innerText || ''; "
+              r"return /\[0\] step \d+/.test(t) && /\[1\] step \d+/.test(t) && t; }",
+        timeout=30, failure=f"The newest lines of both ranks ({RECENT}) did not appear")
+    # The screenshots once the charts and the newest lines have something to show, well before the end.
+    seen["running_widths"] = wait_for(
+        page, f"() => {{ const w = ({rank_widths()})(); return w.every(x => parseFloat(x) >= 40) && w; }}",
+        timeout=30, failure="The ranks did not get to 40%")
+    seen["running_header"] = page.locator(DASHBOARD).locator(".hvdmagic-state").first.inner_text()
+    page.locator(DASHBOARD).evaluate("e => e.scrollIntoView({block: 'start'})")
     page.screenshot(path=SCREENSHOTS / "running.png")
-
-    state = wait_for(
-        page,
-        f"""() => {{
-            const s = document.querySelector({json.dumps(STATE)});
-            const t = s ? s.textContent : "";
-            return /finished|failed|cancelled/.test(t) && t;
-        }}""",
-        timeout=120, failure="The dashboard state did not reach finished/failed/cancelled")
-    assert "finished" in state, f"the run ended as {state!r}, not finished.\n{outputs(page)}"
-    final = page.evaluate(WIDTHS)
-    assert final == ["100%"] * NP, f"finished, but not every rank's bar is full: {final}"
-
-    page.screenshot(path=SCREENSHOTS / "finished.png")
     page.locator(DASHBOARD).screenshot(path=SCREENSHOTS / "dashboard.png")
     if os.environ.get("HVDMAGIC_UPDATE_SCREENSHOT") == "1":
         DOCS_IMAGE.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(SCREENSHOTS / "dashboard.png", DOCS_IMAGE)
+
+    # A chart control mid-run (ipykernel 7 routes its messages to a subshell): "all ranks" overlays rank 1.
+    page.locator(DASHBOARD).get_by_role("checkbox", name="all ranks").check()
+    seen["overlay"] = wait_for(
+        page, f"""() => {{
+            const legend = document.querySelector("{DASHBOARD} .hvdmagic-legend");
+            const running = /running/.test(document.querySelector("{DASHBOARD} .hvdmagic-state")?.innerText || "");
+            return legend && /rank 1/.test(legend.innerText) && {{legend: legend.innerText, running}};
+        }}""", timeout=20, failure="Ticking 'all ranks' did not overlay rank 1 on the chart")
+
+    seen["state"] = wait_for_snapshot(page, 1, timeout=120, what="The run did not end")
+    wait_until_idle(page, timeout=30, what="After the run")
+    seen["final_widths"] = page.evaluate(rank_widths(f"{SNAPSHOT} .hvdmagic-rank td div > div"))
+    seen["snapshot_text"] = page.locator(SNAPSHOT).inner_text()
+    seen["snapshot_svgs"] = page.locator(f"{SNAPSHOT} .hvdmagic-chart svg polyline").count()
+    seen["dashboards_left"] = page.locator(DASHBOARD).count()
+    seen["cell_text"] = cell_text(page, 1)
+    page.screenshot(path=SCREENSHOTS / "finished.png")
+
+    # Save as a user does; the file then holds the snapshot instead of the widgets.
+    page.locator(".jp-NotebookPanel-toolbar [data-jp-item-name='save']").click()
+    wait_for(page, "() => !document.querySelector('.lm-TabBar-tab.jp-mod-dirty')", timeout=30,
+             failure="The notebook was not saved")
+
+
+@pytest.mark.timeout(300)
+def test_live_dashboard_in_jupyterlab(live_run):
+    seen = live_run.seen
+    print(f"progress bars moved from {seen['first']} to {seen['later']}; overall: {seen['overall']}")
+    assert not all(w == "100%" for w in seen["first"]), f"the run had already finished when first seen: {seen}"
+    assert seen["running_header"] == "running", seen
+    assert seen["overlay"]["running"], f"the chart control only took effect after the run: {seen['overlay']}"
+    assert seen["state"] == "finished", f"the run ended as {seen['state']!r}, not finished.\n{seen['cell_text']}"
+    assert seen["dashboards_left"] == 0, "the live widgets were not replaced by the snapshot"
+    full = [float(w.rstrip("%")) for w in seen["final_widths"]]
+    assert full == [100.0] * NP, f"finished, but not every rank's bar is full: {seen}"
+    assert seen["snapshot_text"].count(f"train {STEPS}/{STEPS}") == NP, seen["snapshot_text"]
+    assert seen["snapshot_svgs"] >= 1, "the snapshot has no chart line"
+    assert "Error displaying widget" not in seen["cell_text"], seen["cell_text"]
+    # The cell's value is rank 0's.
+    assert seen["cell_text"].rstrip().endswith("0"), seen["cell_text"]
+
+
+@pytest.mark.timeout(120)
+def test_reopened_notebook_shows_the_snapshot(live_run, lab):
+    """The saved notebook reopened with its kernel shut down: the snapshot, not a broken widget.
+
+    The page is reloaded as if the notebook's kernel were not installed (the server's
+    kernelspecs are hidden from the page), and the user picks "No Kernel" when asked.
+    """
+    saved = nbformat.read(live_run.path, as_version=4)
+    bundles = [o.get("data", {}) for o in saved.cells[1].outputs]
+    assert not any(WIDGET_VIEW in b for b in bundles), f"the saved notebook still holds the widgets: {bundles}"
+    snapshots = [b for b in bundles if SNAPSHOT[1:] in b.get("text/html", "")]
+    assert len(snapshots) == 1, f"the saved notebook has no snapshot: {saved.cells[1].outputs}"
+    assert snapshots[0]["text/plain"].startswith(f"%%horovod np={NP} (spark): finished"), snapshots[0]["text/plain"]
+
+    page = live_run.page
+    try:
+        page.get_by_role("menuitem", name="Kernel", exact=True).click()
+        page.get_by_role("menuitem", name="Shut Down Kernel", exact=True).click()
+        wait_for(page, NO_KERNEL, timeout=30, failure="The kernel did not shut down")
+        assert sessions(lab) == [], "the kernel's session outlived Shut Down Kernel"
+        # Reopened where the notebook's kernel is not installed: JupyterLab asks for one, and the user picks none.
+        page.route("**/api/kernelspecs*", lambda route: route.fulfill(json={"default": None, "kernelspecs": {}}))
+        page.reload()
+        dialog = page.locator(".jp-Dialog", has_text="Select Kernel")
+        try:
+            dialog.get_by_role("button", name="No Kernel").click(timeout=60_000)
+        except Exception as exc:
+            pytest.fail(f"JupyterLab's Select Kernel dialog did not offer 'No Kernel' after the reload: {exc}",
+                        pytrace=False)
+        wait_for(page, NO_KERNEL, timeout=30, failure="The notebook did not reopen with no kernel")
+        state = wait_for_snapshot(page, 1, timeout=30, what="The reopened notebook")
+        text = cell_text(page, 1)
+        page.screenshot(path=SCREENSHOTS / "reopened.png")
+    except BaseException:
+        with contextlib.suppress(Exception):
+            page.screenshot(path=SCREENSHOTS / "reopened-failure.png")
+        raise
+    assert sessions(lab) == [], "a kernel was started for the reopened notebook"
+    assert state == "finished"
+    assert "Error displaying widget" not in page.locator("body").inner_text(), text
+    assert text.count(f"train {STEPS}/{STEPS}") == NP, text
+    assert "metrics (rank 0)" in text and "loss" in text, text
+    # A notebook saved here is trusted (its signature is in this server's data dir), so JupyterLab
+    # keeps the snapshot's SVG chart; an untrusted one would show the latest-values table only.
+    trusted = page.locator(f"{SNAPSHOT} .hvdmagic-chart svg polyline").count()
+    assert trusted >= 1, "the reopened notebook's snapshot has no SVG chart (was the notebook trusted?)"
+    assert page.locator(f"{SNAPSHOT} .hvdmagic-metrics").count() == 1, "no latest-values table"
+
+
+# -- a failure --------------------------------------------------------------------------
+
+@pytest.mark.timeout(180)
+def test_failed_rank_shows_the_error_once(lab, browser):
+    path = write_notebook(lab, "failure.ipynb", LOAD_CELL, FAIL_CELL)
+    try:
+        with new_page(browser, "failed") as page:
+            open_notebook(page, lab, path.name)
+            run_all_cells(page)
+            state = wait_for_snapshot(page, 1, timeout=120, what="The failing run did not end")
+            wait_for(page, cell_js(1, f"!!cell.querySelector({json.dumps(ERROR_OUTPUT)})"), timeout=30,
+                     failure="The failing cell shows no error output")
+            header = page.locator(f"{SNAPSHOT} .hvdmagic-snapshot-header").inner_text()
+            snapshot = page.locator(SNAPSHOT).inner_text()
+            errors = page.locator(f"{NOTEBOOK_CELLS} >> nth=1").locator(ERROR_OUTPUT).all_inner_texts()
+            text = cell_text(page, 1)
+            page.screenshot(path=SCREENSHOTS / "failed.png")
+    finally:
+        shut_down_kernels(lab)
+    assert state == "failed", text
+    assert "failed: see the error below" in header, header
+    assert len(errors) == 1, errors
+    error = errors[0]
+    assert error.startswith("JobFailed: rank 1"), error
+    assert "ValueError: boom at step 9" in error and 'raise ValueError(f"boom at step {i}")' in error, error
+    # Once: in the error output, not in the snapshot above it too.
+    assert text.count("Traceback (most recent call last)") == 1, text
+    assert "Traceback" not in snapshot and "boom" not in snapshot, snapshot
+
+
+# -- Stop during the launch -----------------------------------------------------------------
+
+@pytest.mark.timeout(240)
+def test_stop_during_launch_then_the_next_cell_runs(lab, browser):
+    path = write_notebook(lab, "interrupt.ipynb", LOAD_CELL, SLOW_CELL, NEXT_CELL)
+    try:
+        with new_page(browser, "interrupted") as page:
+            open_notebook(page, lab, path.name)
+            run_all_cells(page)
+            stage = wait_for(
+                page, f"() => {{ const t = document.querySelector({json.dumps(STAGE)})?.innerText || ''; "
+                      "return /starting the embedded Spark|stage submitted/.test(t) && t; }",
+                timeout=90, failure="The dashboard did not show a launch stage")
+            page.locator(".jp-NotebookPanel-toolbar [data-jp-item-name='interrupt']").click()
+            wait_for(page, cell_js(1, f"!!cell.querySelector({json.dumps(ERROR_OUTPUT)})"), timeout=60,
+                     failure=f"Stop pressed at {stage!r}: the cell shows no error")
+            state = wait_for_snapshot(page, 1, timeout=30, what="After Stop")
+            wait_until_idle(page, timeout=30, what="After Stop")
+            errors = page.locator(f"{NOTEBOOK_CELLS} >> nth=1").locator(ERROR_OUTPUT).all_inner_texts()
+            interrupted = cell_text(page, 1)
+            skipped = cell_text(page, 2)
+            page.screenshot(path=SCREENSHOTS / "interrupted.png")
+
+            # Run All stopped at the error; the user runs the next cell.
+            page.locator(f"{NOTEBOOK_CELLS} >> nth=2").locator(".jp-InputArea-editor").click()
+            page.keyboard.press("Shift+Enter")
+            after = wait_for_snapshot(page, 2, timeout=150, what="The cell after the interrupted one")
+            wait_until_idle(page, timeout=30, what="The cell after the interrupted one")
+            following = cell_text(page, 2)
+            page.screenshot(path=SCREENSHOTS / "after-interrupt.png")
+    finally:
+        shut_down_kernels(lab)
+    print(f"Stop pressed at {stage!r}")
+    assert state == "cancelled", interrupted
+    assert len(errors) == 1, errors
+    error = errors[0].strip()
+    assert error.startswith("JobInterrupted: interrupted "), error
+    assert "\n" not in error, f"not one line: {error!r}"
+    assert "Traceback" not in interrupted and "KeyboardInterrupt" not in interrupted, interrupted
+    assert skipped.strip() == "", f"Run All went on after the error: {skipped!r}"
+    assert after == "finished", following
+    assert following.rstrip().endswith("42"), following

@@ -19,6 +19,7 @@ import os
 import re
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -34,6 +35,7 @@ SLOT_WAIT = 3.0  # seconds without new executors before too few slots is final
 EXECUTOR_WAIT = 60.0  # seconds a session with no executor yet gets for its first ones
 _embedded = None  # the session hvdmagic started itself, which it may resize or replace
 _spark_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hvdmagic-spark")
+_starting = threading.Event()  # the Spark thread is starting an embedded session (maybe for a cell that was stopped)
 
 
 def on_spark_thread(fn: Callable, *args):
@@ -87,6 +89,7 @@ def _start_embedded(slots: int):
     # an embedded session serves only this kernel, so loopback is the right place.
     os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    _starting.set()
     try:
         with _jvm_output_to_log():
             session = (
@@ -101,6 +104,8 @@ def _start_embedded(slots: int):
     except Exception as exc:
         raise LaunchError(f"could not start an embedded local Spark session: {first_line(exc)} "
                           f"(the JVM's own output is in {jvm_log()})", details=str(exc)) from None
+    finally:
+        _starting.clear()
     session.sparkContext.setLogLevel("ERROR")
     return session
 
@@ -258,6 +263,8 @@ class SparkBackend:
         self.data = data
         self.on_stage = on_stage
         self.notes: list[str] = []  # for the run's record, e.g. that a broken embedded session was replaced
+        if _starting.is_set():  # a stopped cell's session is still starting: this cell waits for it
+            on_stage(Stage.SPARK_STARTING)
         self.session = (session or (data.sparkSession if data is not None else None)
                         or on_spark_thread(session_for, np, on_stage, self.notes))
         self.sc = self.session.sparkContext

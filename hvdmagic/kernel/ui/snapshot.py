@@ -48,7 +48,7 @@ class Snapshot:
     # -- text ---------------------------------------------------------------
     def headline(self) -> str:
         record = self.record
-        state = "failed (see the error below)" if record.state == "failed" else record.state
+        state = "failed (see the error below)" if record.state == "failed" else progress.state_text(record.state)
         return f"{record.command} np={record.np} ({record.mode}): {state}"
 
     def text(self) -> str:
@@ -89,7 +89,7 @@ class Snapshot:
         record = self.record
         colour = STATE_COLOURS.get(record.state, "#888")
         state = (f'<span class="hvdmagic-state" style="color:{colour};font-weight:600">'
-                 f"{html.escape(record.state)}</span>")
+                 f"{html.escape(progress.state_text(record.state).split(':')[0])}</span>")
         if record.state == "failed":
             state += f'<span style="color:{colour}">: see the error below</span>'
         items = [f"<b>{html.escape(record.command)}</b>", state]
