@@ -74,6 +74,7 @@ RSH_ENV = "HVDMAGIC_RSH"  # driver host, channel port and secret, for the rsh ag
 SOCKET_DIR_ENV = "HVDMAGIC_MPI_DIR"  # where a host's supervisors wait for their ranks' shims
 TOKEN_ENV = "HVDMAGIC_MPI_TOKEN"  # what a shim shows its supervisor
 PYTHON_ENV = "HVDMAGIC_PYTHON"
+LEGACY_KERAS_SET_ENV = "HVDMAGIC_SET_LEGACY_KERAS"  # hvdmagic, not the user, chose Keras 2 for the rank
 
 
 @dataclass(frozen=True)

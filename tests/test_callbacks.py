@@ -123,17 +123,6 @@ def test_lightning_module_explains_a_missing_lightning(monkeypatch):
         importlib.import_module("hvdmagic.callbacks.lightning")
 
 
-def test_keras_module_explains_why_there_is_no_keras_callback():
-    with pytest.raises(ImportError) as raised:
-        importlib.import_module("hvdmagic.callbacks.keras")
-    message = str(raised.value)
-    assert "LambdaCallback" in message and "hvdmagic.log_metrics" in message
-    try:
-        import horovod.tensorflow  # noqa: F401
-    except ImportError:
-        assert "HOROVOD_WITH_TENSORFLOW=1" in message  # this project's torch-only build
-
-
 def log_decreasing_loss(steps):
     import horovod.torch as hvd
 

@@ -13,13 +13,14 @@ from hvdmagic.errors import LaunchError
 
 
 def _stop_active_session():
+    """Stop the process's SparkContext, whichever thread made it (hvdmagic makes its own on its Spark thread)."""
+    from pyspark import SparkContext
     from pyspark.sql import SparkSession
 
     from hvdmagic.launch import spark
 
-    session = SparkSession.getActiveSession()
-    if session is not None:
-        session.stop()
+    if SparkContext._active_spark_context is not None:
+        SparkSession.builder.getOrCreate().stop()
     spark._embedded = None
 
 

@@ -123,7 +123,10 @@ class RunRecord:
                 if shown is not None:
                     record.last_line = shown
             elif kind == Event.NOTE:
-                self.notes.append(str(event.get("text", "")))
+                once = event.get("once")
+                if once is None or once not in _SAID_ONCE:  # e.g. the Keras 2 note: once per kernel
+                    _SAID_ONCE.add(once)
+                    self.notes.append(str(event.get("text", "")))
             elif kind == Event.REPORT:
                 self._apply_report(rank, record, event)
             elif kind == Event.ERROR:
@@ -223,6 +226,7 @@ class RunRecord:
 
 
 _last: RunRecord | None = None
+_SAID_ONCE: set = set()
 
 
 def last_run() -> RunRecord | None:

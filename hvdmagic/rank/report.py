@@ -19,7 +19,7 @@ from collections.abc import Iterable, Iterator
 from typing import TypeVar
 
 from hvdmagic.metric_rows import GAP_ROW, MetricRows, pad
-from hvdmagic.protocol import EVENT_FD_ENV, Event, Stage
+from hvdmagic.protocol import EVENT_FD_ENV, LEGACY_KERAS_SET_ENV, Event, Stage
 
 FLUSH_INTERVAL = 0.1
 HEARTBEAT_INTERVAL = 1.0  # tells the driver's watchdog this rank is alive even when it reports nothing
@@ -234,9 +234,20 @@ def _horovod_stage() -> Stage | None:
     return Stage.FIRST_STEP if initialised else Stage.HVD_INIT
 
 
+_KERAS_NOTE = ("hvdmagic: the ranks run Keras 2 (tf_keras, TF_USE_LEGACY_KERAS=1): under Keras 3, "
+               "horovod.tensorflow.keras does not average gradients (docs/frameworks.md)")
+
+
+def _keras_note_due() -> bool:
+    """Rank 0, once it has imported TensorFlow, when hvdmagic (not the user) chose Keras 2 for it."""
+    return ("tensorflow" in sys.modules and os.environ.get(LEGACY_KERAS_SET_ENV) == "1"
+            and os.environ.get("HOROVOD_RANK", os.environ.get("RANK", "0")) == "0")
+
+
 def _flush_loop() -> None:
     next_beat = time.monotonic()
     stage: Stage | None = None
+    keras_noted = False
     while True:
         _wake.wait(FLUSH_INTERVAL)
         _wake.clear()
@@ -244,6 +255,9 @@ def _flush_loop() -> None:
             if stage is not Stage.FIRST_STEP and (now := _horovod_stage()) is not None and now != stage:
                 stage = now
                 emit({"type": Event.STAGE, "stage": stage})
+            if not keras_noted and _keras_note_due():
+                keras_noted = True
+                emit({"type": Event.NOTE, "text": _KERAS_NOTE, "once": "keras"})
             flush()
             if time.monotonic() >= next_beat:
                 emit({"type": Event.HEARTBEAT})

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from hvdmagic.protocol import Framework, Slot
+from hvdmagic.protocol import LEGACY_KERAS_SET_ENV, Framework, Slot
 
 
 def _spark_only(entry: str) -> bool:
@@ -110,7 +110,9 @@ def keras_environment() -> dict[str, str]:
                                                               else "tensorflow").split(".")[:2])
     except (metadata.PackageNotFoundError, ValueError):
         return {}
-    return {"TF_USE_LEGACY_KERAS": "1"} if (major, minor) >= (2, 16) else {}
+    if (major, minor) < (2, 16):
+        return {}
+    return {"TF_USE_LEGACY_KERAS": "1", LEGACY_KERAS_SET_ENV: "1"}
 
 
 def _has(distribution: str) -> bool:
