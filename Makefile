@@ -19,6 +19,7 @@ test: setup
 bench: setup
 	$(PY) -m pip install -q -e '.[dev,bench]'
 	$(PY) benchmarks/bench_launch.py
+	$(PY) benchmarks/bench_session.py
 	$(PY) benchmarks/bench_report.py
 
 clean:

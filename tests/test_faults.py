@@ -135,8 +135,9 @@ def test_ranks_exit_when_the_kernel_dies(np, session):
         if session:
             reply, texts = execute(client, f"%horovod start --np {np}", timeout=120)
             assert reply["status"] == "ok", texts
-            # The ranks print their pids, then sit idle in the session.
-            msg_id = client.execute("%%horovod\nimport os\nprint('training', os.getpid(), flush=True)")
+            # The ranks print their pids and stay busy in the session's cell, away from their stdin.
+            msg_id = client.execute("%%horovod\nimport os, time\nprint('training', os.getpid(), flush=True)\n"
+                                    "time.sleep(600)")
         else:
             msg_id = client.execute(f"%%horovod --np {np}\nimport os, time\n"
                                     "print('training', os.getpid(), flush=True)\ntime.sleep(600)")

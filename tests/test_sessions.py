@@ -264,3 +264,19 @@ def test_python_api_session_context_manager(ip):
         assert hvdmagic.run(count, session=warm) == [(2, 2), (2, 2)]
     assert not warm.running
     assert rank_processes() == []
+
+
+def test_a_one_shot_spark_cell_beside_a_spark_session_fails_at_once_instead_of_waiting(ip):
+    from hvdmagic.errors import LaunchError
+
+    ip.run_line_magic("horovod", "start --np 2")
+    try:
+        started = time.monotonic()
+        _, error = run(ip, "%%horovod --np 2\n1")
+        assert isinstance(error, LaunchError), error
+        assert "the warm ranks of a session hold 2" in str(error), error
+        assert time.monotonic() - started < 30
+        result, error = run(ip, "%%horovod\nimport horovod.torch as hvd\nhvd.init()\nhvd.size()")
+        assert error is None and result == 2, "the session was disturbed"
+    finally:
+        ip.run_line_magic("horovod", "stop")

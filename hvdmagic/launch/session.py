@@ -87,6 +87,10 @@ class Session:
         """Bring the ranks up and wait until every one is idle in its namespace."""
         on_event = on_event or (lambda event: None)
         backend = make_backend(self.np, on_event, spark=self.spark)
+        if self.np > 0:
+            from hvdmagic.launch import spark
+
+            spark.held_slots[self] = self.size  # a one-shot cell beside this session must not wait for them
         self._inbox = queue.Queue()
         self._job_error = None
         self._job = Job(backend, b"", controller=self.controller, framework=self.framework, session=True,
@@ -126,6 +130,10 @@ class Session:
         if thread is not None:
             thread.join(timeout=60)
         self._job = self._thread = None
+        if self.np > 0:
+            from hvdmagic.launch import spark
+
+            spark.held_slots.pop(self, None)
 
     def restart(self, on_event: Callable[[dict], None] | None = None) -> None:
         self.stop("restarting")

@@ -35,6 +35,7 @@ SLOT_WAIT = 3.0  # seconds without new executors before too few slots is final
 EXECUTOR_WAIT = 60.0  # seconds a session with no executor yet gets for its first ones
 _embedded = None  # the session hvdmagic started itself, which it may resize or replace
 _spark_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hvdmagic-spark")
+held_slots: dict[object, int] = {}  # by session: the barrier slots its warm ranks occupy while it runs
 _starting = threading.Event()  # the Spark thread is starting an embedded session (maybe for a cell that was stopped)
 
 
@@ -160,7 +161,7 @@ def available_slots(sc) -> int:
     return sc.defaultParallelism // max(1, task_cpus)
 
 
-def _wait_for_executors(sc, np: int, slots: int) -> int:
+def _wait_for_executors(sc, np: int, slots: int, held: int = 0) -> int:
     """Give a new session's executors time to register before judging the slot count.
 
     With no executor at all we wait up to EXECUTOR_WAIT for the first ones; once
@@ -170,10 +171,11 @@ def _wait_for_executors(sc, np: int, slots: int) -> int:
     start = changed = time.monotonic()
     while slots < np:
         now = time.monotonic()
-        if (slots == 0 and now - start > EXECUTOR_WAIT) or (slots > 0 and now - changed > SLOT_WAIT):
+        some = slots + held > 0  # executors are there; a session may hold their slots
+        if (not some and now - start > EXECUTOR_WAIT) or (some and now - changed > SLOT_WAIT):
             break
         time.sleep(0.25)
-        current = available_slots(sc)
+        current = available_slots(sc) - held
         if current != slots:
             slots, changed = current, time.monotonic()
     return slots
@@ -207,16 +209,22 @@ def session_for(np: int, on_stage: Callable[[Stage], None] = lambda stage: None,
         _embedded = _start_embedded(max(np, os.cpu_count() or 1))
         return _embedded
     sc = session.sparkContext
-    slots = available_slots(sc)
-    if slots < np and session is _embedded:
+    held = sum(held_slots.values())
+    slots = available_slots(sc) - held
+    if slots < np and session is _embedded and not held:  # a session's stage runs there: keep it
         on_stage(Stage.SPARK_STARTING)
         session.stop()
         _embedded = _start_embedded(np)
         return _embedded
     if slots < np:
         on_stage(Stage.WAITING_FOR_SLOTS)
-    slots = _wait_for_executors(sc, np, slots)
+    slots = _wait_for_executors(sc, np, slots, held)
     if slots < np:
+        if held:
+            raise LaunchError(
+                f"--np {np} needs {np} free barrier task slots at once, and the warm ranks of a session hold "
+                f"{held} of this Spark cluster's {slots + held}: run the cell on the session (leave out --np), "
+                "stop the session (%horovod stop), or use local mode (--np -N).")
         conf = sc.getConf()
         gpus = conf.get("spark.task.resource.gpu.amount", None)
         per_task = f"{conf.get('spark.task.cpus', '1')} core(s)" + (f" and {gpus} GPU(s)" if gpus else "")

@@ -263,4 +263,6 @@ def _flush_loop() -> None:
                 emit({"type": Event.HEARTBEAT})
                 next_beat = time.monotonic() + HEARTBEAT_INTERVAL
         except (OSError, ValueError):
-            return  # the pipe is gone: the supervisor ended the rank
+            # The pipe is gone, so is the supervisor that read it (a killed kernel, a lost task):
+            # nobody will read this rank again, and a session's rank mid-cell would otherwise live on.
+            os._exit(137)
