@@ -1,12 +1,13 @@
 # The two commands of the README. Each one runs the idempotent set-up first.
-VENV ?= .venv
+VENV ?= $(or $(HVDMAGIC_VENV),.venv)
 PY := $(VENV)/bin/python
 export SPARK_LOCAL_IP ?= 127.0.0.1
 
 .PHONY: setup demo test bench clean
 
+# HVDMAGIC_TENSORFLOW=none skips TensorFlow (docs/frameworks.md lists the other settings).
 setup:
-	@bash scripts/setup.sh
+	@HVDMAGIC_VENV="$(abspath $(VENV))" bash scripts/setup.sh
 
 demo: setup
 	$(PY) scripts/run_notebook.py notebooks/quickstart.ipynb

@@ -1,6 +1,7 @@
 """What the benchmarks share (scripts/soak.py uses it too), each written once.
 
-- statistics: ``percentile``, ``describe``, ``paired_ratios``, ``bootstrap_median_ci``, ``num``;
+- statistics: ``percentile``, ``describe``, ``paired_ratios``, ``ratio_of_totals``, ``bootstrap_median_ci``,
+  ``num``;
 - the machine and the code under test: ``machine``, ``versions``, ``code_under_test``;
 - /proc and processes: ``proc_start_time``, ``thread_cpu``, ``process_tree``, ``process_role``,
   and ``GcPauses`` for this process's garbage collections;
@@ -63,6 +64,18 @@ def describe(values, **percentiles: float) -> dict:
 def paired_ratios(a: list, b: list) -> list:
     """a[i]/b[i] for the pairs where both exist (a pair = the same round, adjacent in time)."""
     return [x / y for x, y in zip(a, b) if x is not None and y]
+
+
+def ratio_of_totals(a: list, b: list) -> float | None:
+    """sum(a) / sum(b) over the pairs where both exist; None when there are none.
+
+    Beside the median of ``paired_ratios``: this weighs each round by its size (a slow round
+    counts more), the median weighs each round equally and ignores outliers. Two summaries
+    that disagree say the rounds were uneven.
+    """
+    pairs = [(x, y) for x, y in zip(a, b) if x is not None and y is not None]
+    total = sum(y for _, y in pairs)
+    return sum(x for x, _ in pairs) / total if pairs and total else None
 
 
 def bootstrap_median_ci(values: list, resamples: int = 4000, seed: int = 1) -> tuple[float, float]:

@@ -1,11 +1,13 @@
 #!/usr/bin/env python
-"""Launch latency, training overhead and scaling of ``%%horovod``, against horovodrun and TorchDistributor.
+"""Launch latency, training overhead and scaling of ``%%horovod`` and ``%%torchrun``, against horovodrun,
+torchrun and pyspark's TorchDistributor.
 
 One command, from the repository root:
 
-    .venv/bin/python benchmarks/bench_launch.py               # the full run (about 12-15 minutes)
-    .venv/bin/python benchmarks/bench_launch.py --quick       # a smoke run (under 2 minutes)
+    .venv/bin/python benchmarks/bench_launch.py               # the full run (12-15 minutes, plus the torch part)
+    .venv/bin/python benchmarks/bench_launch.py --quick       # a smoke run (a few minutes)
     .venv/bin/python benchmarks/bench_launch.py --repeats 6   # more launch rounds
+    .venv/bin/python benchmarks/bench_launch.py --only torch  # part 5 alone: the torch.distributed launchers
 
 It prints tables, writes every sample to ``artifacts/bench_launch.json`` and a plot to
 ``artifacts/bench_launch.png`` (docs/performance-launch.md shows and explains them).
@@ -29,6 +31,15 @@ What it measures, with one warm SparkSession (``local[4]``, started before any t
    timestamps (driver-side functions wrapped for the duration of the profile, the
    ranks' stamps, Spark's REST API for the stage and its tasks) and, unless
    ``--no-py-spy``, a py-spy sample of the driver and its whole process tree.
+5. torch.distributed, np = 2, every launcher on the same source (workloads.TORCH_*):
+   ``%%torchrun --np 2`` (warm kernel), hvdmagic's ``TorchDistributor`` drop-in and
+   pyspark's ``TorchDistributor`` (both ``local_mode=False`` on the same SparkSession),
+   ``torchrun --nproc-per-node 2`` (a cold process, OMP_NUM_THREADS=1 as torchrun
+   defaults to and as Spark gives hvdmagic's ranks), with ``%%horovod --np 2`` for
+   reference and the floor ``python -c "import torch, torch.distributed"``: (a) the wall
+   time of a trivial job (``init_process_group("gloo")``, one all_reduce), (b) the
+   samples/s of a DDP training loop (part 2's model and step). Ratios are reported both
+   as the median of per-round ratios and as the ratio of the totals.
 
 Every comparison alternates the systems (A B C A B C ...), because this machine has
 two cores and may be shared; ratios are taken within a round and summarised by their
@@ -68,6 +79,7 @@ from benchmarks._common import paired_ratios  # noqa: E402
 
 PY = sys.executable
 HOROVODRUN = str(Path(PY).parent / "horovodrun")
+TORCHRUN = str(Path(PY).parent / "torchrun")
 CORES = os.cpu_count() or 1
 
 log = _common.Log("bench_launch")
@@ -240,6 +252,82 @@ class Systems:
         if not out or out.get("value") != float(np):
             raise RuntimeError(f"TorchDistributor returned {out!r}")
         return {"wall": t1 - t0, "start": t0, "end": t1, "ranks": [out]}
+
+    # -- torch.distributed: %%torchrun, both TorchDistributors, torchrun -------------
+    def torch_cell(self, np: int, body: str) -> dict:
+        import hvdmagic
+
+        res, output, t0, t1 = _common.run_cell(self.ip, workloads.torch_cell(np, body))
+        if not res.success:
+            raise RuntimeError(f"%%torchrun --np {np} failed: {res.error_in_exec or res.error_before_exec!r}\n"
+                               f"{output[-3000:]}")
+        return {"wall": t1 - t0, "start": t0, "end": t1, "ranks": list(hvdmagic.last_run().result)}
+
+    def hvdmagic_td(self, np: int, body: str) -> dict:
+        """hvdmagic's drop-in, as a user would call pyspark's: on the same warm SparkSession."""
+        from hvdmagic import TorchDistributor
+
+        with _common.captured():
+            t0 = time.time()
+            out = TorchDistributor(num_processes=np, local_mode=False, use_gpu=False).run(workloads.run_source, body)
+            t1 = time.time()
+        return {"wall": t1 - t0, "start": t0, "end": t1, "ranks": list(out)}
+
+    def pyspark_td(self, np: int, body: str, timeout: float = 600) -> dict:
+        """pyspark's TorchDistributor, given ``timeout`` seconds: its torchrun agents can wait
+        for a peer that never joins (seen once here: one task's agent waited alone for
+        minutes), and it takes no timeout of its own. Past it, every Spark job is cancelled."""
+        from pyspark.ml.torch.distributor import TorchDistributor
+
+        box: dict = {}
+
+        def call() -> None:
+            try:
+                box["out"] = TorchDistributor(num_processes=np, local_mode=False, use_gpu=False).run(
+                    workloads.run_source, body)
+            except BaseException as exc:  # re-raised below, in the benchmark's thread
+                box["error"] = exc
+
+        with _common.captured():
+            t0 = time.time()
+            thread = threading.Thread(target=call, name="bench-pyspark-td", daemon=True)
+            thread.start()
+            thread.join(timeout)
+            t1 = time.time()
+            if thread.is_alive():
+                self.spark.sparkContext.cancelAllJobs()
+                thread.join(120)
+                raise TimeoutError(f"pyspark's TorchDistributor did not return in {timeout:.0f} s; "
+                                   "its Spark job was cancelled")
+        if "error" in box:
+            raise box["error"]
+        out = box.get("out")
+        if not out or len(out) != np:
+            raise RuntimeError(f"pyspark's TorchDistributor returned {out!r}")
+        return {"wall": t1 - t0, "start": t0, "end": t1, "ranks": list(out)}
+
+    def torchrun(self, np: int, body: str, omp: str = "1") -> dict:
+        """``torchrun --nproc-per-node N job.py``, a cold process as torchrun always is. ``omp``:
+        OMP_NUM_THREADS for the workers; "1" is torchrun's own default for N > 1 (set here so
+        it does not print its warning), and what Spark gives hvdmagic's ranks."""
+        self._count += 1
+        work = self.tmp / f"tr{self._count}"
+        work.mkdir()
+        script = work / "job.py"
+        script.write_text(workloads.torch_script(body))
+        env = dict(os.environ)
+        env["OMP_NUM_THREADS"] = omp
+        cmd = [TORCHRUN, "--nproc-per-node", str(np), str(script), str(work)]
+        t0 = time.time()
+        proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, cwd=work,
+                              timeout=900)
+        t1 = time.time()
+        if proc.returncode != 0:
+            raise RuntimeError(f"torchrun --nproc-per-node {np} failed ({proc.returncode}):\n"
+                               f"{proc.stdout.decode()[-3000:]}")
+        ranks = json.loads((work / "results.json").read_text())
+        shutil.rmtree(work, ignore_errors=True)
+        return {"wall": t1 - t0, "start": t0, "end": t1, "ranks": ranks}
 
     # -- floors --------------------------------------------------------------------
     @staticmethod
@@ -417,6 +505,213 @@ def bench_scaling(sysm: Systems, rounds: int, steps: int, nps=(1, 2, 4), local_n
             "speedup_vs_np1": {key: stats(paired_ratios(v, base)) for key, v in thr.items()},
             "torch_threads": {key: [x["torch_threads"] for x in rs[0]["ranks"]] for key, rs in runs.items()},
             "omp_env": {key: rs[0]["ranks"][0]["omp_num_threads"] for key, rs in runs.items()}}
+
+
+# ---------------------------------------------------------------------------
+# 5. torch.distributed: %%torchrun, both TorchDistributors and torchrun, side by side
+# ---------------------------------------------------------------------------
+
+TORCH_LABELS = {
+    "torchrun_cell": "%%torchrun --np N (Spark, warm kernel)",
+    "hvdmagic_td": "hvdmagic TorchDistributor (same Spark)",
+    "pyspark_td": "pyspark TorchDistributor (same Spark)",
+    "torchrun": "torchrun --nproc-per-node N (cold)",
+    "horovod_cell": "%%horovod --np N (Spark), reference",
+    "import_floor_torch": "floor: import torch, torch.distributed",
+    "python_bare": "python -c pass",
+}
+TORCH_FLOORS = ("import_floor_torch", "python_bare")
+TORCH_PHASES = ("launch -> rank processes", "rank start -> user code", "import torch (+ horovod.torch)",
+                "init_process_group / hvd.init()", "all_reduce", "job done -> launcher returns")
+# (numerator, denominator) of the paired ratios reported; the first of each part is its goal.
+TORCH_LAUNCH_PAIRS = [("torchrun_cell", "pyspark_td"), ("hvdmagic_td", "pyspark_td"), ("torchrun_cell", "torchrun"),
+                      ("hvdmagic_td", "torchrun"), ("torchrun", "pyspark_td"),
+                      ("torchrun_cell", "import_floor_torch"), ("torchrun_cell", "horovod_cell")]
+TORCH_TRAIN_PAIRS = [("torchrun_cell", "torchrun"), ("hvdmagic_td", "torchrun"), ("pyspark_td", "torchrun"),
+                     ("torchrun_cell", "hvdmagic_td")]
+LAUNCH_GOAL, TRAIN_GOAL = 0.15, 0.99
+
+
+def have_horovod() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("horovod") is not None
+
+
+def paired(a: dict, b: dict) -> dict:
+    """a/b for the rounds both ran (``{round: value}`` each): the stats of the per-round ratios,
+    the 95 % bootstrap interval of their median (n >= 3), and the ratio of the totals."""
+    rounds = sorted(set(a) & set(b))
+    xs, ys = [a[r] for r in rounds], [b[r] for r in rounds]
+    ratios = paired_ratios(xs, ys)
+    out = stats(ratios)
+    out["ratio_of_totals"] = _common.ratio_of_totals(xs, ys)
+    if len(ratios) >= 3:
+        out["median_ci95"] = list(_common.bootstrap_median_ci(ratios))
+    return out
+
+
+def _rotated(names: list, r: int) -> list:
+    return names[r % len(names):] + names[:r % len(names)] if names else names
+
+
+def bench_torch(sysm: Systems, np: int, rounds: int, td_rounds: int, train_rounds: int, train_td_rounds: int,
+                steps: int, warmup: bool = True) -> dict:
+    """(a) launch latency of a trivial all_reduce job and (b) training throughput, every torch
+    launcher on the same code (workloads.TORCH_*), the modes taking turns in rotating order."""
+    trivial = workloads.torch_trivial()
+    launch = {
+        "torchrun_cell": lambda: sysm.torch_cell(np, trivial),
+        "hvdmagic_td": lambda: sysm.hvdmagic_td(np, trivial),
+        "pyspark_td": lambda: sysm.pyspark_td(np, trivial),
+        "torchrun": lambda: sysm.torchrun(np, trivial),
+        "import_floor_torch": lambda: sysm.python("import torch, torch.distributed"),
+        "python_bare": lambda: sysm.python("pass"),
+    }
+    if have_horovod():
+        launch["horovod_cell"] = lambda: sysm.cell(np, workloads.trivial())
+    body = workloads.torch_train(steps)
+    train = {
+        "torchrun_cell": lambda: sysm.torch_cell(np, body),
+        "hvdmagic_td": lambda: sysm.hvdmagic_td(np, body),
+        "pyspark_td": lambda: sysm.pyspark_td(np, body),
+        "torchrun": lambda: sysm.torchrun(np, body),
+    }
+
+    if warmup:
+        log(f"torch: warm-up, one untimed trivial run of each launcher at np={np}")
+        for name, fn in launch.items():
+            if name not in TORCH_FLOORS and (name != "pyspark_td" or td_rounds or train_td_rounds):
+                fn()
+
+    failures: list[dict] = []
+
+    def attempt(part: str, name: str, r: int, fn) -> dict | None:
+        """One run; a failure is recorded and the round goes on without it (its pairs drop out)."""
+        try:
+            return fn()
+        except Exception as exc:
+            failures.append({"part": part, "mode": name, "round": r, "error": repr(exc)[:2000]})
+            log(f"  {name}: FAILED in round {r + 1} ({exc!r:.300})")
+            return None
+
+    runs: dict = {name: {} for name in launch}  # name -> {round: run}
+    for r in range(rounds):
+        log(f"torch launch: round {r + 1}/{rounds}")
+        for name in _rotated([n for n in launch if n != "pyspark_td" or r < td_rounds], r):
+            run = attempt("launch", name, r, launch[name])
+            if run is None:
+                continue
+            if name not in TORCH_FLOORS:
+                values = {x.get("value") for x in run["ranks"]}
+                if values != {float(np)} or len(run["ranks"]) != np:
+                    raise RuntimeError(f"{name}: the all_reduce gave {values} on {len(run['ranks'])} ranks")
+                run["first_statement"] = first_statement(run)
+            runs[name][r] = run
+            log(f"  {name:20s} np={np}: {run['wall']:.2f} s")
+    walls = {name: {r: run["wall"] for r, run in rs.items()} for name, rs in runs.items()}
+    launch_result = {
+        "runs": runs,
+        "wall": {name: stats(w.values()) for name, w in walls.items()},
+        "first_statement": {name: stats([run["first_statement"]["last"] for run in rs.values()])
+                            for name, rs in runs.items() if name not in TORCH_FLOORS},
+        "phases": {name: {label: stats([dict(zip(TORCH_PHASES, launch_phases(run).values())).get(label)
+                                        for run in rs.values()]) for label in TORCH_PHASES}
+                   for name, rs in runs.items() if name not in TORCH_FLOORS},
+        "ratios": {f"{a}/{b}": paired(walls[a], walls[b]) for a, b in TORCH_LAUNCH_PAIRS
+                   if a in walls and b in walls},
+    }
+
+    truns: dict = {name: {} for name in train}
+    for r in range(train_rounds):
+        for name in _rotated([n for n in train if n != "pyspark_td" or r < train_td_rounds], r):
+            run = attempt("training", name, r, train[name])
+            if run is None:
+                continue
+            run["total_samples_per_s"] = total_throughput(run)
+            run["cpu_ms_per_step"] = statistics.mean(x["cpu_ms_per_step"] for x in run["ranks"])
+            truns[name][r] = run
+            log(f"torch training round {r + 1}/{train_rounds}: {name:14s} {run['total_samples_per_s']:8.0f} samples/s"
+                f" (torch threads per rank {[x['torch_threads'] for x in run['ranks']]}, "
+                f"OMP_NUM_THREADS {run['ranks'][0]['omp_num_threads']}, launch+run {run['wall']:.1f} s)")
+    thr = {name: {r: run["total_samples_per_s"] for r, run in rs.items()} for name, rs in truns.items()}
+    cpu = {name: {r: run["cpu_ms_per_step"] for r, run in rs.items()} for name, rs in truns.items()}
+    threads = {name: sorted({(x["torch_threads"], x["omp_num_threads"]) for run in rs.values() for x in run["ranks"]})
+               for name, rs in truns.items()}
+    train_result = {
+        "steps": steps, "batch": 64, "runs": truns,
+        "samples_per_s": {name: stats(v.values()) for name, v in thr.items()},
+        "cpu_ms_per_step": {name: stats(v.values()) for name, v in cpu.items()},
+        "ratios": {f"{a}/{b}": paired(thr[a], thr[b]) for a, b in TORCH_TRAIN_PAIRS},
+        "cpu_ratios": {f"{a}/{b}": paired(cpu[a], cpu[b]) for a, b in TORCH_TRAIN_PAIRS},
+        "threads_and_omp": threads,
+        "same_threads": len({tuple(t) for t in threads.values() if t}) <= 1,
+        "flusher_cpu_s_per_rank": stats([x.get("flusher_cpu_s") for run in truns["torchrun_cell"].values()
+                                         for x in run["ranks"]]),
+    }
+    result = {"np": np, "launch": launch_result, "training": train_result, "failures": failures}
+    result["goal"] = torch_goal_lines(result)
+    return result
+
+
+def torch_goal_lines(res: dict) -> list[str]:
+    def met(ratio: dict, ok) -> str:
+        if not ratio.get("n"):
+            return "not measured"
+        both = ok(ratio["median"]) and ok(ratio["ratio_of_totals"])
+        return "met" if both else ("met by one summary only" if ok(ratio["median"]) or ok(ratio["ratio_of_totals"])
+                                   else "NOT met")
+
+    def line(ratio: dict) -> str:
+        ci = ratio.get("median_ci95")
+        return (f"median of ratios {fmt(ratio, unit='x', digits=3)}"
+                + (f", 95 % CI of the median [{ci[0]:.3f}-{ci[1]:.3f}]" if ci else "")
+                + (f"; ratio of totals {ratio['ratio_of_totals']:.3f}x" if ratio.get("ratio_of_totals") else ""))
+
+    a = res["launch"]["ratios"].get("torchrun_cell/pyspark_td", {})
+    b = res["training"]["ratios"].get("torchrun_cell/torchrun", {})
+    return [f"goal (a): a trivial %%torchrun --np {res['np']} at most {LAUNCH_GOAL} x pyspark's TorchDistributor -> "
+            f"{line(a)} ({met(a, lambda v: v <= LAUNCH_GOAL)})",
+            f"goal (b): %%torchrun training at least {TRAIN_GOAL} x torchrun's samples/s -> "
+            f"{line(b)} ({met(b, lambda v: v >= TRAIN_GOAL)})"]
+
+
+def print_torch(t: dict) -> list[str]:
+    out = []
+    la, tr = t["launch"], t["training"]
+    out.append(f"\n== 5a. torch.distributed: launch latency of a trivial all_reduce job, np={t['np']} "
+               f"(wall s: median [min-max]; user code on every rank after) ==")
+    for name, label in TORCH_LABELS.items():
+        if name in la["wall"]:
+            first = la["first_statement"].get(name)
+            out.append(f"  {label:42s} {fmt(la['wall'][name]):>30s}"
+                       + (f"   {fmt(first)}" if first else ""))
+    out.append("  critical path (median s): " + " | ".join(TORCH_PHASES))
+    for name, ph in la["phases"].items():
+        out.append(f"    {name:18s} " + "  ".join(f"{ph[n].get('median', float('nan')):6.2f}" for n in TORCH_PHASES))
+    out.append("  paired ratios: median [min-max] n; ratio of totals")
+    for key, s in la["ratios"].items():
+        out.append(f"    {key:36s} {fmt(s, unit='x', digits=3):>30s}; {s.get('ratio_of_totals') or float('nan'):.3f}x")
+    out.append(f"\n== 5b. torch.distributed: training, np={t['np']}, total samples/s inside the ranks "
+               f"({tr['steps']} steps x batch 64 per rank, DDP, gloo) ==")
+    for name, s in tr["samples_per_s"].items():
+        out.append(f"  {TORCH_LABELS[name]:42s} {fmt(s, unit='', digits=0):>26s}  CPU ms/step "
+                   f"{fmt(tr['cpu_ms_per_step'][name], unit='', digits=2):>24s}  "
+                   f"(threads, OMP) {tr['threads_and_omp'][name]}")
+    out.append("  paired ratios of samples/s: median [min-max] n; ratio of totals; CPU per step ratio")
+    for key, s in tr["ratios"].items():
+        c = tr["cpu_ratios"][key]
+        out.append(f"    {key:36s} {fmt(s, unit='x', digits=3):>30s}; {s.get('ratio_of_totals') or float('nan'):.3f}x;"
+                   f" CPU {fmt(c, unit='x', digits=3)}")
+    if not tr["same_threads"]:
+        out.append("  NOTE: the launchers' ranks did not run with the same threads / OMP_NUM_THREADS")
+    out.append(f"  hvdmagic's flusher thread, CPU s per rank over a %%torchrun run: "
+               f"{fmt(tr['flusher_cpu_s_per_rank'], digits=3)}")
+    out.extend("  " + line for line in t["goal"])
+    for failure in t.get("failures", []):
+        out.append(f"  FAILED: {failure['part']} round {failure['round'] + 1}, {failure['mode']}: "
+                   f"{failure['error'][:200]}")
+    return out
 
 
 # ---------------------------------------------------------------------------
@@ -884,6 +1179,8 @@ def print_tables(res: dict) -> None:
                 for role, labels in spy["cpu_s_by_role_and_label"].items():
                     top = ", ".join(f"{k} {v:.2f}" for k, v in list(labels.items())[:8])
                     out.append(f"  {role}: {top}")
+    if res.get("torch"):
+        out.extend(print_torch(res["torch"]))
     for part, load in (res.get("load_by_part") or {}).items():
         if load:
             out.append(f"load during {part}: other processes {load.get('others_cores', 0):.2f} cores, "
@@ -1027,8 +1324,13 @@ def plot(res: dict, path: Path) -> None:
 
 
 def environment() -> dict:
-    return {**_common.machine(), **_common.versions("torch", "horovod", "pyspark"),
+    modules = ("torch", "horovod", "pyspark") if have_horovod() else ("torch", "pyspark")
+    return {**_common.machine(), **_common.versions(*modules), "code": _common.code_under_test(),
             "user_OMP_NUM_THREADS": _USER_OMP, "load_at_start": os.getloadavg()}
+
+
+def _given(value, default):
+    return default if value is None else value
 
 
 def main(argv=None) -> int:
@@ -1042,8 +1344,17 @@ def main(argv=None) -> int:
     parser.add_argument("--scaling-repeats", type=int, default=None, help="scaling rounds (default 2, quick 1)")
     parser.add_argument("--profile-cells", type=int, default=None, help="profiled cells (default 4, quick 1)")
     parser.add_argument("--no-py-spy", action="store_true", help="skip the py-spy sample")
-    parser.add_argument("--only", default="launch,training,scaling,profile",
-                        help="comma-separated parts to run (launch, training, scaling, profile)")
+    parser.add_argument("--torch-repeats", type=int, default=None,
+                        help="torch part: launch rounds (default 6, quick 1)")
+    parser.add_argument("--torch-td-repeats", type=int, default=None,
+                        help="torch part: rounds that include pyspark's TorchDistributor, in launch and in "
+                             "training (default 3, quick 0); it is slow")
+    parser.add_argument("--torch-train-repeats", type=int, default=None,
+                        help="torch part: training rounds (default 6, quick 1)")
+    parser.add_argument("--torch-train-steps", type=int, default=None,
+                        help="torch part: steps per rank (default 800, quick 100)")
+    parser.add_argument("--only", default="launch,training,scaling,profile,torch",
+                        help="comma-separated parts to run (launch, training, scaling, profile, torch)")
     parser.add_argument("--out", default=str(ROOT / "artifacts" / "bench_launch.json"))
     args = parser.parse_args(argv)
     quick = args.quick
@@ -1057,6 +1368,10 @@ def main(argv=None) -> int:
         "scaling_repeats": args.scaling_repeats if args.scaling_repeats is not None else (1 if quick else 2),
         "profile_cells": args.profile_cells if args.profile_cells is not None else (1 if quick else 4),
         "py_spy": not (quick or args.no_py_spy),
+        "torch_repeats": _given(args.torch_repeats, 1 if quick else 6),
+        "torch_td_repeats": _given(args.torch_td_repeats, 0 if quick else 3),
+        "torch_train_repeats": _given(args.torch_train_repeats, 1 if quick else 6),
+        "torch_train_steps": _given(args.torch_train_steps, 100 if quick else 800),
         "parts": [p.strip() for p in args.only.split(",") if p.strip()],
         "command": _common.command_line(),
     }
@@ -1075,8 +1390,12 @@ def main(argv=None) -> int:
             spark = start_spark(4)
             sysm = Systems(spark, tmp)
             res["spark_start_s"] = time.time() - t
-            log("warming Spark up with one untimed %%horovod --np 2 cell")
-            sysm.cell(2, workloads.trivial())
+            if cfg["parts"] == ["torch"] or not have_horovod():
+                log("warming Spark up with one untimed %%torchrun --np 2 cell")
+                sysm.torch_cell(2, workloads.torch_trivial())
+            else:
+                log("warming Spark up with one untimed %%horovod --np 2 cell")
+                sysm.cell(2, workloads.trivial())
             parts_time = {}
             if "launch" in cfg["parts"]:
                 t = time.time()
@@ -1098,6 +1417,13 @@ def main(argv=None) -> int:
                 t = time.time()
                 res["profile"] = bench_profile(sysm, cfg["profile_cells"], cfg["py_spy"], out.parent)
                 parts_time["profile"] = (t, time.time())
+            if "torch" in cfg["parts"]:
+                t = time.time()
+                res["torch"] = bench_torch(
+                    sysm, 2, cfg["torch_repeats"], min(cfg["torch_td_repeats"], cfg["torch_repeats"]),
+                    cfg["torch_train_repeats"], min(cfg["torch_td_repeats"], cfg["torch_train_repeats"]),
+                    cfg["torch_train_steps"])
+                parts_time["torch"] = (t, time.time())
         res["load"] = monitor.summary()
         res["load_by_part"] = {name: monitor.summary(a, b) for name, (a, b) in parts_time.items()}
         res["load_samples"] = monitor.samples
@@ -1108,6 +1434,9 @@ def main(argv=None) -> int:
     _common.write_json(out, res)
     print_tables(res)
     png = out.with_suffix(".png")
+    if not any(res.get(part) for part in ("launch", "training", "scaling", "profile")):
+        log(f"wrote {out} in {res['duration_s']:.0f} s (the plot shows parts 1-4 only)")
+        return 0
     try:
         plot(res, png)
         log(f"wrote {out} and {png} in {res['duration_s']:.0f} s")

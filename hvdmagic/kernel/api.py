@@ -6,15 +6,10 @@ streaming, dashboard and error reporting.
 
 from __future__ import annotations
 
-import sys
-import sysconfig
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
-import cloudpickle
-
-from hvdmagic.kernel.capture import with_notebook_sources
+from hvdmagic.kernel.capture import dumps_by_value_if_users_own, with_notebook_sources
 from hvdmagic.kernel.runner import execute
 from hvdmagic.launch import ResultPolicy
 from hvdmagic.protocol import Framework
@@ -88,15 +83,6 @@ def run(fn: Callable, np: int | None = None, *args, timeout: float | None = None
                    controller=controller, framework=framework, session=session, command="hvdmagic.run").results
 
 
-def _is_users_own(module) -> bool:
-    """A module from the user's files, not an installed package or the standard library."""
-    path = getattr(module, "__file__", None)
-    if not path or module.__name__ == "__main__":
-        return False
-    installed = {sysconfig.get_paths()[key] for key in ("purelib", "platlib", "stdlib", "platstdlib")}
-    return not any(Path(path).resolve().is_relative_to(Path(root).resolve()) for root in installed)
-
-
 def _dumps(obj, fn: Callable) -> bytes:
     """Pickle, shipping ``fn``'s module by value when it is the user's own file.
 
@@ -107,14 +93,7 @@ def _dumps(obj, fn: Callable) -> bytes:
     fn_, args, kwargs = obj
     # Functions from notebook cells carry their cells' source, so tracebacks show it.
     obj = (with_notebook_sources(fn_, *args, *kwargs.values()), args, kwargs)
-    module = sys.modules.get(getattr(fn, "__module__", "") or "")
-    if module is None or not _is_users_own(module):
-        return cloudpickle.dumps(obj)
-    cloudpickle.register_pickle_by_value(module)
-    try:
-        return cloudpickle.dumps(obj)
-    finally:
-        cloudpickle.unregister_pickle_by_value(module)
+    return dumps_by_value_if_users_own(obj, fn)
 
 
 class HorovodRunner:

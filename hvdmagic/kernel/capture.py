@@ -16,10 +16,12 @@ import linecache
 import re
 import socket
 import sys
+import sysconfig
 import traceback
 import types
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from pathlib import Path
 
 import cloudpickle
 
@@ -97,7 +99,7 @@ def capture_cell(source: str, user_ns: dict, hidden: set[str] | frozenset[str] =
             failures.append(f"'{name}' ({_type_name(value)}): an open file or socket belongs to this process")
             continue
         try:
-            pickled[name] = cloudpickle.dumps(value)
+            pickled[name] = dumps_by_value_if_users_own(value, value)
         except Exception as exc:  # pickling raises almost anything: TypeError, PicklingError, ...
             failures.append(f"'{name}' ({_type_name(value)}): {exc}")
     if failures:
@@ -254,3 +256,29 @@ def with_notebook_sources(fn: Callable, *values, shell=None) -> Callable:
     """
     sources = notebook_sources([fn, *values], _shell() if shell is None else shell)
     return SourcedFunction(fn, sources) if sources else fn
+
+
+def is_users_own(module) -> bool:
+    """A module from the user's files, not an installed package or the standard library."""
+    path = getattr(module, "__file__", None)
+    if not path or module.__name__ == "__main__":
+        return False
+    installed = {sysconfig.get_paths()[key] for key in ("purelib", "platlib", "stdlib", "platstdlib")}
+    return not any(Path(path).resolve().is_relative_to(Path(root).resolve()) for root in installed)
+
+
+def dumps_by_value_if_users_own(obj, owner) -> bytes:
+    """cloudpickle ``obj``, shipping ``owner``'s module by value when it is the user's own file.
+
+    cloudpickle pickles a function from an importable module by reference, and a rank
+    (a fresh interpreter, maybe on another machine, in another folder) cannot import the
+    user's ``train.py`` from the notebook's folder.
+    """
+    module = sys.modules.get(getattr(owner, "__module__", "") or "")
+    if module is None or not is_users_own(module):
+        return cloudpickle.dumps(obj)
+    cloudpickle.register_pickle_by_value(module)
+    try:
+        return cloudpickle.dumps(obj)
+    finally:
+        cloudpickle.unregister_pickle_by_value(module)

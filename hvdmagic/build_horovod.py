@@ -1,0 +1,387 @@
+"""Build (or reuse) a horovod wheel for the PyTorch and TensorFlow installed in this Python.
+
+    python -m hvdmagic.build_horovod [--frameworks pytorch,tensorflow] [--gpu] [--version 0.28.1]
+
+prints the wheel's path on stdout (everything else goes to stderr); install it with
+``pip install --no-deps <path>``. Without ``--frameworks`` it builds for those of
+torch and tensorflow that this Python can import. The wheel is kept in
+``$HVDMAGIC_CACHE/hvdmagic/wheels`` (default ``~/.cache``), keyed by everything that
+changes the binary: horovod, Python, torch and TensorFlow versions, the build flags and
+the source patches. Only the first build on a machine pays the 5 to 10 minutes.
+
+horovod 0.28.1's sdist does not build against today's frameworks as it is:
+
+- Its CMakeLists pins C++14, but torch >= 2.1 headers need C++17: the build runs
+  with a compiler wrapper (WRAPPER) that rewrites the flag.
+- PATCHES fixes the source before the build:
+  * Gloo: every process set's context, the global one included, is built on an empty
+    interface name, so Gloo falls back to the address the hostname resolves to. Where
+    that is a loopback address (Debian's "127.0.1.1 hostname", containers), ranks on
+    other hosts are told to connect to 127.0.0.1 and the first collective aborts. The
+    fix uses the global context's interface (HOROVOD_GLOO_IFACE), as every other
+    context already does (tests/test_multihost.py).
+  * TensorFlow >= 2.18 (XLA moved out of tensorflow/compiler): xla_mpi_ops.cc includes
+    tensorflow/compiler/xla/client/xla_builder.h, now xla/hlo/builder/xla_builder.h,
+    and XLA's headers include highwayhash and farmhash from directories TF ships but
+    does not put on its include path. Without the fix, TF 2.21 fails to compile. The
+    file's GPU part (XLA custom calls) also names xla::StatusOr, now absl::StatusOr.
+  * Keras: horovod.tensorflow.keras takes its backend from the standalone ``keras``
+    package, which is Keras 3 on TF >= 2.16 even when ``TF_USE_LEGACY_KERAS=1`` makes
+    ``tf.keras`` the Keras 2 of ``tf_keras``; MetricAverageCallback then fails. The fix
+    uses ``tf.keras.backend``, which is what it meant. And since horovod's Keras
+    DistributedOptimizer silently does not average gradients under Keras 3, importing
+    horovod.tensorflow.keras there raises an ImportError that says what to do.
+
+MPI is built in when ``mpicxx`` and ``mpirun`` are on PATH (Gloo always is). ``--gpu``
+builds NCCL operations (HOROVOD_GPU_OPERATIONS=NCCL); it needs the CUDA toolkit
+(nvcc) and NCCL (``HOROVOD_NCCL_HOME``, or the nvidia-nccl wheel of a CUDA torch). With
+neither ``--gpu`` nor ``--no-gpu`` it is on when nvcc is found and a framework is a CUDA
+build. See docs/frameworks.md.
+
+This file runs on executor images that have nothing of hvdmagic's dependencies: it
+imports only the standard library (and the frameworks, to read their build), and also
+runs by path: ``python build_horovod.py ...``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tarfile
+import tempfile
+from importlib import metadata
+from pathlib import Path
+
+HOROVOD_VERSION = "0.28.1"
+
+# --frameworks name -> (import name, horovod's build switch)
+FRAMEWORKS = {
+    "pytorch": ("torch", "PYTORCH"),
+    "tensorflow": ("tensorflow", "TENSORFLOW"),
+}
+
+# Apache retired MXNet in 2023; hvdmagic builds without it, always.
+BASE_FLAGS = {
+    "HOROVOD_WITH_GLOO": "1",
+    "HOROVOD_WITHOUT_MXNET": "1",
+}
+
+# Read by horovod's build and so part of the cache key when set; every other
+# HOROVOD_WITH*/GPU setting of the caller's environment is replaced by ours.
+PASSED_THROUGH = ("HOROVOD_CUDA_HOME", "HOROVOD_CUDA_INCLUDE", "HOROVOD_CUDA_LIB", "HOROVOD_NCCL_HOME",
+                  "HOROVOD_NCCL_INCLUDE", "HOROVOD_NCCL_LIB", "HOROVOD_NCCL_LINK", "HOROVOD_BUILD_CUDA_CC_LIST",
+                  "HOROVOD_GPU")
+
+# What horovod's setup.py needs importable when it builds without isolation.
+BUILD_PREREQUISITES = ("setuptools", "wheel", "cloudpickle", "psutil", "yaml", "packaging", "cffi")
+
+WRAPPER = """#!/bin/sh
+# horovod 0.28.1 asks for C++14; torch's and TensorFlow's headers need C++17.
+for a in "$@"; do
+  shift
+  case "$a" in -std=c++14|-std=gnu++14) a=-std=c++17 ;; esac
+  set -- "$@" "$a"
+done
+exec {cxx} "$@"
+"""
+
+_KERAS_BACKEND_OLD = """if is_version_greater_equal_than(tf.__version__, "2.6.0"):
+    from keras import backend as K
+else:
+    from tensorflow.python.keras import backend as K
+"""
+_KERAS_BACKEND_NEW = """# hvdmagic: tf.keras's own backend. On TF >= 2.16 the standalone `keras` package is
+# Keras 3 even when TF_USE_LEGACY_KERAS=1 makes tf.keras the Keras 2 of tf_keras.
+K = keras.backend
+"""
+_KERAS3_GUARD = """
+# hvdmagic: horovod's Keras DistributedOptimizer does not average gradients under
+# Keras 3 (the default from TF 2.16): the ranks would silently diverge.
+if str(getattr(keras, "__version__", None) or "2").split(".")[0] not in ("1", "2"):
+    raise ImportError(
+        "horovod.tensorflow.keras needs Keras 2, but tf.keras is Keras %s: under Keras 3 its "
+        "DistributedOptimizer does not average gradients. Install tf-keras matching TensorFlow "
+        "(pip install --no-deps tf-keras==<TF version>) and set TF_USE_LEGACY_KERAS=1 before TensorFlow "
+        "is imported; or use horovod.tensorflow's DistributedGradientTape." % keras.__version__)
+"""
+
+# (file, text in 0.28.1, replacement, what it fixes): applied to the sdist before building.
+PATCHES = [
+    ("horovod/common/gloo/gloo_context.cc",
+     "  attr device_attr;\n  device_attr.iface = gloo_iface_;\n  device_attr.ai_family = AF_UNSPEC;\n"
+     "  auto dev = CreateDevice(device_attr);\n\n  global_ctx = global_context.ctx;",
+     "  gloo_iface_ = global_context.gloo_iface_;\n"
+     "  attr device_attr;\n  device_attr.iface = gloo_iface_;\n  device_attr.ai_family = AF_UNSPEC;\n"
+     "  auto dev = CreateDevice(device_attr);\n\n  global_ctx = global_context.ctx;",
+     "the Gloo interface of process sets"),
+    ("horovod/tensorflow/xla_mpi_ops.cc",
+     '#include "tensorflow/compiler/xla/client/xla_builder.h"\n',
+     '#if __has_include("tensorflow/compiler/xla/client/xla_builder.h")\n'
+     '#include "tensorflow/compiler/xla/client/xla_builder.h"\n'
+     "#define HVDMAGIC_XLA_STATUSOR ::xla::StatusOr\n"
+     "#else  // TensorFlow >= 2.18: XLA's builder moved, and xla::StatusOr is absl's (hvdmagic)\n"
+     '#include "xla/hlo/builder/xla_builder.h"\n'
+     "#define HVDMAGIC_XLA_STATUSOR ::absl::StatusOr\n"
+     "#endif\n",
+     "the XLA builder header of TensorFlow >= 2.18"),
+    # The GPU build's XLA custom call (HAVE_GPU only): xla::StatusOr is gone from TF 2.21's XLA.
+    ("horovod/tensorflow/xla_mpi_ops.cc",
+     "  ::xla::StatusOr<::xla::XlaOp> BuildAllreduceCustomCall(",
+     "  HVDMAGIC_XLA_STATUSOR<::xla::XlaOp> BuildAllreduceCustomCall(",
+     "the XLA StatusOr of TensorFlow >= 2.18"),
+    ("horovod/tensorflow/xla_mpi_ops.cc",
+     "\n::xla::StatusOr<::xla::XlaOp> HVDAllreduceOp::BuildAllreduceCustomCall(",
+     "\nHVDMAGIC_XLA_STATUSOR<::xla::XlaOp> HVDAllreduceOp::BuildAllreduceCustomCall(",
+     "the XLA StatusOr of TensorFlow >= 2.18"),
+    ("horovod/tensorflow/CMakeLists.txt",
+     "include_directories(SYSTEM ${Tensorflow_INCLUDE_DIRS})\n",
+     "include_directories(SYSTEM ${Tensorflow_INCLUDE_DIRS})\n"
+     "# hvdmagic: XLA's headers (TensorFlow >= 2.18) include these two from TF's bundled copies.\n"
+     "foreach(tf_external external/highwayhash external/farmhash_archive/src)\n"
+     '    if(EXISTS "${Tensorflow_INCLUDE_DIRS}/${tf_external}")\n'
+     '        include_directories(SYSTEM "${Tensorflow_INCLUDE_DIRS}/${tf_external}")\n'
+     "    endif()\n"
+     "endforeach()\n",
+     "the include path of TensorFlow's XLA headers"),
+    ("horovod/tensorflow/keras/__init__.py", _KERAS_BACKEND_OLD, _KERAS_BACKEND_NEW + _KERAS3_GUARD,
+     "the Keras backend of horovod.tensorflow.keras"),
+    ("horovod/tensorflow/keras/callbacks.py", _KERAS_BACKEND_OLD, _KERAS_BACKEND_NEW,
+     "the Keras backend of horovod.tensorflow.keras.callbacks"),
+]
+
+
+def log(msg: str) -> None:
+    print(f"[build_horovod] {msg}", file=sys.stderr, flush=True)
+
+
+def fail(msg: str) -> None:
+    sys.exit(f"[build_horovod] {msg}")
+
+
+def cache_root() -> Path:
+    base = os.environ.get("HVDMAGIC_CACHE") or os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "hvdmagic" / "wheels"
+
+
+def importable(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+@functools.cache
+def distributions(module: str) -> dict[str, str]:
+    """The installed distributions that provide ``module`` and their versions, from the
+    metadata (importing TensorFlow to ask takes seconds): {"tensorflow-cpu": "2.21.0"}."""
+    names = metadata.packages_distributions().get(module, [])
+    found = {}
+    for name in sorted({name.lower().replace("_", "-") for name in names}):
+        try:
+            found[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+    if not found:  # e.g. a framework built from source without metadata
+        out = subprocess.run([sys.executable, "-c", f"import {module}; print({module}.__version__)"],
+                             capture_output=True, text=True)
+        if out.returncode == 0:
+            found[module] = out.stdout.strip().splitlines()[-1]
+    return found
+
+
+def default_frameworks() -> list[str]:
+    return [name for name, (module, _) in FRAMEWORKS.items() if importable(module)]
+
+
+def parse_frameworks(text: str | None) -> list[str]:
+    if text is None:
+        chosen = default_frameworks()
+        if not chosen:
+            fail("neither torch nor tensorflow is importable in this Python: install one first "
+                 "(or name them with --frameworks).")
+        return chosen
+    chosen = [part.strip().lower() for part in text.split(",") if part.strip()]
+    chosen = ["pytorch" if name == "torch" else name for name in chosen]
+    unknown = [name for name in chosen if name not in FRAMEWORKS]
+    if unknown or not chosen:
+        fail(f"--frameworks takes a comma-separated list of {', '.join(FRAMEWORKS)}, not {text!r}"
+             + (" (MXNet was retired by Apache in 2023: hvdmagic does not build it)" if "mxnet" in unknown else "")
+             + ".")
+    missing = [name for name in chosen if not importable(FRAMEWORKS[name][0])]
+    if missing:
+        fail(f"--frameworks names {', '.join(missing)}, but {sys.executable} cannot import "
+             f"{', '.join(FRAMEWORKS[name][0] for name in missing)}: install it first (see docs/frameworks.md).")
+    return sorted(set(chosen), key=list(FRAMEWORKS).index)
+
+
+def find_nvcc() -> str | None:
+    for home in (os.environ.get("HOROVOD_CUDA_HOME"), os.environ.get("CUDA_HOME"), "/usr/local/cuda"):
+        if home and (Path(home) / "bin" / "nvcc").exists():
+            return str(Path(home) / "bin" / "nvcc")
+    return shutil.which("nvcc")
+
+
+def cpu_build(name: str) -> bool:
+    """Known from the metadata to be a CPU-only build: torch's "+cpu" wheels, tensorflow-cpu."""
+    dists = distributions(FRAMEWORKS[name][0])
+    if name == "pytorch":
+        return bool(dists) and all(version.endswith("+cpu") for version in dists.values())
+    return bool(dists) and set(dists) <= {"tensorflow-cpu"}
+
+
+def cuda_frameworks(frameworks: list[str]) -> list[str]:
+    """Those of ``frameworks`` that are CUDA builds. Only asked when nvcc is there; imports
+    those that the metadata does not tell (seconds each)."""
+    probes = {
+        "pytorch": "import torch; print(bool(torch.version.cuda))",
+        "tensorflow": "import tensorflow as tf; print(tf.test.is_built_with_cuda())",
+    }
+    found = []
+    for name in frameworks:
+        if cpu_build(name):
+            continue
+        out = subprocess.run([sys.executable, "-c", probes[name]], capture_output=True, text=True)
+        if out.returncode == 0 and out.stdout.strip().endswith("True"):
+            found.append(name)
+    return found
+
+
+def build_flags(frameworks: list[str], gpu: bool | None) -> dict[str, str]:
+    """Gloo always; each framework on or off; MPI when an MPI compiler is on PATH; NCCL
+    with --gpu (or, without --gpu/--no-gpu, when nvcc is found and a framework is a CUDA build)."""
+    flags = dict(BASE_FLAGS)
+    for name, (_, switch) in FRAMEWORKS.items():
+        flags[f"HOROVOD_WITH{'' if name in frameworks else 'OUT'}_{switch}"] = "1"
+    if shutil.which("mpicxx") and shutil.which("mpirun"):
+        flags["HOROVOD_WITH_MPI"] = "1"
+        log("MPI found: building with the MPI controller as well as Gloo")
+    else:
+        flags["HOROVOD_WITHOUT_MPI"] = "1"
+    nvcc = find_nvcc()
+    if gpu is None and nvcc:
+        cuda = cuda_frameworks(frameworks)
+        gpu = bool(cuda)
+        if gpu:
+            log(f"nvcc ({nvcc}) and a CUDA build of {', '.join(cuda)} found: building with NCCL")
+    if gpu:
+        if not nvcc:
+            fail("--gpu needs the CUDA toolkit: nvcc was not found on PATH, in $HOROVOD_CUDA_HOME/bin, "
+                 "$CUDA_HOME/bin or /usr/local/cuda/bin.")
+        flags["HOROVOD_GPU_OPERATIONS"] = "NCCL"
+    return flags
+
+
+def cache_key(version: str, frameworks: list[str], flags: dict[str, str]) -> str:
+    versions = {name: distributions(FRAMEWORKS[name][0]) for name in frameworks}
+    ident = {
+        "horovod": version,
+        "python": sysconfig.get_python_version(),
+        "platform": sysconfig.get_platform(),
+        "frameworks": versions,
+        "flags": flags,
+        "env": {name: os.environ[name] for name in PASSED_THROUGH if os.environ.get(name)},
+        "patches": PATCHES,
+        "wrapper": WRAPPER,
+    }
+    digest = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
+    label = "-".join(f"{FRAMEWORKS[name][0]}-{next(iter(versions[name].values()), 'unknown')}"
+                     for name in frameworks)
+    gpu = "-nccl" if "HOROVOD_GPU_OPERATIONS" in flags else ""
+    return f"horovod-{version}-{label}{gpu}-py{sysconfig.get_python_version()}-{digest}"
+
+
+def check_tools() -> str:
+    cxx = shutil.which(os.environ.get("CXX", "g++"))
+    if not cxx:
+        fail("no C++ compiler found: install g++ (e.g. 'apt-get install -y g++') and cmake.")
+    if not shutil.which("cmake"):
+        fail("cmake was not found: install it ('pip install cmake' or 'apt-get install -y cmake').")
+    missing = [module for module in BUILD_PREREQUISITES if not importable(module)]
+    if missing:
+        names = " ".join("pyyaml" if module == "yaml" else module for module in missing)
+        fail(f"horovod's build needs these in {sys.executable} first: pip install {names}")
+    return cxx
+
+
+def build(version: str, flags: dict[str, str], dest: Path) -> Path:
+    cxx = check_tools()
+    with tempfile.TemporaryDirectory(prefix="hvd-build-") as tmp:
+        wrapper = Path(tmp) / "cxx17"
+        wrapper.write_text(WRAPPER.format(cxx=cxx))
+        wrapper.chmod(0o755)
+        env = {key: value for key, value in os.environ.items()
+               if not key.startswith(("HOROVOD_WITH_", "HOROVOD_WITHOUT_", "HOROVOD_GPU_"))}
+        env.update(flags, CXX=str(wrapper))
+        env.setdefault("MAKEFLAGS", f"-j{os.cpu_count() or 2}")
+        out = Path(tmp) / "wheel"
+        source = patched_source(version, Path(tmp))
+        log(f"building horovod {version} with {' '.join(f'{k}={v}' for k, v in sorted(flags.items()))} "
+            "(takes several minutes; later set-ups reuse the cached wheel)")
+        cmd = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-cache-dir",
+               "-w", str(out), str(source)]
+        result = subprocess.run(cmd, env=env, stdout=sys.stderr, stderr=sys.stderr)
+        if result.returncode != 0:
+            fail(f"the horovod build failed (exit {result.returncode}); see the compiler output above.")
+        (wheel,) = out.glob("horovod-*.whl")
+        dest.mkdir(parents=True, exist_ok=True)
+        # Copy then rename, so an interrupted build never leaves a half wheel in the cache.
+        partial = dest / (wheel.name + ".partial")
+        shutil.copy2(wheel, partial)
+        final = dest / wheel.name
+        partial.replace(final)
+        return final
+
+
+def patched_source(version: str, tmp: Path) -> Path:
+    """horovod's sdist, unpacked, with PATCHES applied."""
+    download = tmp / "sdist"
+    result = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+                             "-d", str(download), f"horovod=={version}"], stdout=sys.stderr, stderr=sys.stderr)
+    if result.returncode != 0:
+        fail(f"could not download the horovod {version} source (exit {result.returncode}).")
+    (archive,) = download.glob("horovod-*.tar.gz")
+    with tarfile.open(archive) as tar:
+        tar.extractall(tmp / "src", filter="data")
+    (source,) = (tmp / "src").iterdir()
+    for name, old, new, what in PATCHES:
+        path = source / name
+        text = path.read_text()
+        if text.count(old) != 1:
+            fail(f"{name} does not look like horovod {HOROVOD_VERSION}'s: cannot apply the fix for {what}.")
+        path.write_text(text.replace(old, new))
+    return source
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m hvdmagic.build_horovod",
+        description="Build (or reuse from the cache) a horovod wheel for this Python's frameworks; "
+                    "prints its path on stdout.")
+    parser.add_argument("--version", default=HOROVOD_VERSION, help="horovod version (default %(default)s)")
+    parser.add_argument("--frameworks", metavar="LIST",
+                        help="comma-separated: pytorch, tensorflow (default: those importable here)")
+    parser.add_argument("--gpu", action=argparse.BooleanOptionalAction, default=None,
+                        help="build NCCL GPU operations (needs CUDA's nvcc and NCCL); default: when nvcc "
+                             "is found and a framework is a CUDA build")
+    args = parser.parse_args(argv)
+    frameworks = parse_frameworks(args.frameworks)
+    flags = build_flags(frameworks, args.gpu)
+    dest = cache_root() / cache_key(args.version, frameworks, flags)
+    cached = sorted(dest.glob("horovod-*.whl"))
+    if cached:
+        log(f"using cached wheel {cached[0]}")
+        print(cached[0])
+        return
+    print(build(args.version, flags, dest))
+
+
+if __name__ == "__main__":
+    main()
