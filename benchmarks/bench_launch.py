@@ -578,12 +578,6 @@ def bench_torch(sysm: Systems, np: int, rounds: int, td_rounds: int, train_round
         "torchrun": lambda: sysm.torchrun(np, body),
     }
 
-    if warmup:
-        log(f"torch: warm-up, one untimed trivial run of each launcher at np={np}")
-        for name, fn in launch.items():
-            if name not in TORCH_FLOORS and (name != "pyspark_td" or td_rounds or train_td_rounds):
-                fn()
-
     failures: list[dict] = []
 
     def attempt(part: str, name: str, r: int, fn) -> dict | None:
@@ -592,8 +586,14 @@ def bench_torch(sysm: Systems, np: int, rounds: int, td_rounds: int, train_round
             return fn()
         except Exception as exc:
             failures.append({"part": part, "mode": name, "round": r, "error": repr(exc)[:2000]})
-            log(f"  {name}: FAILED in round {r + 1} ({exc!r:.300})")
+            log(f"  {name}: FAILED in {part} round {r + 1} ({exc!r:.300})")
             return None
+
+    if warmup:
+        log(f"torch: warm-up, one untimed trivial run of each launcher at np={np}")
+        for name, fn in launch.items():
+            if name not in TORCH_FLOORS and (name != "pyspark_td" or td_rounds or train_td_rounds):
+                attempt("warm-up", name, 0, fn)
 
     runs: dict = {name: {} for name in launch}  # name -> {round: run}
     for r in range(rounds):
