@@ -3,8 +3,9 @@
 torchrun starts a TCPStore in its agent and tells every rank, rank 0 included, to
 join it as a client (``TORCHELASTIC_USE_AGENT_STORE``). The kernel plays that
 agent: the store listens on a port the operating system picks, so two jobs never
-collide, at the driver address every task already reaches. Like torchrun's, the
-store has no authentication of its own; it lives only while the job runs.
+collide; the ranks reach it at the driver address. TCPStore itself listens on
+every interface, and, like torchrun's, has no authentication of its own; it lives
+only while the job runs.
 """
 
 from __future__ import annotations
