@@ -10,6 +10,7 @@ frame and are only unpickled by the driver after this check has passed.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import json
@@ -19,6 +20,8 @@ import socket
 import struct
 import threading
 from typing import Any
+
+from hvdmagic.protocol import Event
 
 MAX_FRAME = 512 * 1024 * 1024
 # Until a peer has sent one authenticated frame, it may not make us buffer more than this.
@@ -177,6 +180,11 @@ class ChannelServer:
                 if link in self._links:
                     self._links.remove(link)
             link.close()
+            if not self._closed.is_set():
+                # An elastic job must learn that a task vanished (its executor lost) to
+                # stop waiting for that task's rank; other jobs ignore it.
+                with contextlib.suppress(queue.Full):
+                    self.events.put((link, {"type": Event.GONE}), timeout=1.0)
 
     def broadcast(self, event: dict[str, Any]) -> None:
         with self._lock:

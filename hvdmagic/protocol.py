@@ -30,18 +30,26 @@ class Event(StrEnum):
     NOTE = "note"  # a line for the dashboard's notes (scale_lr, --data)
     STAGE = "stage"  # a Stage reached: by the driver (no "rank") or by one rank
     IDLE = "idle"  # a session rank is ready for a cell: "cell" names the one it finished, "rss" its memory
+    WORKER = "worker"  # elastic: the rank's notification service (addresses, secret) and its world rank and size
+    RESET = "reset"  # elastic: the rank came back from a reset: its world rank and size, the commit it restored
     # driver -> task
     GO = "go"  # the task's slot, devices and rows per rank: start the rank
     ABORT = "abort"  # stop the rank now
     CELL = "cell"  # a session: run this payload ("id", base64 "payload") in the rank's namespace
     INTERRUPT = "interrupt"  # a session: SIGINT to the rank, as Ctrl-C in a terminal
+    STOP_RANK = "stop_rank"  # elastic: end this task's rank process; the task stays for a later go
     EXEC = "exec"  # --controller mpi: run mpirun's daemon command here
     # rsh agent <-> driver <-> task (--controller mpi)
     RSH = "rsh"
     RSH_EXIT = "rsh_exit"
+    # the channel server -> driver
+    GONE = "gone"  # a task's connection closed (its executor was lost, or the task ended)
     # driver -> the run's views only
     LAUNCHING = "launching"
     PLACED = "placed"
+    LOST = "lost"  # elastic: a rank's process or task was lost ("reason"); the others go on
+    WORLD = "world"  # elastic: a rank's world rank and size (after it joined or came back from a reset)
+    RESUMED = "resumed"  # elastic: the ranks reset: the sizes before and after, why, the commit restored
 
 
 class Stage(StrEnum):
@@ -108,6 +116,7 @@ class TaskSpec:
     results: str = "all"  # which ranks send their value back: a ResultPolicy
     framework: str = "horovod"  # whose collectives the ranks use: a Framework
     session: bool = False  # the ranks stay up and run cells as they come (launch.session)
+    elastic: bool = False  # Horovod elastic: a task runs a rank each time the driver says go (launch.elastic)
 
 
 class Framework(StrEnum):

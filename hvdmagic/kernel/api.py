@@ -11,7 +11,7 @@ from typing import Any
 
 from hvdmagic.kernel.capture import dumps_by_value_if_users_own, with_notebook_sources
 from hvdmagic.kernel.runner import execute
-from hvdmagic.launch import ResultPolicy
+from hvdmagic.launch import Elastic, ResultPolicy
 from hvdmagic.protocol import Framework
 from hvdmagic.rank.scripts import run_script
 
@@ -20,7 +20,8 @@ _VERBOSITIES = ("all", "log_callback_only")
 
 def run(fn: Callable, np: int | None = None, *args, timeout: float | None = None,
         stall_timeout: float | None = None, data=None, controller: str = "gloo", backend: str = "horovod",
-        session=None, **kwargs) -> list:
+        session=None, min_np: int | None = None, max_np: int | None = None, reset_limit: int | None = None,
+        elastic_timeout: float | None = None, **kwargs) -> list:
     """Run ``fn(*args, **kwargs)`` on |np| ranks and return every rank's result in rank order.
 
     The Python twin of a ``%%horovod`` cell: the same launcher, live dashboard and error
@@ -46,12 +47,21 @@ def run(fn: Callable, np: int | None = None, *args, timeout: float | None = None
             ``torch.distributed.init_process_group``, and no horovod is needed.
         session: a running ``hvdmagic.session(...)``: ``fn`` runs on its warm ranks (leave out
             ``np``, ``data``, ``controller`` and ``backend``: the session has its own).
+        min_np: elastic training (``fn`` uses ``hvd.elastic.run``): the run goes on after a
+            rank or executor is lost while at least ``min_np`` ranks remain. Default: ``np``.
+        max_np: elastic training: up to ``max_np`` ranks, added at a commit as slots come
+            back (Spark runs ``max_np`` tasks). Default: ``np``. Giving ``min_np``,
+            ``max_np`` or ``reset_limit`` makes the run elastic (docs/reliability.md).
+        reset_limit: elastic training: fail after this many resets. None: no limit.
+        elastic_timeout: elastic training: seconds to wait for ``min_np`` slots, at the start
+            and after a loss, before failing. Default 60.
         **kwargs: keyword arguments for ``fn``; they must be picklable, and cannot be named
-            ``timeout``, ``stall_timeout``, ``data``, ``controller`` or ``backend``.
+            as the arguments above.
 
     Returns:
         A list of |np| values: what ``fn`` returned on each rank, rank 0's first. Every
-        rank's value must be picklable, or that rank fails with a TypeError.
+        rank's value must be picklable, or that rank fails with a TypeError. An elastic
+        run returns the values of the ranks it ended with, in their final rank order.
 
     Raises:
         hvdmagic.errors.JobFailed: a rank raised or died; the error names it and shows its traceback.
@@ -78,9 +88,16 @@ def run(fn: Callable, np: int | None = None, *args, timeout: float | None = None
         raise ValueError(f"backend must be one of {', '.join(Framework)}, not {backend!r}") from None
     if (np is None) == (session is None):
         raise ValueError("give hvdmagic.run either np (new ranks) or session= (a session's warm ranks)")
+    elastic = None
+    if (min_np, max_np, reset_limit, elastic_timeout) != (None, None, None, None):
+        if np is None:
+            raise ValueError("an elastic run (min_np, max_np, reset_limit, elastic_timeout) needs np: the ranks "
+                             "it starts with")
+        elastic = Elastic.from_arguments(np, min_np=min_np, max_np=max_np, reset_limit=reset_limit,
+                                         timeout=elastic_timeout)
     payload = _dumps((fn, args, kwargs), fn)
-    return execute(payload, np, timeout=timeout, stall_timeout=stall_timeout, data=data,
-                   controller=controller, framework=framework, session=session, command="hvdmagic.run").results
+    return execute(payload, np, timeout=timeout, stall_timeout=stall_timeout, data=data, controller=controller,
+                   framework=framework, session=session, command="hvdmagic.run", elastic=elastic).results
 
 
 def _dumps(obj, fn: Callable) -> bytes:

@@ -8,11 +8,12 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
+from hvdmagic.errors import LaunchError
 from hvdmagic.kernel import sessions
 from hvdmagic.kernel.capture import capture_cell
 from hvdmagic.kernel.preflight import check_cell
 from hvdmagic.kernel.runner import execute
-from hvdmagic.launch import ResultPolicy
+from hvdmagic.launch import Elastic, ResultPolicy
 from hvdmagic.protocol import Framework
 
 
@@ -50,6 +51,16 @@ class HorovodMagics(Magics):
     @argument("--controller", choices=("gloo", "mpi"), default="gloo",
               help="How the ranks talk: Gloo (the default), or Open MPI, whose mpirun starts the ranks "
                    "through the Spark tasks (no ssh), as HorovodRunner did.")
+    @argument("--min-np", type=int, metavar="N",
+              help="Elastic training (hvd.elastic.run): the run goes on while at least N ranks remain.")
+    @argument("--max-np", type=int, metavar="N",
+              help="Elastic training: up to N ranks, added at a commit when slots come back "
+                   "(default: --np). Spark runs N tasks; --np of them must start for training to begin.")
+    @argument("--reset-limit", type=int, metavar="N",
+              help="Elastic training: fail after N resets (default: no limit).")
+    @argument("--elastic-timeout", type=float, metavar="SECONDS",
+              help="Elastic training: how long to wait for --min-np slots, at the start and after a loss, "
+                   "before failing (default 60).")
     @line_cell_magic
     def horovod(self, line: str, cell: str | None = None):
         """Run the cell on Horovod ranks and return rank 0's result.
@@ -76,7 +87,7 @@ class HorovodMagics(Magics):
             return sessions.line_magic("%horovod", line, Framework.HOROVOD)
         args = parse_argstring(self.horovod, line)
         return self._launch("%%horovod", args, cell, Framework.HOROVOD, timeline=args.timeline,
-                            controller=args.controller)
+                            controller=args.controller, elastic=_elastic(args))
 
     @magic_arguments(name="%torchrun")
     @_launch_arguments
@@ -156,6 +167,23 @@ class HorovodMagics(Magics):
             run_id = log_run(record, experiment=args.mlflow or None)
             print(f"hvdmagic: logged rank 0's metrics to MLflow run {run_id}", flush=True)
         return record.result
+
+
+def _elastic(args) -> Elastic | None:
+    """The elastic settings of a %%horovod line, or None when it names none."""
+    given = {"min_np": args.min_np, "max_np": args.max_np, "reset_limit": args.reset_limit,
+             "timeout": args.elastic_timeout}
+    if all(value is None for value in given.values()):
+        return None
+    if args.np is None:
+        raise UsageError("--min-np, --max-np, --reset-limit and --elastic-timeout start an elastic run of its own: "
+                         "give the cell --np N (the ranks it starts with) too.")
+    elastic = Elastic.from_arguments(args.np, **given)
+    try:
+        elastic.check(args.np, Framework.HOROVOD, args.controller, None)
+    except LaunchError as exc:
+        raise UsageError(str(exc)) from None
+    return elastic
 
 
 def cell_source(shell, cell: str) -> str:

@@ -1,4 +1,4 @@
-"""Start-up chatter that would fill a cell: TensorFlow's notices on a CPU machine, and the like.
+"""Chatter that would fill a cell: TensorFlow's start-up notices on a CPU machine, and the like.
 
 Such lines stay in the rank's full log (``last_run().logs``), leave the live views,
 and come back in the error output when that rank fails, where they may explain why.
@@ -20,6 +20,8 @@ _NOISE = re.compile("|".join([
     r"Unable to register cu(DNN|FFT|BLAS) factory",
     r"TF-TRT Warning: Could not find TensorRT",
     r"failed call to cuInit",
+    # Horovod's echo, in every other rank, of a rank that died: the run names the lost rank itself.
+    r"Horovod background loop uncaught exception: .*(Connection reset by peer|Connection closed by peer)",
 ]))
 
 

@@ -55,6 +55,8 @@ class RankRecord:
     stage: Stage | None = None  # the furthest start-up stage this rank reached
     quiet: list[str] = field(default_factory=list)  # start-up chatter kept out of the views (kernel.noise)
     stage_since: float | None = None  # when it reached that stage, on the kernel's clock
+    world_rank: int | None = None  # elastic: its Horovod rank now (rows are tasks; ranks change at resets)
+    lost: str = ""  # elastic: why its last rank was lost, e.g. "killed by SIGKILL"
 
     @property
     def bar(self) -> Bar | None:
@@ -62,8 +64,13 @@ class RankRecord:
 
 
 class RunRecord:
-    def __init__(self, np: int, command: str = "%%horovod"):
+    """``elastic``: (min_np, start np, max_np) of an elastic run, whose rows are its tasks."""
+
+    def __init__(self, np: int, command: str = "%%horovod", elastic: tuple[int, int, int] | None = None):
         self.np = abs(np)
+        self.elastic = elastic
+        self.world_size = elastic[1] if elastic else self.np  # the ranks training now
+        self.resets: list = []  # elastic: each reset (launch.elastic.Reset): when, why, sizes, the commit
         self.mode = "local" if np < 0 else "spark"
         self.command = command  # how the run was asked for: "%%horovod", "%%torchrun", "hvdmagic.run", ...
         self.state = "launching"
@@ -102,8 +109,20 @@ class RunRecord:
             if kind == Event.NOTE and "rank" not in event:  # the driver's own, e.g. a replaced Spark session
                 self.notes.append(str(event.get("text", "")))
                 return
+            if kind == Event.RESUMED:
+                reset = event["reset"]
+                self.resets.append(reset)
+                self.world_size = reset.size_after
+                self.notes.append(reset.describe())
+                return
             rank = event["rank"]  # the job passes on only events whose rank it checked
             record = self.ranks[rank]
+            if kind == Event.WORLD:
+                record.world_rank = event.get("world_rank")
+                return
+            if kind == Event.LOST:
+                record.state, record.lost, record.world_rank = "lost", str(event.get("reason", "")), None
+                return
             if kind == Event.STAGE:
                 self._rank_reached(record, Stage(event["stage"]))
             elif kind in (Event.OUTPUT, Event.REPORT) and record.stage is not Stage.TRAINING:
@@ -111,6 +130,7 @@ class RunRecord:
             if kind == Event.PLACED:
                 record.host = event.get("host", "")
                 record.state = "running"
+                record.stage = None if self.elastic else record.stage  # an elastic task's new rank starts over
                 self.state = "running"
             elif kind == Event.OUTPUT:
                 lines = list(event.get("lines") or [])
@@ -145,8 +165,10 @@ class RunRecord:
         if record.stage is None or STAGE_ORDER[stage] > STAGE_ORDER[record.stage]:
             record.stage = stage
             record.stage_since = time.time()
-        if all(r.stage is not None for r in self.ranks):
-            slowest = min((r.stage for r in self.ranks), key=STAGE_ORDER.__getitem__)
+        # An elastic run's tasks that wait for a slot, or lost their rank, do not hold the run's stage back.
+        ranks = [r for r in self.ranks if r.state == "running"] if self.elastic else self.ranks
+        if ranks and all(r.stage is not None for r in ranks):
+            slowest = min((r.stage for r in ranks), key=STAGE_ORDER.__getitem__)
             if self.stage is None or STAGE_ORDER[slowest] > STAGE_ORDER[self.stage]:
                 self._reach(slowest)
 
@@ -154,7 +176,9 @@ class RunRecord:
         batch = event.get("metrics")
         if batch:
             try:
-                self.history.extend(rank, *metric_rows.decode(batch))
+                # An elastic run's metrics are its Horovod ranks', so "rank 0" is whoever is rank 0 then.
+                as_rank = record.world_rank if self.elastic and record.world_rank is not None else rank
+                self.history.extend(as_rank, *metric_rows.decode(batch))
             except (KeyError, TypeError, ValueError, AttributeError) as exc:
                 # A dashboard problem must not end the training run; say what was dropped instead.
                 self.notes.append(f"rank {rank} sent a malformed metrics batch, which was dropped: {exc}")
@@ -175,7 +199,9 @@ class RunRecord:
             self.error = error
             self.state = "cancelled" if cancelled else "failed" if error is not None else "finished"
             for record in self.ranks:
-                if record.state in ("launching", "running"):
+                if record.state == "launching" and self.elastic:
+                    record.state = "unused"  # an elastic task that never got a slot or a rank
+                elif record.state in ("launching", "running"):
                     record.state = "stopped" if error is not None or cancelled else "finished"
 
     # -- read by views and users --------------------------------------------
@@ -221,7 +247,8 @@ class RunRecord:
                 "stages": stages}
 
     def __repr__(self) -> str:
-        return (f"<RunRecord {self.state} np={self.np} ({self.mode}) elapsed={self.elapsed:.1f}s "
+        size = f"np={self.np}" if not self.elastic else f"elastic {self.world_size} of {self.np} tasks"
+        return (f"<RunRecord {self.state} {size} ({self.mode}) elapsed={self.elapsed:.1f}s "
                 f"metrics={len(self.history)} rows>")
 
 
@@ -241,6 +268,8 @@ def last_run() -> RunRecord | None:
         history as a pandas DataFrame; ``logs[rank]`` every output line of that rank;
         ``result`` and ``results`` rank 0's and every returned value; ``error`` the
         exception the run ended with; ``timings`` and ``notes`` (e.g. a scaled learning rate).
+        An elastic run's ``resets`` lists every reset: ``time``, ``reason``, ``size_before``,
+        ``size_after`` and the ``commit`` it resumed from; ``world_size`` is its size now.
 
     Example::
 

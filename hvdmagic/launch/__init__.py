@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from hvdmagic.errors import JobInterrupted, LaunchError
+from hvdmagic.launch.elastic import Elastic, ElasticJob
 from hvdmagic.launch.interrupts import interrupted_before_job, interruptible
 from hvdmagic.launch.job import Job, JobResult, UnsentResult
 from hvdmagic.protocol import Event, Framework, ResultPolicy, Stage
@@ -25,7 +26,7 @@ def launch(payload: bytes, np: int, *, timeout: float | None = None, stall_timeo
            env: dict[str, str] | None = None, on_event: Callable[[dict], None] | None = None,
            spark=None, data=None, controller: str = "gloo",
            results: ResultPolicy = ResultPolicy.ALL, framework: Framework = Framework.HOROVOD,
-           gpus: bool = False) -> JobResult:
+           gpus: bool = False, elastic: Elastic | None = None) -> JobResult:
     """Run a cloudpickled ``(fn, args, kwargs)`` on |np| ranks.
 
     np > 0: one Spark barrier stage (``spark``, the active SparkSession, or an embedded
@@ -37,11 +38,17 @@ def launch(payload: bytes, np: int, *, timeout: float | None = None, stall_timeo
     ``gpus``: every rank must get a GPU (Spark's task resources, or the driver's in local
     mode); without GPUs the launch fails. Spark gives its tasks GPUs whenever it is
     configured to, with or without this.
+    ``elastic``: Horovod elastic training between ``min_np`` and ``max_np`` ranks (``Elastic``).
     """
     preflight(np, framework, controller)
-    backend = make_backend(np, on_event, spark=spark, data=data, gpus=gpus)
-    return Job(backend, payload, timeout=timeout, stall_timeout=stall_timeout, env=env, controller=controller,
-               results=results, framework=framework, on_event=on_event).run()
+    options = dict(timeout=timeout, stall_timeout=stall_timeout, env=env, controller=controller, results=results,
+                   framework=framework, on_event=on_event)
+    if elastic is None:
+        return Job(make_backend(np, on_event, spark=spark, data=data, gpus=gpus), payload, **options).run()
+    elastic.check(np, framework, controller, data)
+    tasks = elastic.max_np if np > 0 else -elastic.max_np
+    backend = make_backend(tasks, on_event, spark=spark, gpus=gpus, min_np=elastic.min_np)
+    return ElasticJob(backend, payload, elastic, np=abs(np), **options).run()
 
 
 def preflight(np: int, framework: Framework, controller: str) -> None:
@@ -68,7 +75,8 @@ def preflight(np: int, framework: Framework, controller: str) -> None:
         check_available()
 
 
-def make_backend(np: int, on_event: Callable[[dict], None] | None, *, spark=None, data=None, gpus: bool = False):
+def make_backend(np: int, on_event: Callable[[dict], None] | None, *, spark=None, data=None, gpus: bool = False,
+                 min_np: int | None = None):
     """The Spark backend (np > 0) or the local one (np < 0), ready to start tasks.
 
     Finding or starting the Spark session and checking its slots happen here, and an
@@ -89,7 +97,7 @@ def make_backend(np: int, on_event: Callable[[dict], None] | None, *, spark=None
                 return LocalBackend(-np, data, gpus=gpus)
             from hvdmagic.launch.spark import SparkBackend
 
-            backend = SparkBackend(np, spark, data, on_stage=on_stage, gpus=gpus)
+            backend = SparkBackend(np, spark, data, on_stage=on_stage, gpus=gpus, min_np=min_np)
             for note in backend.notes:
                 notify({"type": Event.NOTE, "text": note})
             return backend
@@ -107,4 +115,4 @@ def _require(module: str, name: str, how: str) -> None:
         raise LaunchError(f"{name} is not importable in this kernel's environment ({exc}). {how}.") from None
 
 
-__all__ = ["Framework", "JobResult", "ResultPolicy", "UnsentResult", "launch"]
+__all__ = ["Elastic", "Framework", "JobResult", "ResultPolicy", "UnsentResult", "launch"]

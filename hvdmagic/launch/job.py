@@ -73,6 +73,8 @@ class _State:
 
 
 class Job:
+    elastic = False  # launch.elastic.ElasticJob: Horovod's elastic driver decides which ranks run
+
     def __init__(self, backend, payload: bytes, *, timeout: float | None = None,
                  stall_timeout: float | None = None, env: dict[str, str] | None = None,
                  controller: str = "gloo", results: ResultPolicy = ResultPolicy.ALL,
@@ -100,17 +102,10 @@ class Job:
             return self._run()
 
     def _run(self) -> JobResult:
-        # Imported here, not at the top: importing hvdmagic (and %load_ext) must work
-        # without horovod or torch, so that launch() can say how to install them.
-        if self.framework == Framework.TORCH:
-            from hvdmagic.launch.torch_store import TorchStore as Rendezvous
-        else:
-            from hvdmagic.launch.rendezvous import Rendezvous
-
         started = time.monotonic()
         secret = channel.new_secret()
         server = self.server = channel.ChannelServer(self.backend.bind_host, secret)
-        rendezvous = Rendezvous(self.backend.bind_host, self.np)
+        rendezvous = self._make_rendezvous()
         state = _State(self.np)
         if self.controller == "mpi":
             self.mpi = MpiDriver(self.np, server.address, secret)
@@ -119,7 +114,7 @@ class Job:
                 job_id=self.job_id, driver_host=self.backend.bind_host, channel_port=server.address[1],
                 rendezvous_port=rendezvous.port, secret=secret, payload=self.payload, env=self.env,
                 controller=self.controller, results=self.results, framework=self.framework,
-                session=self.session,
+                session=self.session, elastic=self.elastic,
             )
             self.on_event({"type": Event.LAUNCHING, "description": self.backend.describe(),
                            "job_group": getattr(self.backend, "job_group", None),
@@ -133,10 +128,22 @@ class Job:
         finally:
             self._shutdown(server, rendezvous, state)
         return JobResult(
-            results=[state.results.get(rank) for rank in range(self.np)],
+            results=self._results_in_order(state),
             slots=sorted(state.slots.values(), key=lambda s: s.rank),
             duration=time.monotonic() - started,
         )
+
+    def _make_rendezvous(self):
+        # Imported here, not at the top: importing hvdmagic (and %load_ext) must work
+        # without horovod or torch, so that launch() can say how to install them.
+        if self.framework == Framework.TORCH:
+            from hvdmagic.launch.torch_store import TorchStore as Rendezvous
+        else:
+            from hvdmagic.launch.rendezvous import Rendezvous
+        return Rendezvous(self.backend.bind_host, self.np)
+
+    def _results_in_order(self, state: _State) -> list:
+        return [state.results.get(rank) for rank in range(self.np)]
 
     def _loop(self, server: channel.ChannelServer, rendezvous, state: _State, started: float) -> None:
         deadline = started + self.timeout if self.timeout else None

@@ -12,11 +12,14 @@ from horovod.runner.util.threads import in_thread
 
 
 class Rendezvous(RendezvousServer):
-    def __init__(self, host: str, np: int = 0, verbose: int = 0):
+    """``start=False``: the caller starts it with a handler of its own (an elastic driver's)."""
+
+    def __init__(self, host: str, np: int = 0, verbose: int = 0, start: bool = True):
         super().__init__(verbose)
         self._host = host
         self._stopped = False
-        self.port = self.start()
+        self._httpd = None
+        self.port = self.start() if start else 0
 
     def place(self, layout) -> None:
         """The plan of every rank; horovod's ranks must not join before it is set."""
@@ -28,10 +31,11 @@ class Rendezvous(RendezvousServer):
         self._httpd = RendezvousHTTPServer((self._host, 0), handler_cls, self._verbose)
         # A short poll interval: shutdown() waits for it, at the end of every job.
         self._listen_thread = in_thread(target=self._httpd.serve_forever, args=(0.05,))
-        return self._httpd.server_address[1]
+        self.port = self._httpd.server_address[1]
+        return self.port
 
     def stop(self) -> None:
-        if self._stopped:
+        if self._stopped or self._httpd is None:
             return
         self._stopped = True
         super().stop()

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from hvdmagic.errors import LaunchError
 from hvdmagic.protocol import Stage, TaskSpec
-from hvdmagic.task.barrier import barrier_task, sharded_barrier_task
+from hvdmagic.task.barrier import barrier_task, elastic_task, sharded_barrier_task
 
 _LOG4J = Path(__file__).with_name("log4j2.properties")
 SLOT_WAIT = 3.0  # seconds without new executors before too few slots is final
@@ -182,8 +182,9 @@ def _wait_for_executors(sc, np: int, slots: int, held: int = 0) -> int:
 
 
 def session_for(np: int, on_stage: Callable[[Stage], None] = lambda stage: None,
-                notes: list[str] | None = None):
-    """The active SparkSession, or an embedded local one with at least ``np`` slots.
+                notes: list[str] | None = None, embedded_slots: int | None = None):
+    """The active SparkSession, or an embedded local one with at least ``np`` slots
+    (``embedded_slots`` when hvdmagic starts it: an elastic job's --max-np).
 
     Runs on the Spark thread. An embedded session that broke (its JVM died) is
     replaced by a new one, and ``notes`` says so; a broken session of the user's
@@ -206,7 +207,7 @@ def session_for(np: int, on_stage: Callable[[Stage], None] = lambda stage: None,
             notes.append(f"the embedded Spark session was unusable ({problem}); hvdmagic started a new one")
     if session is None:
         on_stage(Stage.SPARK_STARTING)
-        _embedded = _start_embedded(max(np, os.cpu_count() or 1))
+        _embedded = _start_embedded(max(np, embedded_slots or 0, os.cpu_count() or 1))
         return _embedded
     sc = session.sparkContext
     held = sum(held_slots.values())
@@ -214,7 +215,7 @@ def session_for(np: int, on_stage: Callable[[Stage], None] = lambda stage: None,
     if slots < np and session is _embedded and not held:  # a session's stage runs there: keep it
         on_stage(Stage.SPARK_STARTING)
         session.stop()
-        _embedded = _start_embedded(np)
+        _embedded = _start_embedded(max(np, embedded_slots or 0))
         return _embedded
     if slots < np:
         on_stage(Stage.WAITING_FOR_SLOTS)
@@ -266,15 +267,18 @@ class SparkBackend:
     name = "spark"
 
     def __init__(self, np: int, session=None, data=None, on_stage: Callable[[Stage], None] = lambda stage: None,
-                 gpus: bool = False):
+                 gpus: bool = False, min_np: int | None = None):
         self.np = np
+        # Elastic (min_np given): a plain stage of np tasks that needs only min_np slots to begin;
+        # the rest start as slots free up (launch.elastic).
+        self.min_np = min_np
         self.data = data
         self.on_stage = on_stage
         self.notes: list[str] = []  # for the run's record, e.g. that a broken embedded session was replaced
         if _starting.is_set():  # a stopped cell's session is still starting: this cell waits for it
             on_stage(Stage.SPARK_STARTING)
         self.session = (session or (data.sparkSession if data is not None else None)
-                        or on_spark_thread(session_for, np, on_stage, self.notes))
+                        or on_spark_thread(session_for, min_np or np, on_stage, self.notes, np))
         self.sc = self.session.sparkContext
         self.bind_host, self.master, task_gpus = on_spark_thread(lambda: (
             self.sc.getConf().get("spark.driver.host", "127.0.0.1"), self.sc.master,
@@ -289,7 +293,8 @@ class SparkBackend:
         self.failure_details = ""  # the whole Spark error behind failure(), Java trace included
 
     def describe(self) -> str:
-        return f"Spark barrier stage of {self.np} tasks, job group {self.job_group} on {self.master}"
+        kind = "stage" if self.min_np else "barrier stage"
+        return f"Spark {kind} of {self.np} tasks, job group {self.job_group} on {self.master}"
 
     def start(self, spec: TaskSpec) -> None:
         self.on_stage(Stage.SUBMITTED)
@@ -307,7 +312,9 @@ class SparkBackend:
     def _run(self, spec: TaskSpec) -> None:
         try:
             self.sc.setJobGroup(self.job_group, f"hvdmagic %%horovod --np {self.np}", interruptOnCancel=True)
-            if self.data is None:
+            if self.min_np:
+                self.sc.parallelize(range(self.np), self.np).mapPartitions(elastic_task(spec)).collect()
+            elif self.data is None:
                 self.sc.parallelize(range(self.np), self.np).barrier().mapPartitions(barrier_task(spec)).collect()
             else:
                 from pyspark.sql.pandas.types import to_arrow_schema
@@ -317,7 +324,8 @@ class SparkBackend:
                 self.data.repartition(self.np).mapInArrow(task, "task int, code int", barrier=True).collect()
         except Exception as exc:
             self.failure_details = str(exc)
-            self._error = (f"the Spark barrier stage failed: {first_line(exc)} (the whole error is in "
+            kind = "stage" if self.min_np else "barrier stage"
+            self._error = (f"the Spark {kind} failed: {first_line(exc)} (the whole error is in "
                            "hvdmagic.last_run().error.details)")
 
     def failure(self) -> str | None:

@@ -132,6 +132,10 @@ def main() -> int:
 
         return serve(boot["rank"], boot.get("results", ResultPolicy.ALL))
     threading.Thread(target=_exit_when_supervisor_dies, name="hvdmagic-parent-watch", daemon=True).start()
+    if boot.get("elastic"):
+        from hvdmagic.rank import elastic
+
+        elastic.install()
     try:
         import cloudpickle
 
@@ -144,7 +148,13 @@ def main() -> int:
                 value = None
             else:
                 raise
-        report_result(value, boot["rank"], boot.get("results", ResultPolicy.ALL))
+        rank, fields = boot["rank"], {}
+        if boot.get("elastic"):  # ranks change at resets: rank 0 is whoever is rank 0 at the end
+            from hvdmagic.rank.elastic import world
+
+            rank = world().get("world_rank", int(os.environ.get("HOROVOD_RANK", "0")))
+            fields["world_rank"] = rank
+        report_result(value, rank, boot.get("results", ResultPolicy.ALL), **fields)
         _shutdown_horovod()
     except BaseException as exc:
         report.flush()

@@ -216,7 +216,7 @@ def flush() -> None:
         _events.flush()
 
 
-_HOROVOD_MODULES = ("horovod.torch", "horovod.tensorflow", "horovod.tensorflow.keras", "horovod.keras")
+HOROVOD_MODULES = ("horovod.torch", "horovod.tensorflow", "horovod.tensorflow.keras", "horovod.keras")
 
 
 def _horovod_stage() -> Stage | None:
@@ -224,7 +224,7 @@ def _horovod_stage() -> Stage | None:
 
     Read from the outside, every flush: the user's code does not call us to say so.
     """
-    loaded = [m for m in map(sys.modules.get, _HOROVOD_MODULES) if m is not None and hasattr(m, "is_initialized")]
+    loaded = [m for m in map(sys.modules.get, HOROVOD_MODULES) if m is not None and hasattr(m, "is_initialized")]
     if not loaded:
         return None
     try:

@@ -1,4 +1,6 @@
-"""The functions Spark runs in each barrier task: find the task's GPUs, start its supervisor.
+"""The functions Spark runs in each task: find the task's GPUs, start its supervisor.
+
+A job runs them in a barrier stage; an elastic job in a plain one (launch.elastic).
 
 The driver (``hvdmagic.launch.spark``) ships them in the stage's closure; they run
 in the executor's Python worker.
@@ -37,6 +39,19 @@ def barrier_task(spec: TaskSpec):
 
         context = BarrierTaskContext.get()
         code = run_task(spec, context.partitionId(), task_gpus(context))
+        yield context.partitionId(), code
+
+    return task
+
+
+def elastic_task(spec: TaskSpec):
+    """An elastic job's task: a plain one, since a barrier stage fails as a whole when one task does."""
+
+    def task(_partition):
+        from pyspark import TaskContext
+
+        context = TaskContext.get()
+        code = run_task(spec, context.partitionId(), task_gpus(context), attempt=context.attemptNumber())
         yield context.partitionId(), code
 
     return task

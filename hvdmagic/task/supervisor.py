@@ -12,6 +12,7 @@ from __future__ import annotations
 import base64
 import os
 import pickle
+import queue
 import signal
 import socket
 import subprocess
@@ -48,13 +49,16 @@ class Supervisor:
     physical device numbers."""
 
     def __init__(self, spec: TaskSpec, task_index: int, gpus: list[str] | None = None,
-                 shard: tuple[str, int] | None = None):
+                 shard: tuple[str, int] | None = None, attempt: int = 0):
         self.spec = spec
         self.task_index = task_index
         self.gpus = list(gpus or [])
         self.shard = shard  # (path of this task's Arrow shard, its rows) with --data
         self.proc: subprocess.Popen | None = None
         self.slot: Slot | None = None
+        self.row: int | None = None  # what the rank's events are tagged with: its rank, or an elastic task's index
+        self._link_address = ""  # this task's end of the channel: its host's address toward the driver
+        self.attempt = attempt  # Spark's attempt number of this task: an elastic host's name tells attempts apart
         self._aborted = threading.Event()
         self._sent: set[int] = set()  # the signals kill() delivered to a live rank
         self._daemons: list[subprocess.Popen] = []  # mpirun's daemon, when this task leads its host
@@ -72,42 +76,24 @@ class Supervisor:
         # interface is the one the ranks can reach each other on. The driver
         # places every task from the hellos and answers each with its own go; a
         # Spark barrier allGather would do the same but costs a second (it polls).
-        host_ip = link.sock.getsockname()[0]
-        link.send({"type": Event.HELLO, "task": self.task_index, "host": host_ip, "gpus": self.gpus,
-                   "rows": self.shard[1] if self.shard else None,
-                   "hostname": socket.gethostname(), "pid": os.getpid()})
+        self._say_hello(link)
+        if self.spec.elastic:
+            return self._run_elastic(link)
         reply = link.recv()
         if reply.get("type") != Event.GO:
             return -1
         self.slot = slot = Slot(**reply["slot"])
-        devices = reply.get("devices")
+        self.row = slot.rank
         if self.shard:
             # Every rank runs the same number of steps: pad to the longest shard.
             pad_shard(Path(self.shard[0]), int(reply["rows_per_rank"]))
         listener = mpi.listen_for_rank(self.spec.job_id, slot.rank) if self.spec.controller == "mpi" else None
         threading.Thread(target=self._listen, args=(link,), name="hvdmagic-abort-listener", daemon=True).start()
-
         events_r, events_w = os.pipe()
-        env = rank_base_environment(os.environ)
-        env.update(self.spec.env)
-        env.update(rank_environment(slot, (self.spec.driver_host, self.spec.rendezvous_port), interface_for(host_ip),
-                                    self.spec.controller, self.spec.framework, self.spec.job_id))
-        env[EVENT_FD_ENV] = str(events_w)
-        env[JOB_ID_ENV] = self.spec.job_id
-        if self.shard:
-            env[SHARD_ENV] = self.shard[0]
-        if devices is not None:
-            env["CUDA_VISIBLE_DEVICES"], first = devices[0], devices[1]
-            env[TASK_GPUS_ENV] = ",".join(self.gpus)
-            env[CUDA_DEVICE_ENV] = str(first)
+        env = self._rank_env(slot, reply.get("devices"), events_w)
         try:
             if listener is None:
-                self.proc = subprocess.Popen(
-                    [sys.executable, "-m", "hvdmagic.rank"],
-                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                    pass_fds=(events_w,), env=env,
-                    start_new_session=True,  # its own process group, so cleanup takes the whole tree
-                )
+                self.proc = self._spawn(env, events_w)
             else:
                 self._send(link, {"type": Event.READY, "task": self.task_index})
                 self.proc = mpi.adopt_rank(listener, self._token(), env, events_w, self._aborted)
@@ -121,6 +107,64 @@ class Supervisor:
             return -signal.SIGTERM
         if self._aborted.is_set():
             self.kill()
+        return self._relay_until_exit(link, events_r, {"session": self.spec.session})
+
+    def _run_elastic(self, link: channel.Link) -> int:
+        """Horovod's elastic driver starts a rank here each time it gives this task a slot:
+        first, and again after the task's host comes back from the blacklist. The task
+        outlives its ranks, so a rank that dies never fails the Spark stage."""
+        self.row = self.task_index
+        starts: queue.Queue = queue.Queue()
+        threading.Thread(target=self._listen, args=(link, starts), name="hvdmagic-abort-listener",
+                         daemon=True).start()
+        while (go := starts.get()) is not None:
+            self.slot = Slot(**go["slot"])
+            self._sent.clear()
+            events_r, events_w = os.pipe()
+            try:
+                env = self._rank_env(self.slot, go.get("devices"), events_w)
+                env["HOROVOD_ELASTIC"] = "1"
+                self.proc = self._spawn(env, events_w)
+            finally:
+                os.close(events_w)
+            if self._aborted.is_set():
+                self.kill()
+            self._relay_until_exit(link, events_r, {"elastic": True})
+        return 0
+
+    def _say_hello(self, link: channel.Link) -> None:
+        self._link_address = host_ip = link.sock.getsockname()[0]
+        link.send({"type": Event.HELLO, "task": self.task_index, "attempt": self.attempt, "host": host_ip,
+                   "gpus": self.gpus, "rows": self.shard[1] if self.shard else None,
+                   "hostname": socket.gethostname(), "pid": os.getpid()})
+
+    def _rank_env(self, slot: Slot, devices, events_w: int) -> dict[str, str]:
+        env = rank_base_environment(os.environ)
+        env.update(self.spec.env)
+        rendezvous = (self.spec.driver_host, self.spec.rendezvous_port)
+        env.update(rank_environment(slot, rendezvous, interface_for(self._link_address), self.spec.controller,
+                                    self.spec.framework, self.spec.job_id))
+        env[EVENT_FD_ENV] = str(events_w)
+        env[JOB_ID_ENV] = self.spec.job_id
+        if self.shard:
+            env[SHARD_ENV] = self.shard[0]
+        if devices is not None:
+            env["CUDA_VISIBLE_DEVICES"], first = devices[0], devices[1]
+            env[TASK_GPUS_ENV] = ",".join(self.gpus)
+            env[CUDA_DEVICE_ENV] = str(first)
+        return env
+
+    @staticmethod
+    def _spawn(env: dict[str, str], events_w: int) -> subprocess.Popen:
+        return subprocess.Popen(
+            [sys.executable, "-m", "hvdmagic.rank"],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            pass_fds=(events_w,), env=env,
+            start_new_session=True,  # its own process group, so cleanup takes the whole tree
+        )
+
+    def _relay_until_exit(self, link: channel.Link, events_r: int, boot: dict) -> int:
+        """Hand the rank its bootstrap, relay what it says until it exits, report the exit."""
         relays = [
             threading.Thread(target=self._relay_stream, args=(link, self.proc.stdout, "stdout"), daemon=True),
             threading.Thread(target=self._relay_stream, args=(link, self.proc.stderr, "stderr"), daemon=True),
@@ -129,8 +173,8 @@ class Supervisor:
         for thread in relays:
             thread.start()
         try:
-            self.proc.stdin.write(pickle.dumps({"payload": self.spec.payload, "rank": slot.rank,
-                                                "results": self.spec.results, "session": self.spec.session}))
+            self.proc.stdin.write(pickle.dumps({"payload": self.spec.payload, "rank": self.row,
+                                                "results": self.spec.results, **boot}))
             self.proc.stdin.flush()
         except (BrokenPipeError, OSError):
             pass  # the rank died before reading; its exit code tells why
@@ -145,7 +189,7 @@ class Supervisor:
         # own SIGKILL (the OOM killer) or exit code while an abort was under way
         # is still a failure the user must see.
         aborted = code < 0 and -code in self._sent
-        self._send(link, {"type": Event.EXIT, "rank": slot.rank, "code": code, "aborted": aborted})
+        self._send(link, {"type": Event.EXIT, "rank": self.row, "code": code, "aborted": aborted})
         return code
 
     def _send(self, link: channel.Link, event: dict) -> None:
@@ -155,18 +199,25 @@ class Supervisor:
             # The driver is gone: nobody will read our output, so stop the rank.
             self.abort()
 
-    def _listen(self, link: channel.Link) -> None:
+    def _listen(self, link: channel.Link, starts: queue.Queue | None = None) -> None:
         try:
             while (message := link.recv()).get("type") != Event.ABORT:
-                if message.get("type") == Event.EXEC:
+                kind = message.get("type")
+                if kind == Event.EXEC:
                     self._exec(link, message)
-                elif message.get("type") == Event.CELL:
+                elif kind == Event.CELL:
                     self._send_cell(message)
-                elif message.get("type") == Event.INTERRUPT:
+                elif kind == Event.INTERRUPT:
                     self._signal(signal.SIGINT)
+                elif kind == Event.GO and starts is not None:
+                    starts.put(message)
+                elif kind == Event.STOP_RANK:
+                    self.kill()
         except (channel.ChannelError, OSError):
             pass  # a lost driver means the same as abort
         self.abort()
+        if starts is not None:
+            starts.put(None)
 
     def _send_cell(self, message: dict) -> None:
         """A session's cell, to the rank's stdin as a length-prefixed pickle.
@@ -216,7 +267,7 @@ class Supervisor:
         def report() -> None:
             for line in daemon.stdout:
                 text = line.decode("utf-8", "replace").rstrip()[:MAX_LINE]
-                self._send(link, {"type": Event.OUTPUT, "rank": self.slot.rank, "stream": "stderr",
+                self._send(link, {"type": Event.OUTPUT, "rank": self.row, "stream": "stderr",
                                   "lines": [f"[mpi daemon] {text}"], "transient": None})
             self._send(link, {"type": Event.RSH_EXIT, "id": message.get("id"), "code": daemon.wait()})
 
@@ -256,7 +307,7 @@ class Supervisor:
 
     def _relay_stream(self, link: channel.Link, pipe, stream: str) -> None:
         splitter = LineSplitter()
-        rank = self.slot.rank
+        rank = self.row
         while True:
             chunk = pipe.read1(65536)
             if not chunk:
@@ -270,7 +321,7 @@ class Supervisor:
             self._send(link, {"type": Event.OUTPUT, "rank": rank, "stream": stream, "lines": tail, "transient": None})
 
     def _relay_events(self, link: channel.Link, events) -> None:
-        tail = b',"rank":%d}' % self.slot.rank
+        tail = b',"rank":%d}' % self.row
         for line in events:
             frame = relayed(line, tail)
             if frame is None:
@@ -280,10 +331,10 @@ class Supervisor:
             except OSError:
                 self.abort()  # the driver is gone: nobody will read our output, so stop the rank
             except ValueError as exc:  # over the frame limit: fail the rank, never drop silently
-                self._send(link, {"type": Event.ERROR, "rank": self.slot.rank, "time": time.time(),
+                self._send(link, {"type": Event.ERROR, "rank": self.row, "time": time.time(),
                                   "exc_type": "ValueError", "message": str(exc), "traceback": ""})
 
 
 def run_task(spec: TaskSpec, task_index: int, gpus: list[str] | None = None,
-             shard: tuple[str, int] | None = None) -> int:
-    return Supervisor(spec, task_index, gpus, shard).run()
+             shard: tuple[str, int] | None = None, attempt: int = 0) -> int:
+    return Supervisor(spec, task_index, gpus, shard, attempt).run()

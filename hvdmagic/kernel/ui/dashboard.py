@@ -42,8 +42,7 @@ MAX_FPS = 10
 CHART_POINTS = charts.CHART_POINTS  # per series on screen; the record keeps the full history
 LOG_LINES = 200  # per pane of the collapsed logs
 RECENT_LINES = 10  # the newest lines of every rank, always visible
-_STATE_COLOURS = {"launching": "#888", "running": "#1f77b4", "finished": "#2ca02c",
-                  "failed": "#d62728", "cancelled": "#ff7f0e", "stopped": "#888"}
+_STATE_COLOURS = format.STATE_COLOURS
 _MONO = "SFMono-Regular,Menlo,Consolas,'DejaVu Sans Mono',monospace"
 _ONE_LINE = "white-space:pre;overflow:hidden;text-overflow:ellipsis;line-height:20px"
 _ANSI = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b[@-Z\\-_]")
@@ -74,9 +73,13 @@ class _RankRow:
         self.meter = format.Meter()
         self._bar_key: tuple | None = None
 
-    def draw(self, record: RankRecord, epochs: bool, now: float) -> None:
+    def draw(self, run: RunRecord, record: RankRecord, epochs: bool, now: float) -> None:
         host = f" <small>@ {html.escape(record.host)}</small>" if record.host else ""
-        self.label.value = f'<div style="{_ONE_LINE}"><b>rank {record.rank}</b>{host}</div>'
+        name = format.row_name(run, record.rank)
+        if run.elastic and record.world_rank is not None:
+            name += f" · rank {record.world_rank}"
+        grey = ";color:#999" if record.state in ("lost", "unused") else ""
+        self.label.value = f'<div style="{_ONE_LINE}{grey}"><b>{name}</b>{host}</div>'
         _, inner = format.pick_bars(dict(record.bars))
         rate = None
         if inner is not None:
@@ -87,8 +90,8 @@ class _RankRow:
                 self.meter.anchor(bar.step, bar.time)
             rate = self.meter.update(bar.step, bar.time)
         left, _, right = format.row_parts(record, rate=rate, epochs=epochs, now=now)
-        self.left.value = _mono(left)
-        self.right.value = _mono(right)
+        self.left.value = _mono(left, grey[7:])
+        self.right.value = _mono(right, grey[7:])
         with self.bar.hold_sync():
             if inner is not None:
                 bar = inner[1]
@@ -100,9 +103,12 @@ class _RankRow:
                     self.bar.max, self.bar.value = 1, 1
             elif record.state == "failed":
                 self.bar.bar_style = "danger"
+            elif record.state == "lost":
+                self.bar.bar_style = ""
         colour = _STATE_COLOURS.get(record.state, "#888")
         self.state.value = f'<div style="{_ONE_LINE};color:{colour}">{record.state}</div>'
-        self.line.value = _mono(_clean(record.last_line[-300:]), "#555")
+        line = f"lost: {record.lost}" if record.state == "lost" else _clean(record.last_line[-300:])
+        self.line.value = _mono(line, "#999" if grey else "#555")
 
 
 class _AllRanks:
@@ -259,7 +265,8 @@ class Dashboard:
         self.charts = widgets.HTML()
         self.notes = widgets.HTML()
         self.panes = [widgets.HTML() for _ in range(record.np + 1)]  # "all ranks" first
-        self.logs = widgets.Tab(children=self.panes, titles=["all ranks"] + [f"rank {r}" for r in range(record.np)])
+        titles = ["all ranks"] + [format.row_name(record, r) for r in range(record.np)]
+        self.logs = widgets.Tab(children=self.panes, titles=titles)
         self.box = widgets.VBox([
             self.header, self.overall, *[row.box for row in self.rows], self.recent,
             self.controls, self.charts, self.notes,
@@ -305,7 +312,7 @@ class Dashboard:
     def fallback_text(self) -> str:
         """The live display's text/plain, for a front end that does not render widgets."""
         record = self.record
-        return (f"{record.command} np={record.np} ({record.mode}): live dashboard (widgets); "
+        return (f"{record.command} {format.size_text(record)}: live dashboard (widgets); "
                 "the run's final state replaces this output when it ends")
 
     # -- drawing ----------------------------------------------------------------
@@ -329,7 +336,7 @@ class Dashboard:
             bars = [dict(rank.bars) for rank in record.ranks]
             epochs = any(format.pick_bars(b)[0] is not None for b in bars)
             for row, rank in zip(self.rows, record.ranks):
-                row.draw(rank, epochs, now)
+                row.draw(record, rank, epochs, now)
             self._draw_overall(now)
         self._draw_recent()
         self._draw_metrics(force)
@@ -350,7 +357,7 @@ class Dashboard:
         if stage is not None:
             items.append(f'<span class="hvdmagic-stage">{html.escape(stage)}</span>')
         items.append(format.duration((record.ended or now) - record.started))
-        items.append(f"np={record.np} ({record.mode})")
+        items.append(format.size_text(record))
         if record.job_group:
             items.append(f"Spark job group <code>{html.escape(record.job_group)}</code>")
         self.header.value = f'<div style="{_ONE_LINE}">' + " · ".join(items) + "</div>"

@@ -43,6 +43,28 @@ Named = tuple[str, Bar]  # (desc, bar)
 
 # -- numbers ------------------------------------------------------------------
 
+STATE_COLOURS = {"launching": "#888", "running": "#1f77b4", "finished": "#2ca02c", "failed": "#d62728",
+                 "cancelled": "#ff7f0e", "stopped": "#888", "lost": "#999", "unused": "#bbb"}
+
+
+def row_name(record: RunRecord, row: int) -> str:
+    """What a row is called: a rank, or in an elastic run a task (its ranks change at resets)."""
+    return f"task {row}" if record.elastic else f"rank {row}"
+
+
+def row_state(rank: RankRecord) -> str:
+    """A row's state, with why an elastic task's rank was lost."""
+    return f"lost: {rank.lost}" if rank.state == "lost" and rank.lost else rank.state
+
+
+def size_text(record: RunRecord) -> str:
+    """"np=4 (spark)", or for an elastic run "3 ranks, elastic 2-4 (spark)"."""
+    if not record.elastic:
+        return f"np={record.np} ({record.mode})"
+    low, _, high = record.elastic
+    return f"{record.world_size} ranks, elastic {low}-{high} ({record.mode})"
+
+
 def duration(seconds: float | None) -> str:
     """Seconds as m:ss, or h:mm:ss from an hour on; "?" when unknown."""
     if seconds is None or not math.isfinite(seconds):

@@ -23,8 +23,7 @@ from hvdmagic.protocol import Stage
 
 TAIL_LINES = 20  # per rank, always visible
 LOG_LINES = 200  # per rank, in its collapsed section
-STATE_COLOURS = {"launching": "#888", "running": "#1f77b4", "finished": "#2ca02c",
-                 "failed": "#d62728", "cancelled": "#ff7f0e", "stopped": "#888"}
+STATE_COLOURS = progress.STATE_COLOURS
 _FONT = "-apple-system,BlinkMacSystemFont,'Segoe UI',Helvetica,Arial,sans-serif"
 _MONO = "SFMono-Regular,Menlo,Consolas,'DejaVu Sans Mono',monospace"
 _ANSI = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b[@-Z\\-_]")
@@ -49,7 +48,7 @@ class Snapshot:
     def headline(self) -> str:
         record = self.record
         state = "failed (see the error below)" if record.state == "failed" else progress.state_text(record.state)
-        return f"{record.command} np={record.np} ({record.mode}): {state}"
+        return f"{record.command} {progress.size_text(record)}: {state}"
 
     def text(self) -> str:
         """Deterministic (no timings, rates or hosts), so nbval and nbclient outputs are stable:
@@ -93,7 +92,7 @@ class Snapshot:
         if record.state == "failed":
             state += f'<span style="color:{colour}">: see the error below</span>'
         items = [f"<b>{html.escape(record.command)}</b>", state]
-        items += [progress.duration(record.elapsed), f"np={record.np} ({html.escape(record.mode)})"]
+        items += [progress.duration(record.elapsed), html.escape(progress.size_text(record))]
         if record.job_group:
             items.append(f"Spark job group <code>{html.escape(record.job_group)}</code>")
         header = ('<div class="hvdmagic-snapshot-header" style="font-size:14px;margin-bottom:4px">'
@@ -117,14 +116,14 @@ class Snapshot:
                 bar = (f'<div style="width:120px;height:6px;background-color:#eee;border-radius:3px">'
                        f'<div style="width:{fraction * 100:.1f}%;height:6px;background-color:{colour};'
                        f'border-radius:3px"></div></div>')
-            state = html.escape(rank.state)
+            state = html.escape(progress.row_state(rank))
             if rank.stage is not None and rank.stage is not Stage.TRAINING and rank.state != "finished":
                 state += f' <span style="color:#888">at {html.escape(str(rank.stage))}</span>'
             exit_code = "" if rank.exit_code is None else str(rank.exit_code)
             done = html.escape(progress.progress_summary(rank))
             rows.append(
                 f'<tr class="hvdmagic-rank" data-rank="{rank.rank}">'
-                f'<td style="{cell}"><b>rank {rank.rank}</b></td>'
+                f'<td style="{cell}"><b>{progress.row_name(self.record, rank.rank)}</b></td>'
                 f'<td style="{cell}">{html.escape(rank.host)}</td>'
                 f'<td style="{cell};font-variant-numeric:tabular-nums">{done}</td>'
                 f'<td style="{cell}">{bar}</td>'
@@ -155,9 +154,10 @@ class Snapshot:
             count = len(rank.logs)
             where = f"hvdmagic.last_run().logs[{rank.rank}]"
             host = f" @ {html.escape(rank.host)}" if rank.host else ""
+            name = progress.row_name(self.record, rank.rank)
             if not count:
                 blocks.append(f'<div class="hvdmagic-log" data-rank="{rank.rank}" style="margin:4px 0">'
-                              f'<span style="font-size:12px"><b>rank {rank.rank}</b>{host}</span> '
+                              f'<span style="font-size:12px"><b>{name}</b>{host}</span> '
                               f'<span style="font-size:11px;color:#888">no output</span></div>')
                 continue
             tail = _lines(rank.logs[-TAIL_LINES:])
@@ -165,7 +165,7 @@ class Snapshot:
             caption = (f"{count} lines, the last {shown} below; every line is in <code>{where}</code>"
                        if count > shown else f"{count} line{'s' if count != 1 else ''}")
             block = (f'<div class="hvdmagic-log" data-rank="{rank.rank}" style="margin:6px 0">'
-                     f'<div style="font-size:12px"><b>rank {rank.rank}</b>{host} '
+                     f'<div style="font-size:12px"><b>{name}</b>{host} '
                      f'<span style="font-size:11px;color:#888">{caption}</span></div>'
                      f'<pre style="{pre}">{tail}</pre>')
             if count > TAIL_LINES:
@@ -174,7 +174,7 @@ class Snapshot:
                          f"every line is in <code>{where}</code> while this kernel lives</div>"
                          if count > longer else "")
                 block += (f'<details style="margin-top:2px"><summary style="font-size:12px;cursor:pointer">'
-                          f"rank {rank.rank}: {count} lines</summary>{older}"
+                          f"{name}: {count} lines</summary>{older}"
                           f'<pre style="{pre};max-height:400px;overflow-y:auto">{_lines(rank.logs[-LOG_LINES:])}'
                           f"</pre></details>")
             blocks.append(block + "</div>")

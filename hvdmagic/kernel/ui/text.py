@@ -43,6 +43,11 @@ class TextView:
             self._write("hvdmagic: starting the embedded Spark (the first run in this process)\n")
         elif kind == Event.REPORT and event.get("rank") == 0 and event.get("progress"):
             self._epoch_line(self.record.ranks[0])
+        elif kind == Event.LOST:
+            self._write(f"hvdmagic: {format.row_name(self.record, event['rank'])}'s rank was lost "
+                        f"({event.get('reason')}); the others go on\n")
+        elif kind == Event.RESUMED:
+            self._write(f"hvdmagic: {event['reset'].describe()}\n")
         if kind != Event.OUTPUT:
             return
         rank = event["rank"]
@@ -110,11 +115,12 @@ def summary(record: RunRecord) -> str:
     for rank in record.ranks:
         progress = format.progress_summary(rank)
         stage = rank.stage is not None and rank.stage is not Stage.TRAINING and rank.state != "finished"
-        state = f"{rank.state} at {rank.stage}" if stage else rank.state
+        state = f"{rank.state} at {rank.stage}" if stage else format.row_state(rank)
+        name = format.row_name(record, rank.rank)
         if progress:
-            lines.append(f"rank {rank.rank}: {progress} [{state}]")
+            lines.append(f"{name}: {progress} [{state}]")
         elif rank.state != "finished":
-            lines.append(f"rank {rank.rank}: [{state}]")
+            lines.append(f"{name}: [{state}]")
     lines.extend(record.notes)
     latest = record.latest_metrics()
     if latest:

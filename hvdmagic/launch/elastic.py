@@ -1,0 +1,365 @@
+"""Elastic jobs: Horovod's own ElasticDriver, with Spark tasks as its hosts.
+
+Horovod's elastic mode (``hvd.elastic.run``, ``State.commit()``/``restore()``,
+the elastic Gloo rendezvous) needs three things from a launcher, and this module
+gives them: host discovery, a way to start a worker on a host, and the worker's
+exit code. Each Spark task is one Horovod host with one slot, named after its
+partition and attempt (``t2.0``). Discovery lists the tasks that are connected;
+starting a worker sends the task a go with the slot Horovod assigned; the task's
+supervisor runs the rank and reports its exit, and stays for the next go.
+
+Spark's barrier stage fails as a whole when one task fails, so an elastic job
+runs a plain stage of ``max_np`` tasks instead: a lost executor takes only its
+own task, Spark runs that task again elsewhere (spark.task.maxFailures), and its
+new attempt joins as a new host; tasks waiting for a free slot join when they
+get one. A rank that dies in a healthy task blacklists that task's host; after
+Horovod's cooldown the host comes back and gets a rank at the next commit.
+
+Everything Horovod's driver decides (when to reset, blacklists, the reset limit,
+the minimum size) stays Horovod's; this module only watches the events to tell
+the views who was lost, why, and which commit the survivors resumed from.
+"""
+
+from __future__ import annotations
+
+import base64
+import threading
+import time
+from dataclasses import dataclass, field
+
+from hvdmagic.errors import JobFailed, JobTimeout, LaunchError, RankFailure
+from hvdmagic.launch.job import POLL, Job, _describe_exit, _State, result_value
+from hvdmagic.protocol import Event, Framework, Stage
+
+
+@dataclass(frozen=True)
+class Elastic:
+    """Horovod elastic training: start on np ranks, go on while ``min_np`` remain, grow to ``max_np``.
+
+    ``reset_limit``: how many resets the run may go through before it fails (None: no limit).
+    ``timeout``: seconds Horovod waits for at least ``min_np`` slots (at the start and after a loss).
+    ``cooldown``: the range of seconds a task whose rank died sits out before it gets a rank again.
+    """
+
+    min_np: int
+    max_np: int
+    reset_limit: int | None = None
+    timeout: float = 60.0
+    cooldown: tuple[int, int] = (5, 300)  # the first return comes 10-15 s after a loss, the next 20-25 s ...
+
+    @classmethod
+    def from_arguments(cls, np: int, *, min_np: int | None = None, max_np: int | None = None,
+                       reset_limit: int | None = None, timeout: float | None = None) -> Elastic:
+        """The settings a user gave, the rest defaulted: min_np and max_np to |np|."""
+        return cls(min_np=abs(np) if min_np is None else min_np, max_np=abs(np) if max_np is None else max_np,
+                   reset_limit=reset_limit, **({} if timeout is None else {"timeout": timeout}))
+
+    def check(self, np: int, framework: Framework, controller: str, data) -> None:
+        if not 1 <= self.min_np <= abs(np) <= self.max_np:
+            raise LaunchError(f"elastic training needs 1 <= --min-np <= --np <= --max-np; got --min-np "
+                              f"{self.min_np}, --np {abs(np)}, --max-np {self.max_np}.")
+        if framework != Framework.HOROVOD or controller != "gloo":
+            raise LaunchError("elastic training is Horovod's, over Gloo (hvd.elastic.run); %%torchrun and "
+                              "--controller mpi run a fixed number of ranks.")
+        if data is not None:
+            raise LaunchError("--data deals a fixed number of shards, one per rank, so it cannot be combined with "
+                              "elastic training; read the data in the cell (e.g. with hvd.elastic.ElasticSampler).")
+        if self.reset_limit is not None and self.reset_limit < 0:
+            raise LaunchError(f"--reset-limit must be 0 or more, not {self.reset_limit}.")
+        if self.timeout <= 0:
+            raise LaunchError(f"--elastic-timeout must be a positive number of seconds, not {self.timeout:g}.")
+
+
+@dataclass
+class _Task:
+    row: int
+    host: str  # its name as a Horovod host: t<partition>.<attempt>
+    hostname: str  # the machine, for messages
+    link: object
+    gpus: list[str]
+    exits: list[int] = field(default_factory=list)  # of its current rank
+    gone: bool = False
+    ended: threading.Event = field(default_factory=threading.Event)  # its current rank exited, or it is gone
+
+
+@dataclass
+class Reset:
+    """One reset of an elastic run, as ``last_run().resets`` lists it."""
+
+    time: float  # epoch seconds, when the new rank 0 came back
+    reason: str  # the losses since the last reset, or "slots added"
+    size_before: int
+    size_after: int
+    commit: dict  # the plain values of the commit the ranks resumed from (epoch, batch, ...)
+
+    def describe(self) -> str:
+        where = ", ".join(f"{key} {value}" for key, value in self.commit.items()) or "the last commit"
+        return f"resumed on {self.size_after} ranks (from {self.size_before}) from the commit at {where}: {self.reason}"
+
+
+class ElasticJob(Job):
+    """A Job whose ranks come and go: ``backend`` runs ``max_np`` tasks, Horovod starts
+    with ``np`` and keeps going while at least ``min_np`` remain."""
+
+    elastic = True
+
+    def __init__(self, backend, payload: bytes, elastic: Elastic, *, np: int, **kwargs):
+        super().__init__(backend, payload, **kwargs)
+        self.start_np = np
+        self.settings = elastic
+        self.resets: list[Reset] = []
+        self._tasks: dict[str, _Task] = {}  # by Horovod host name
+        self._by_link: dict[object, _Task] = {}
+        self._lock = threading.Lock()
+        self._driver = None
+        self._outcome = None  # Horovod's Results, or the exception its driver raised
+        self._done = threading.Event()
+        self._losses: list[str] = []  # since the last reset
+        self._all_losses: list[str] = []  # every loss of the run, for its error
+        self._errors: list[RankFailure] = []  # exceptions raised in the cell: they fail the run
+        self._size = 0
+        self._world: dict[int, int] = {}  # row -> world rank
+
+    # -- the driver Horovod talks to --------------------------------------------
+    def _make_rendezvous(self):
+        from horovod.runner.elastic.driver import ElasticDriver
+
+        from hvdmagic.launch.rendezvous import Rendezvous
+
+        rendezvous = Rendezvous(self.backend.bind_host, start=False)
+        settings = self.settings
+        self._driver = ElasticDriver(rendezvous, _TaskHosts(self), settings.min_np, settings.max_np,
+                                     timeout=settings.timeout, reset_limit=settings.reset_limit,
+                                     cooldown_range=settings.cooldown)
+        rendezvous.start(_guarded_handler(self._driver))
+        return rendezvous
+
+    def available_hosts(self) -> dict[str, int]:
+        with self._lock:  # in row order, so that a full world's ranks are the tasks' indices
+            live = sorted((task.row, name) for name, task in self._tasks.items() if not task.gone)
+        return {name: 1 for _, name in live}
+
+    def _drive(self) -> None:
+        try:
+            self._driver.wait_for_available_slots(self.start_np)
+            self._driver.start(self.start_np, self._start_worker)
+            self._outcome = self._driver.get_results()
+        except BaseException as exc:  # reported by the job loop
+            self._outcome = exc
+        finally:
+            self._done.set()
+
+    def _start_worker(self, slot_info, events) -> tuple[int, float]:
+        """Horovod's create_worker_fn: run a rank in the task named by ``slot_info.hostname``
+        and return its exit code when it ends (Horovod calls this on a thread of its own)."""
+        task = self._tasks[slot_info.hostname]
+        with self._lock:
+            task.exits.clear()
+            if not task.gone:
+                task.ended.clear()
+        slot = {"rank": slot_info.rank, "size": slot_info.size, "local_rank": slot_info.local_rank,
+                "local_size": slot_info.local_size, "cross_rank": slot_info.cross_rank,
+                "cross_size": slot_info.cross_size, "host": slot_info.hostname}
+        devices = [",".join(task.gpus), 0] if task.gpus else None
+        try:
+            task.link.send({"type": Event.GO, "slot": slot, "devices": devices})
+        except OSError:
+            return 1, time.time()
+        self.on_event({"type": Event.PLACED, "rank": task.row, "host": task.hostname})
+        stop_sent = False
+        while not task.ended.wait(POLL):
+            if not stop_sent and any(event.is_set() for event in events):
+                # Horovod is done with this worker (the job ended, or its host left).
+                stop_sent = True
+                try:
+                    task.link.send({"type": Event.STOP_RANK})
+                except OSError:
+                    break
+        with self._lock:
+            return (task.exits[0] if task.exits else 1), time.time()
+
+    # -- the job loop --------------------------------------------------------------
+    def _loop(self, server, rendezvous, state: _State, started: float) -> None:
+        threading.Thread(target=self._drive, name="hvdmagic-elastic-driver", daemon=True).start()
+        deadline = started + self.timeout if self.timeout else None
+        while not self._done.is_set():
+            if deadline is not None and time.monotonic() > deadline:
+                self._driver.stop(error_message="timeout")
+                failed = self._failed(f"the run exceeded --timeout {self.timeout:g} s")
+                raise JobTimeout(failed.failures, sorted(self._world), note=failed.note)
+            if error := self.backend.failure():
+                self._driver.stop(error_message=error)
+                break
+            self._handle_next(server, state)
+        while self._drain(server, state):
+            pass  # the last results and exits, already sent
+        if self._errors:
+            raise self._failed("an exception in the cell fails an elastic run too: only lost processes and "
+                               "executors are trained around", self._errors)
+        outcome = self._outcome
+        why = (outcome if isinstance(outcome, BaseException) else outcome.error_message) or self.backend.failure()
+        if not why:
+            failed = sorted(name for name, (code, _) in outcome.worker_results.items() if code != 0)
+            why = f"Horovod's workers {', '.join(failed)} failed" if failed else None
+        if why:
+            raise self._failed(f"Horovod's elastic driver stopped the run: {str(why).strip()}")
+
+    def _handle_next(self, server, state: _State) -> bool:
+        import queue
+
+        try:
+            link, event = server.events.get(timeout=POLL)
+        except queue.Empty:
+            return False
+        self._handle(event, state, None, link)
+        return True
+
+    def _drain(self, server, state: _State) -> bool:
+        import queue
+
+        try:
+            link, event = server.events.get_nowait()
+        except queue.Empty:
+            return False
+        self._handle(event, state, None, link)
+        return True
+
+    def _handle(self, event: dict, state: _State, rendezvous, link) -> None:
+        kind = event.get("type")
+        if kind == Event.HELLO:
+            self._hello(link, event, state)
+            return
+        if kind == Event.GONE:
+            task = self._by_link.get(link)
+            if task is not None:
+                with self._lock:
+                    task.gone = True
+                task.ended.set()
+                if not self._done.is_set() and not task.exits:
+                    self._lose(task.row, "its Spark task or executor was lost")
+            return
+        rank = event.get("rank")
+        if not isinstance(rank, int) or not 0 <= rank < self.np:
+            return
+        if kind == Event.WORKER:
+            host, _, local_rank = str(event.get("key", "")).rpartition(":")
+            addresses = {nic: [tuple(address) for address in listed]
+                         for nic, listed in (event.get("addresses") or {}).items()}
+            self._driver.register_worker_server(host, int(local_rank), addresses, base64.b64decode(event["secret"]))
+            self._set_world(rank, event)
+            return
+        if kind == Event.RESET:
+            self._set_world(rank, event)
+            if event.get("world_rank") == 0:
+                self._resumed(event)
+            return
+        if kind == Event.RESULT:
+            state.results[int(event.get("world_rank", rank))] = result_value(event)
+        elif kind == Event.ERROR:
+            # An exception in the cell is a bug to show, not a lost machine to train around:
+            # the run fails as a fixed-size one would (Horovod's own errors never get here,
+            # hvd.elastic.run handles them).
+            stamp = event.get("time")
+            self._errors.append(RankFailure(rank, f"{event.get('exc_type')}: {event.get('message')}",
+                                            event.get("traceback", ""), self._hostname(rank),
+                                            stamp if isinstance(stamp, (int, float)) else float("inf")))
+            self._driver.stop(error_message=f"task {rank}'s rank raised {event.get('exc_type')}")
+        elif kind == Event.EXIT:
+            code = int(event.get("code", -1))
+            task = next((t for t in self._tasks.values() if t.row == rank and not t.gone), None)
+            if task is not None:
+                with self._lock:
+                    task.exits.append(code)
+                task.ended.set()
+            self._world.pop(rank, None)
+            if code != 0 and not event.get("aborted") and not self._errors and not self._done.is_set():
+                self._lose(rank, _describe_exit(code))
+                return
+            state.exits[rank] = code
+        self.on_event(event)
+
+    def _hello(self, link, event: dict, state: _State) -> None:
+        row = event.get("task")
+        if not isinstance(row, int) or not 0 <= row < self.np:
+            return
+        task = _Task(row, f"t{row}.{int(event.get('attempt') or 0)}", str(event.get("hostname", "")), link,
+                     list(event.get("gpus") or []))
+        with self._lock:
+            self._tasks[task.host] = task
+            self._by_link[link] = task
+        if state.go_at is None:
+            state.go_at = time.monotonic()
+            self.on_event({"type": Event.STAGE, "stage": Stage.RANKS_STARTING})
+
+    def _set_world(self, row: int, event: dict) -> None:
+        if isinstance(event.get("world_rank"), int):
+            self._world[row] = event["world_rank"]
+            self.on_event({"type": Event.WORLD, "rank": row, "world_rank": event["world_rank"],
+                           "size": event.get("size")})
+        if isinstance(event.get("size"), int) and event["size"] != self._size and not self._size:
+            self._size = event["size"]
+
+    def _hostname(self, row: int) -> str:
+        return next((t.hostname for t in self._tasks.values() if t.row == row), "")
+
+    def _lose(self, row: int, reason: str) -> None:
+        where = f" on {host}" if (host := self._hostname(row)) else ""
+        self._losses.append(f"task {row}'s rank lost ({reason})")
+        self._all_losses.append(f"task {row}'s rank{where} at {time.strftime('%H:%M:%S')} ({reason})")
+        self.on_event({"type": Event.LOST, "rank": row, "reason": reason})
+
+    def _failed(self, why: str, failures: list[RankFailure] = ()) -> JobFailed:
+        settings = self.settings
+        limits = f"--min-np {settings.min_np}, --max-np {settings.max_np}" + (
+            f", --reset-limit {settings.reset_limit}" if settings.reset_limit is not None else "")
+        losses = f"; lost before that: {', '.join(self._all_losses)}" if self._all_losses else "; no rank was lost"
+        return JobFailed(list(failures), [], note=f"{why} ({limits}){losses}")
+
+    def _resumed(self, event: dict) -> None:
+        size_after = int(event.get("size") or 0)
+        reset = Reset(time.time(), "; ".join(self._losses) or "slots added", self._size, size_after,
+                      dict(event.get("commit") or {}))
+        self._losses.clear()
+        self._size = size_after
+        self.resets.append(reset)
+        self.on_event({"type": Event.RESUMED, "reset": reset})
+
+    def _results_in_order(self, state: _State) -> list:
+        return [state.results[rank] for rank in sorted(state.results)]
+
+    def _shutdown(self, server, rendezvous, state: _State) -> None:
+        if self._driver is not None and not self._driver.finished():
+            self._driver.stop(error_message="the job was stopped")
+        server.broadcast({"type": Event.ABORT})
+        # Tasks still waiting for a slot never said hello: only cancelling the stage ends them.
+        self.backend.cancel()
+        self.backend.join(timeout=30)
+        rendezvous.stop()
+        server.close()
+
+
+class _TaskHosts:
+    """Horovod's HostDiscovery: the job's connected tasks, one slot each."""
+
+    def __init__(self, job: ElasticJob):
+        self._job = job
+
+    def find_available_hosts_and_slots(self) -> dict[str, int]:
+        return self._job.available_hosts()
+
+
+def _guarded_handler(driver):
+    """Horovod's elastic rendezvous handler, minus the one request that unpickles what it
+    receives (a worker's notification address): ranks send that over the job's channel."""
+    from horovod.runner.elastic.rendezvous import PUT_WORKER_ADDRESSES, create_rendezvous_handler
+
+    base = create_rendezvous_handler(driver)
+
+    class GuardedHandler(base):
+        def do_PUT(self):
+            if self.path.split("/")[1:2] == [PUT_WORKER_ADDRESSES]:
+                self.send_status_code(403)
+                return
+            super().do_PUT()
+
+    return GuardedHandler

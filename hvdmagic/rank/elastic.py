@@ -1,0 +1,58 @@
+"""Inside a rank of an elastic job: two hooks into Horovod's own elastic machinery.
+
+Horovod's worker registers its notification service (the addresses the driver
+calls when hosts come or go, and that service's secret) by a PUT to the
+rendezvous' HTTP store, which the driver unpickles: an unauthenticated pickle.
+Here the same registration goes to the driver over this rank's event pipe and
+the job's HMAC channel instead, and the driver's HTTP handler refuses the PUT.
+
+After every reset (``State.on_reset``) the rank tells the driver its new world
+rank and size and the commit it went back to, which the dashboard shows as
+"resumed on 3 ranks from the commit at epoch 2, batch 40".
+"""
+
+from __future__ import annotations
+
+import base64
+import sys
+
+from hvdmagic.protocol import Event
+from hvdmagic.rank import report
+
+
+def install() -> None:
+    import horovod.runner.elastic.worker as worker
+    from horovod.common import elastic
+
+    worker.put_data_into_kvstore = _register_over_channel
+    restore_and_reset = elastic.State.on_reset
+
+    def on_reset(state) -> None:
+        restore_and_reset(state)
+        report.flush()  # the metrics from before the reset reach the driver before it hears of the reset
+        report.emit({"type": Event.RESET, **world(), "commit": committed(state)})
+
+    elastic.State.on_reset = on_reset
+
+
+def world() -> dict:
+    """This rank's Horovod rank and size now, from whichever framework binding started it."""
+    for name in report.HOROVOD_MODULES:
+        hvd = sys.modules.get(name)
+        if hvd is not None and hvd.is_initialized():
+            return {"world_rank": hvd.rank(), "size": hvd.size()}
+    return {}
+
+
+def committed(state) -> dict:
+    """The plain values of the state's last commit (epoch, batch, ...): what a reset went back to."""
+    saved = getattr(state, "_saved_state", None) or {}
+    return {key: value for key, value in saved.items()
+            if isinstance(value, (bool, int, float, str)) and not key.startswith("_")}
+
+
+def _register_over_channel(_addr, _port, _scope, key: str, value) -> None:
+    addresses, secret = value
+    report.emit({"type": Event.WORKER, "key": key, "secret": base64.b64encode(secret).decode("ascii"),
+                 "addresses": {nic: [list(address) for address in listed] for nic, listed in addresses.items()},
+                 **world()})
