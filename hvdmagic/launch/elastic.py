@@ -94,7 +94,8 @@ class Reset:
 
     def describe(self) -> str:
         where = ", ".join(f"{key} {value}" for key, value in self.commit.items()) or "the last commit"
-        return f"resumed on {self.size_after} ranks (from {self.size_before}) from the commit at {where}: {self.reason}"
+        ranks = f"{self.size_after} rank{'s' if self.size_after != 1 else ''}"
+        return f"resumed on {ranks} (from {self.size_before}) from the commit at {where}: {self.reason}"
 
 
 class ElasticJob(Job):
@@ -122,13 +123,11 @@ class ElasticJob(Job):
 
     # -- the driver Horovod talks to --------------------------------------------
     def _make_rendezvous(self):
-        from horovod.runner.elastic.driver import ElasticDriver
-
         from hvdmagic.launch.rendezvous import Rendezvous
 
         rendezvous = Rendezvous(self.backend.bind_host, start=False)
         settings = self.settings
-        self._driver = ElasticDriver(rendezvous, _TaskHosts(self), settings.min_np, settings.max_np,
+        self._driver = _driver_class()(rendezvous, _TaskHosts(self), settings.min_np, settings.max_np,
                                      timeout=settings.timeout, reset_limit=settings.reset_limit,
                                      cooldown_range=settings.cooldown)
         rendezvous.start(_guarded_handler(self._driver))
@@ -198,9 +197,10 @@ class ElasticJob(Job):
                                "executors are trained around", self._errors)
         outcome = self._outcome
         why = (outcome if isinstance(outcome, BaseException) else outcome.error_message) or self.backend.failure()
-        if not why:
-            failed = sorted(name for name, (code, _) in outcome.worker_results.items() if code != 0)
-            why = f"Horovod's workers {', '.join(failed)} failed" if failed else None
+        if not why and any(code != 0 for code, _ in outcome.worker_results.values()):
+            # Horovod logs why it gave up waiting and ends its workers; the losses not yet recovered say why.
+            why = (f"fewer than --min-np {self.settings.min_np} ranks were left, and no slot came back within "
+                   f"--elastic-timeout {self.settings.timeout:g} s" if self._losses else "its ranks failed")
         if why:
             raise self._failed(f"Horovod's elastic driver stopped the run: {str(why).strip()}")
 
@@ -260,8 +260,9 @@ class ElasticJob(Job):
             # the run fails as a fixed-size one would (Horovod's own errors never get here,
             # hvd.elastic.run handles them).
             stamp = event.get("time")
-            self._errors.append(RankFailure(rank, f"{event.get('exc_type')}: {event.get('message')}",
-                                            event.get("traceback", ""), self._hostname(rank),
+            summary = f"{event.get('exc_type')}: {event.get('message')}"
+            self._errors.append(RankFailure(self._world.get(rank, rank), summary, event.get("traceback", ""),
+                                            self._hostname(rank),
                                             stamp if isinstance(stamp, (int, float)) else float("inf")))
             self._driver.stop(error_message=f"task {rank}'s rank raised {event.get('exc_type')}")
         elif kind == Event.EXIT:
@@ -348,6 +349,25 @@ class _TaskHosts:
         return self._job.available_hosts()
 
 
+# What Horovod's worker registry raises in the threads still waiting at its barrier
+# when the driver stops (the run ended or failed); the job reports the outcome itself.
+_STOPPED = (threading.BrokenBarrierError, RuntimeError)
+
+
+def _driver_class():
+    from horovod.runner.elastic.driver import ElasticDriver
+
+    class Driver(ElasticDriver):
+        def _handle_worker_exit(self, slot_info, exit_code, timestamp):
+            try:
+                super()._handle_worker_exit(slot_info, exit_code, timestamp)
+            except _STOPPED:
+                if not self.finished():
+                    raise
+
+    return Driver
+
+
 def _guarded_handler(driver):
     """Horovod's elastic rendezvous handler, minus the one request that unpickles what it
     receives (a worker's notification address): ranks send that over the job's channel."""
@@ -361,5 +381,13 @@ def _guarded_handler(driver):
                 self.send_status_code(403)
                 return
             super().do_PUT()
+
+        def do_GET(self):
+            try:
+                super().do_GET()
+            except _STOPPED:
+                if not driver.finished():
+                    raise
+                self.send_status_code(503)  # the run is over: this rank is being stopped
 
     return GuardedHandler

@@ -1,0 +1,192 @@
+"""Elastic training (--min-np/--max-np): real Horovod elastic ranks, real faults.
+
+A rank SIGKILLs itself at a set step (a real SIGKILL, on cue), or the test kills a
+whole worker of a standalone cluster; training must go on from the last commit,
+with nothing trained twice past it, and the record must tell the story.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+from conftest import run
+from elastic_training import train
+from IPython.core.error import UsageError
+from procs import rank_processes, wait_until_gone
+
+import hvdmagic
+from hvdmagic.errors import JobFailed
+
+COMMIT_EVERY = 5
+
+
+def _check_training(results: list[dict], size: int) -> list[tuple[int, int]]:
+    """Every rank ended on the same model and trace; every step was trained exactly once."""
+    assert len(results) == size, results
+    trace = results[0]["trace"]
+    assert [step for step, _ in trace] == list(range(1, len(trace) + 1)), "a step trained twice, or skipped"
+    assert results[0]["samples"] == sum(8 * world for _, world in trace), "rolled-back steps still counted"
+    for result in results:
+        assert result["trace"] == trace and result["weights"] == results[0]["weights"], "the ranks diverged"
+        assert result["size"] == size
+    assert sorted(r["rank"] for r in results) == list(range(size))
+    return trace
+
+
+def _check_metrics(run_record, last_step: int) -> None:
+    """Rank 0's metrics cover every step: whoever was rank 0 logged them, across the resets."""
+    metrics = run_record.metrics
+    steps = set(metrics[metrics["rank"] == 0]["step"].astype(int))
+    assert steps == set(range(1, last_step + 1)), sorted(set(range(1, last_step + 1)) - steps)
+
+
+def test_sigkilled_rank_resumes_from_the_commit_and_its_slot_comes_back(tmp_path):
+    """Local Spark, 3 tasks: task 1's rank is SIGKILLed at step 12; the other two restore
+    the commit at step 10 and go on; ~10-15 s later (Horovod's cooldown) the task gets a
+    rank again, which joins at the next commit."""
+    marker = str(tmp_path / "killed")
+    results = hvdmagic.run(train, 3, 20, kill=(1, 12), marker=marker, until_size=3, commit_every=COMMIT_EVERY,
+                           min_np=2, max_np=3)
+    assert os.path.exists(marker)
+    trace = _check_training(results, 3)
+    assert trace[9] == (10, 3) and trace[10] == (11, 2), trace[:12]  # steps 11 and 12 were trained again, on 2
+    run_record = hvdmagic.last_run()
+    first, last = run_record.resets[0], run_record.resets[-1]
+    assert "task 1" in first.reason and "SIGKILL" in first.reason, first
+    assert (first.size_before, first.size_after, first.commit["step"]) == (3, 2, 10), first
+    assert (last.reason, last.size_before, last.size_after) == ("slots added", 2, 3), run_record.resets
+    assert last.commit["step"] % COMMIT_EVERY == 0
+    assert run_record.world_size == 3 and run_record.state == "finished"
+    assert [rank.state for rank in run_record.ranks] == ["finished"] * 3
+    assert any(note.startswith("resumed on 2 ranks (from 3) from the commit at step 10") for note in run_record.notes)
+    _check_metrics(run_record, len(trace))
+    wait_until_gone([p.pid for p in rank_processes()], within=10)
+
+
+def test_magic_goes_on_with_fewer_ranks_and_says_so(ip, tmp_path, capfd):
+    """Local mode: the cell finishes on one rank after the other's SIGKILL; the text view
+    says which rank was lost and where training resumed; --out gets the new rank 0's value."""
+    ip.user_ns.update(train=train, marker=str(tmp_path / "killed"))
+    result, error = run(ip, """%%horovod --np -2 --min-np 1 --max-np 2 --out outcome
+train(15, kill=(1, 7), marker=marker)
+""")
+    assert error is None, error
+    assert ip.user_ns["outcome"] is result and result["size"] == 1 and result["rank"] == 0
+    assert result["trace"][:6] == [(step, 2) for step in range(1, 6)] + [(6, 1)], result["trace"]
+    out = capfd.readouterr().out
+    assert "hvdmagic: task 1's rank was lost (killed by SIGKILL); the others go on" in out, out
+    assert ("hvdmagic: resumed on 1 rank (from 2) from the commit at step 5, samples 80: task 1's rank lost "
+            "(killed by SIGKILL)\n") in out, out
+    run_record = hvdmagic.last_run()
+    assert run_record.ranks[1].state == "lost" and run_record.ranks[1].lost == "killed by SIGKILL"
+    assert "task 1: [lost: killed by SIGKILL]" in out
+    assert repr(run_record).startswith("<RunRecord finished elastic 1 of 2 tasks (local)")
+
+
+def test_reset_limit_fails_the_cell_naming_the_loss(ip, tmp_path):
+    ip.user_ns.update(train=train, marker=str(tmp_path / "killed"), outcome="untouched")
+    started = time.monotonic()
+    _, error = run(ip, """%%horovod --np -2 --min-np 1 --reset-limit 0 --out outcome
+train(40, kill=(1, 3), marker=marker)
+""")
+    assert isinstance(error, JobFailed), error
+    text = str(error)
+    assert "number of resets during elastic job exceeded limit: 0" in text and "--reset-limit 0" in text, text
+    assert "task 1's rank" in text and "killed by SIGKILL" in text, text
+    assert ip.user_ns["outcome"] == "untouched"
+    assert time.monotonic() - started < 60, "the limit must fail the cell at the first reset"
+    wait_until_gone([p.pid for p in rank_processes()], within=10)
+
+
+def test_below_min_np_fails_after_the_elastic_timeout(ip, tmp_path):
+    """Two ranks, --min-np 2: after the loss Horovod waits --elastic-timeout for a second slot
+    (the lost task's comes back only after its 10-15 s cooldown), then the cell fails."""
+    ip.user_ns.update(train=train, marker=str(tmp_path / "killed"))
+    started = time.monotonic()
+    _, error = run(ip, """%%horovod --np -2 --min-np 2 --elastic-timeout 3
+train(40, kill=(1, 3), marker=marker)
+""")
+    assert isinstance(error, JobFailed), error
+    text = str(error)
+    assert "fewer than --min-np 2 ranks were left, and no slot came back within --elastic-timeout 3 s" in text, text
+    assert "task 1's rank" in text and "killed by SIGKILL" in text, text
+    assert time.monotonic() - started < 60
+    wait_until_gone([p.pid for p in rank_processes()], within=10)
+
+
+def test_an_exception_in_the_cell_fails_an_elastic_run_with_its_traceback(ip):
+    _, error = run(ip, """%%horovod --np -2 --min-np 1
+import horovod.torch as hvd
+hvd.init()
+state = hvd.elastic.TorchState(step=0)
+
+@hvd.elastic.run
+def loop(state):
+    if hvd.rank() == 1:
+        raise ValueError("bad shard on rank 1")
+    return 1
+
+loop(state)
+""")
+    assert isinstance(error, JobFailed), error
+    assert "ValueError: bad shard on rank 1" in str(error)
+    assert "only lost processes and executors are trained around" in str(error)
+    assert any("bad shard" in f.traceback for f in error.failures)
+    wait_until_gone([p.pid for p in rank_processes()], within=10)
+
+
+@pytest.mark.parametrize("line, message", [
+    ("--np 2 --min-np 3", "1 <= --min-np <= --np <= --max-np"),
+    ("--np 2 --max-np 1", "1 <= --min-np <= --np <= --max-np"),
+    ("--min-np 1", "give the cell --np N"),
+    ("--np 2 --min-np 1 --controller mpi", "over Gloo"),
+    ("--np 2 --min-np 1 --reset-limit -1", "--reset-limit must be 0 or more"),
+    ("--np 2 --min-np 1 --elastic-timeout 0", "--elastic-timeout must be a positive"),
+])
+def test_bad_elastic_arguments_are_usage_errors(ip, line, message):
+    _, error = run(ip, f"%%horovod {line}\npass")
+    assert isinstance(error, UsageError) and message in str(error), error
+
+
+def test_elastic_data_is_refused(ip):
+    with pytest.raises(Exception, match="cannot be combined with elastic training"):
+        hvdmagic.launch.launch(b"", 2, data=object(), elastic=hvdmagic.launch.Elastic(1, 2))
+
+
+def test_the_rendezvous_refuses_a_pickle_from_the_network():
+    """Horovod's elastic handler unpickles a worker's PUT of its notification address;
+    ours refuses that PUT (ranks send it over the HMAC channel), and serves the rest."""
+    from horovod.runner.elastic.discovery import FixedHosts
+    from horovod.runner.elastic.driver import ElasticDriver
+
+    from hvdmagic.launch.elastic import _guarded_handler
+    from hvdmagic.launch.rendezvous import Rendezvous
+
+    rendezvous = Rendezvous("127.0.0.1", start=False)
+    driver = ElasticDriver(rendezvous, FixedHosts({"t0.0": 1}), 1, 1, timeout=5)
+    try:
+        port = rendezvous.start(_guarded_handler(driver))
+
+        class Boom:
+            def __reduce__(self):
+                return (os.kill, (os.getpid(), signal.SIGKILL))
+
+        import base64
+
+        body = base64.b64encode(pickle.dumps(((Boom(), {}), b"key")))
+        request = urllib.request.Request(f"http://127.0.0.1:{port}/worker_addresses/t0.0:0", data=body,
+                                         method="PUT")
+        with pytest.raises(urllib.error.HTTPError, match="403"):
+            urllib.request.urlopen(request, timeout=5)
+        assert driver._worker_clients == {}
+        plain = urllib.request.Request(f"http://127.0.0.1:{port}/scope/key", data=b"value", method="PUT")
+        assert urllib.request.urlopen(plain, timeout=5).status == 200
+        assert urllib.request.urlopen(f"http://127.0.0.1:{port}/scope/key", timeout=5).read() == b"value"
+    finally:
+        driver.stop()
