@@ -23,6 +23,19 @@ import pyspark
 SPARK_HOME = Path(pyspark.__file__).parent
 
 
+def stop_active_session() -> None:
+    """Stop the process's SparkContext, whichever thread made it (hvdmagic makes its own on its
+    Spark thread): one SparkContext per process, so a test on a cluster must end the embedded one."""
+    from pyspark import SparkContext
+    from pyspark.sql import SparkSession
+
+    from hvdmagic.launch import spark
+
+    if SparkContext._active_spark_context is not None:
+        SparkSession.builder.getOrCreate().stop()
+    spark._embedded = None
+
+
 def _free_port(host: str) -> int:
     with socket.socket() as sock:
         sock.bind((host, 0))

@@ -5,31 +5,19 @@ from __future__ import annotations
 import shutil
 
 import pytest
-from cluster import StandaloneCluster
+from cluster import StandaloneCluster, stop_active_session
 from conftest import run
 from procs import mpi_processes, rank_processes
 
 from hvdmagic.errors import LaunchError
 
 
-def _stop_active_session():
-    """Stop the process's SparkContext, whichever thread made it (hvdmagic makes its own on its Spark thread)."""
-    from pyspark import SparkContext
-    from pyspark.sql import SparkSession
-
-    from hvdmagic.launch import spark
-
-    if SparkContext._active_spark_context is not None:
-        SparkSession.builder.getOrCreate().stop()
-    spark._embedded = None
-
-
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    _stop_active_session()  # one SparkContext per process: the embedded one must go
+    stop_active_session()  # one SparkContext per process: the embedded one must go
     cluster = StandaloneCluster(tmp_path_factory.mktemp("spark-cluster")).start()
     yield cluster
-    _stop_active_session()
+    stop_active_session()
     cluster.stop()
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import pickle
 import signal
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -190,3 +191,75 @@ def test_the_rendezvous_refuses_a_pickle_from_the_network():
         assert urllib.request.urlopen(f"http://127.0.0.1:{port}/scope/key", timeout=5).read() == b"value"
     finally:
         driver.stop()
+
+
+@pytest.fixture
+def three_workers(tmp_path_factory):
+    """A standalone cluster of three one-core workers, and a session with an executor on each."""
+    from cluster import StandaloneCluster, stop_active_session
+    from pyspark.sql import SparkSession
+
+    stop_active_session()  # one SparkContext per process: the embedded one must go
+    cluster = StandaloneCluster(tmp_path_factory.mktemp("elastic-cluster"), workers=3, cores=1).start()
+    os.environ["PYSPARK_PYTHON"] = sys.executable
+    session = (SparkSession.builder.master(cluster.url).appName("hvdmagic-elastic-test")
+               .config("spark.driver.host", "127.0.0.1").config("spark.driver.bindAddress", "127.0.0.1")
+               .config("spark.executor.cores", "1").config("spark.executor.memory", "1g")
+               .config("spark.task.maxFailures", "4").getOrCreate())
+    try:
+        yield cluster, session
+    finally:
+        stop_active_session()
+        cluster.stop()
+
+
+def _kill_the_worker_of(cluster, host_prefix: str, ready: str, killed: list, within: float = 180) -> None:
+    """When ``ready`` exists, SIGKILL the Worker JVM (and with it its executor) that runs the
+    rank whose Horovod host starts with ``host_prefix``."""
+    import psutil
+
+    deadline = time.monotonic() + within
+    while not os.path.exists(ready):
+        if time.monotonic() > deadline:
+            killed.append(f"training never reached the ready step within {within:g} s")
+            return
+        time.sleep(0.1)
+    workers = {proc.pid: i for i, proc in enumerate(cluster.procs)}
+    for rank in rank_processes():
+        try:
+            if not rank.environ().get("HOROVOD_HOSTNAME", "").startswith(host_prefix):
+                continue
+            owner = next(workers[p.pid] for p in rank.parents() if p.pid in workers)
+        except (psutil.NoSuchProcess, StopIteration):
+            continue
+        os.killpg(cluster.procs[owner].pid, signal.SIGKILL)
+        killed.append(owner)
+        return
+    killed.append(f"no rank process with a Horovod host {host_prefix}*")
+
+
+def test_a_lost_worker_does_not_lose_the_run(three_workers, tmp_path):
+    """Two ranks on two of three workers; the worker under task 1 is killed (its Worker JVM and
+    executor). The other rank resumes alone from the commit; Spark runs task 1 again on the third
+    worker, whose rank joins at a commit, and the run ends on two ranks."""
+    import threading
+
+    cluster, _ = three_workers
+    ready, killed = str(tmp_path / "ready"), []
+    killer = threading.Thread(target=_kill_the_worker_of, args=(cluster, "t1.", ready, killed), daemon=True)
+    killer.start()
+    results = hvdmagic.run(train, 2, 30, marker=ready, ready_at=15, until_size=2, step_time=0.05,
+                           max_steps=4000, commit_every=COMMIT_EVERY, min_np=1, max_np=2)
+    killer.join(timeout=5)
+    assert killed and isinstance(killed[0], int), killed
+    trace = _check_training(results, 2)
+    run_record = hvdmagic.last_run()
+    first, last = run_record.resets[0], run_record.resets[-1]
+    assert "task 1's rank lost (its Spark task or executor was lost)" in first.reason, run_record.resets
+    assert (first.size_before, first.size_after) == (2, 1) and first.commit["step"] >= 15, first
+    assert (last.reason, last.size_before, last.size_after) == ("slots added", 1, 2), run_record.resets
+    assert 1 in {size for _, size in trace} and trace[-1][1] == 2
+    assert run_record.ranks[1].state == "finished" and run_record.world_size == 2
+    _check_metrics(run_record, len(trace))
+    assert cluster.procs[killed[0]].wait(timeout=10) == -signal.SIGKILL
+    wait_until_gone([p.pid for p in rank_processes()], within=15)
