@@ -462,3 +462,65 @@ def test_stop_during_launch_then_the_next_cell_runs(lab, browser):
     assert skipped.strip() == "", f"Run All went on after the error: {skipped!r}"
     assert after == "finished", following
     assert following.rstrip().endswith("42"), following
+
+
+# -- an elastic run that loses a rank -------------------------------------------------------
+
+ELASTIC_CELL = """\
+%%horovod --np 2 --min-np 1 --max-np 2
+import os, signal, time
+import torch
+import horovod.torch as hvd
+import hvdmagic
+
+hvd.init()
+state = hvd.elastic.TorchState(step=0)
+
+@hvd.elastic.run
+def train(state):
+    while state.step < 150:
+        hvd.allreduce(torch.ones(1))
+        state.step += 1
+        hvdmagic.progress(state.step, total=150, desc="train")
+        hvdmagic.log_metrics(step=state.step, loss=1 / state.step)
+        if state.step % 5 == 0:
+            state.commit()
+        if state.step == 40 and hvd.rank() == 1 and not os.path.exists(MARK):
+            open(MARK, "w").close()
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(0.1)
+
+train(state)
+"""
+
+
+@pytest.mark.timeout(240)
+def test_elastic_run_greys_the_lost_task_and_goes_on(lab, browser, tmp_path):
+    mark = tmp_path / "killed"
+    path = write_notebook(lab, "elastic.ipynb", LOAD_CELL, f"MARK = {str(mark)!r}", ELASTIC_CELL)
+    try:
+        with new_page(browser, "elastic") as page:
+            open_notebook(page, lab, path.name)
+            run_all_cells(page)
+            lost = wait_for(page, f"""() => {{
+                    const rows = Array.from(document.querySelectorAll("{DASHBOARD} .hvdmagic-rank"));
+                    const row = rows.find(r => /lost\s+killed by SIGKILL/.test(r.innerText));
+                    return row && {{row: row.innerText, others: rows.filter(r => r !== row).map(r => r.innerText)}};
+                }}""", timeout=150, failure="No task row of the dashboard said it was lost, killed by SIGKILL")
+            header = wait_for(page, f"""() => {{
+                    const t = document.querySelector("{DASHBOARD}")?.innerText || "";
+                    return /1 rank, elastic 1-2 \\(spark\\)/.test(t) && /resumed on 1 rank \\(from 2\\)/.test(t) && t;
+                }}""", timeout=30, failure="The header did not show 1 rank training, or no 'resumed' note")
+            page.locator(DASHBOARD).evaluate("e => e.scrollIntoView({block: 'start'})")
+            page.locator(DASHBOARD).screenshot(path=SCREENSHOTS / "elastic.png")
+            state = wait_for_snapshot(page, 2, timeout=120, what="The elastic run did not end")
+            snapshot = page.locator(SNAPSHOT).inner_text()
+    finally:
+        shut_down_kernels(lab)
+    print(f"lost row: {lost}; snapshot: {snapshot}")
+    assert mark.exists()
+    assert "task" in lost["row"] and "lost" in lost["row"], lost
+    assert any("running" in other for other in lost["others"]), lost
+    assert "resumed on 1 rank (from 2) from the commit at step" in header
+    assert state == "finished", snapshot
+    assert "resumed on 1 rank (from 2)" in snapshot, snapshot

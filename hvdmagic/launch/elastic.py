@@ -26,6 +26,7 @@ import base64
 import threading
 import time
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 
 from hvdmagic.errors import JobFailed, JobTimeout, LaunchError, RankFailure
 from hvdmagic.launch.job import POLL, Job, _describe_exit, _State, result_value
@@ -86,7 +87,7 @@ class _Task:
 class Reset:
     """One reset of an elastic run, as ``last_run().resets`` lists it."""
 
-    time: float  # epoch seconds, when the new rank 0 came back
+    time: datetime  # UTC, when the new rank 0 came back
     reason: str  # the losses since the last reset, or "slots added"
     size_before: int
     size_after: int
@@ -318,7 +319,7 @@ class ElasticJob(Job):
 
     def _resumed(self, event: dict) -> None:
         size_after = int(event.get("size") or 0)
-        reset = Reset(time.time(), "; ".join(self._losses) or "slots added", self._size, size_after,
+        reset = Reset(datetime.now(UTC), "; ".join(self._losses) or "slots added", self._size, size_after,
                       dict(event.get("commit") or {}))
         self._losses.clear()
         self._size = size_after

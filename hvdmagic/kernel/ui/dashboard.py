@@ -58,9 +58,9 @@ def _clean(line: str) -> str:
 
 
 class _RankRow:
-    def __init__(self, rank: int):
+    def __init__(self, rank: int, label_width: str = "120px"):
         one_line = widgets.Layout(flex="0 0 auto", overflow="hidden", margin="0 4px 0 0")
-        self.label = widgets.HTML(f"<b>rank {rank}</b>", layout=widgets.Layout(width="120px", overflow="hidden"))
+        self.label = widgets.HTML(f"<b>rank {rank}</b>", layout=widgets.Layout(width=label_width, overflow="hidden"))
         self.left = widgets.HTML(layout=one_line)
         self.bar = widgets.FloatProgress(value=0, min=0, max=1, layout=widgets.Layout(width="180px", flex="0 0 auto"))
         self.right = widgets.HTML(layout=widgets.Layout(flex="0 0 auto", overflow="hidden", margin="0 4px"))
@@ -103,11 +103,10 @@ class _RankRow:
                     self.bar.max, self.bar.value = 1, 1
             elif record.state == "failed":
                 self.bar.bar_style = "danger"
-            elif record.state == "lost":
-                self.bar.bar_style = ""
+            self.bar.style.bar_color = "#bbb" if grey else None  # a lost task's bar stops, greyed out
         colour = _STATE_COLOURS.get(record.state, "#888")
         self.state.value = f'<div style="{_ONE_LINE};color:{colour}">{record.state}</div>'
-        line = f"lost: {record.lost}" if record.state == "lost" else _clean(record.last_line[-300:])
+        line = record.lost if record.state == "lost" else _clean(record.last_line[-300:])
         self.line.value = _mono(line, "#999" if grey else "#555")
 
 
@@ -246,7 +245,8 @@ class Dashboard:
             [widgets.HTML("<b>overall</b>", layout=widgets.Layout(width="120px")), self.overall_bar,
              self.overall_text],
             layout=widgets.Layout(display="none", height="30px", align_items="center", overflow="hidden"))
-        self.rows = [_RankRow(r) for r in range(record.np)]
+        # An elastic run's label holds its task and its rank now: "task 2 · rank 1 @ host".
+        self.rows = [_RankRow(r, "180px" if record.elastic else "120px") for r in range(record.np)]
         self.recent = widgets.HTML(layout=widgets.Layout(display="none"))
         self.scale = widgets.ToggleButtons(options=list(charts.SCALES), value="auto",
                                            tooltips=["log when a metric spans two decades", "linear", "log"],

@@ -62,7 +62,8 @@ def size_text(record: RunRecord) -> str:
     if not record.elastic:
         return f"np={record.np} ({record.mode})"
     low, _, high = record.elastic
-    return f"{record.world_size} ranks, elastic {low}-{high} ({record.mode})"
+    ranks = f"{record.world_size} rank{'s' if record.world_size != 1 else ''}"
+    return f"{ranks}, elastic {low}-{high} ({record.mode})"
 
 
 def duration(seconds: float | None) -> str:
