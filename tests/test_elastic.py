@@ -263,3 +263,23 @@ def test_a_lost_worker_does_not_lose_the_run(three_workers, tmp_path):
     _check_metrics(run_record, len(trace))
     assert cluster.procs[killed[0]].wait(timeout=10) == -signal.SIGKILL
     wait_until_gone([p.pid for p in rank_processes()], within=15)
+
+
+def test_a_ranks_notification_service_listens_on_its_gloo_interface_only():
+    """Inside a rank, Horovod's worker notification service binds to the rank's Gloo
+    interface (here loopback), not to every interface."""
+    import subprocess
+
+    probe = """
+import os
+from hvdmagic.rank import elastic
+elastic.install()
+from horovod.runner.elastic.worker import WorkerNotificationService
+service = WorkerNotificationService(b"k" * 32, "lo", None)
+print(service._server.socket.getsockname()[0], service.addresses())
+"""
+    out = subprocess.run([sys.executable, "-c", probe], env=dict(os.environ, HOROVOD_GLOO_IFACE="lo"),
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    bound, addresses = out.stdout.split(" ", 1)
+    assert bound == "127.0.0.1" and "'lo': [('127.0.0.1'," in addresses, out.stdout

@@ -4,7 +4,9 @@ Horovod's worker registers its notification service (the addresses the driver
 calls when hosts come or go, and that service's secret) by a PUT to the
 rendezvous' HTTP store, which the driver unpickles: an unauthenticated pickle.
 Here the same registration goes to the driver over this rank's event pipe and
-the job's HMAC channel instead, and the driver's HTTP handler refuses the PUT.
+the job's HMAC channel instead, and the driver's HTTP handler refuses the PUT. The
+service itself (which checks an HMAC with that secret on every request) listens on
+the rank's Gloo interface only.
 
 After every reset (``State.on_reset``) the rank tells the driver its new world
 rank and size and the commit it went back to, which the dashboard shows as
@@ -14,6 +16,8 @@ rank and size and the commit it went back to, which the dashboard shows as
 from __future__ import annotations
 
 import base64
+import os
+import socket
 import sys
 
 from hvdmagic.protocol import Event
@@ -23,8 +27,14 @@ from hvdmagic.rank import report
 def install() -> None:
     import horovod.runner.elastic.worker as worker
     from horovod.common import elastic
+    from horovod.runner.common.util import network
 
     worker.put_data_into_kvstore = _register_over_channel
+    # The notification service checks an HMAC on every request, but would listen on every
+    # interface; the driver reaches it on the rank's Gloo interface, so it listens there only.
+    address = _address_of(os.environ.get("HOROVOD_GLOO_IFACE", ""))
+    if address:
+        network.find_port = lambda make_server: _listen_on(make_server, address)
     restore_and_reset = elastic.State.on_reset
 
     def on_reset(state) -> None:
@@ -49,6 +59,18 @@ def committed(state) -> dict:
     saved = getattr(state, "_saved_state", None) or {}
     return {key: value for key, value in saved.items()
             if isinstance(value, (bool, int, float, str)) and not key.startswith("_")}
+
+
+def _address_of(interface: str) -> str | None:
+    import psutil
+
+    addresses = [a.address for a in psutil.net_if_addrs().get(interface, []) if a.family == socket.AF_INET]
+    return addresses[0] if addresses else None
+
+
+def _listen_on(make_server, address: str):
+    server = make_server((address, 0))
+    return server, server.socket.getsockname()[1]
 
 
 def _register_over_channel(_addr, _port, _scope, key: str, value) -> None:
