@@ -504,7 +504,7 @@ def test_elastic_run_greys_the_lost_task_and_goes_on(lab, browser, tmp_path):
             run_all_cells(page)
             lost = wait_for(page, f"""() => {{
                     const rows = Array.from(document.querySelectorAll("{DASHBOARD} .hvdmagic-rank"));
-                    const row = rows.find(r => /lost\s+killed by SIGKILL/.test(r.innerText));
+                    const row = rows.find(r => /lost\\s+killed by SIGKILL/.test(r.innerText));
                     return row && {{row: row.innerText, others: rows.filter(r => r !== row).map(r => r.innerText)}};
                 }}""", timeout=150, failure="No task row of the dashboard said it was lost, killed by SIGKILL")
             header = wait_for(page, f"""() => {{

@@ -149,6 +149,7 @@ loop(state)
     ("--np 2 --min-np 1 --controller mpi", "over Gloo"),
     ("--np 2 --min-np 1 --reset-limit -1", "--reset-limit must be 0 or more"),
     ("--np 2 --min-np 1 --elastic-timeout 0", "--elastic-timeout must be a positive"),
+    ("--np 2 --min-np 1 --stall-timeout 5", "--stall-timeout is not applied to elastic runs"),
 ])
 def test_bad_elastic_arguments_are_usage_errors(ip, line, message):
     _, error = run(ip, f"%%horovod {line}\npass")
@@ -283,3 +284,34 @@ print(service._server.socket.getsockname()[0], service.addresses())
     assert out.returncode == 0, out.stderr
     bound, addresses = out.stdout.split(" ", 1)
     assert bound == "127.0.0.1" and "'lo': [('127.0.0.1'," in addresses, out.stdout
+
+
+def test_stop_mid_training_stops_every_rank_and_the_next_elastic_cell_runs(ip, tmp_path):
+    """Stop (SIGINT to the kernel's process) once both ranks train: one line, no rank left,
+    no Spark job left; then another elastic cell runs on the same Spark."""
+    import threading
+
+    from pyspark import SparkContext
+
+    ready = tmp_path / "ready"
+    ip.user_ns.update(train=train, marker=str(ready))
+
+    def stop_when_training() -> None:
+        deadline = time.monotonic() + 120
+        while not ready.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    threading.Thread(target=stop_when_training, daemon=True).start()
+    _, error = run(ip, "%%horovod --np 2 --min-np 1\ntrain(100000, marker=marker, ready_at=3)")
+    assert ready.exists(), "training never started"
+    assert type(error).__name__ == "JobInterrupted" and "\n" not in str(error), error
+    assert str(error).startswith("interrupted while the ranks ran: every rank was stopped"), error
+    wait_until_gone([p.pid for p in rank_processes()], within=10)
+    tracker = SparkContext._active_spark_context.statusTracker()
+    deadline = time.monotonic() + 15
+    while tracker.getActiveJobsIds() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not tracker.getActiveJobsIds(), "the elastic stage was not cancelled"
+    result, error = run(ip, "%%horovod --np 2 --min-np 1\ntrain(6)")
+    assert error is None and len(result["trace"]) == 6, error

@@ -180,7 +180,7 @@ def _elastic(args) -> Elastic | None:
                          "give the cell --np N (the ranks it starts with) too.")
     elastic = Elastic.from_arguments(args.np, **given)
     try:
-        elastic.check(args.np, Framework.HOROVOD, args.controller, None)
+        elastic.check(args.np, Framework.HOROVOD, args.controller, None, args.stall_timeout)
     except LaunchError as exc:
         raise UsageError(str(exc)) from None
     return elastic

@@ -45,7 +45,7 @@ def launch(payload: bytes, np: int, *, timeout: float | None = None, stall_timeo
                    framework=framework, on_event=on_event)
     if elastic is None:
         return Job(make_backend(np, on_event, spark=spark, data=data, gpus=gpus), payload, **options).run()
-    elastic.check(np, framework, controller, data)
+    elastic.check(np, framework, controller, data, stall_timeout)
     tasks = elastic.max_np if np > 0 else -elastic.max_np
     backend = make_backend(tasks, on_event, spark=spark, gpus=gpus, min_np=elastic.min_np)
     return ElasticJob(backend, payload, elastic, np=abs(np), **options).run()

@@ -55,7 +55,7 @@ class Elastic:
         return cls(min_np=abs(np) if min_np is None else min_np, max_np=abs(np) if max_np is None else max_np,
                    reset_limit=reset_limit, **({} if timeout is None else {"timeout": timeout}))
 
-    def check(self, np: int, framework: Framework, controller: str, data) -> None:
+    def check(self, np: int, framework: Framework, controller: str, data, stall_timeout: float | None = None) -> None:
         if not 1 <= self.min_np <= abs(np) <= self.max_np:
             raise LaunchError(f"elastic training needs 1 <= --min-np <= --np <= --max-np; got --min-np "
                               f"{self.min_np}, --np {abs(np)}, --max-np {self.max_np}.")
@@ -65,6 +65,9 @@ class Elastic:
         if data is not None:
             raise LaunchError("--data deals a fixed number of shards, one per rank, so it cannot be combined with "
                               "elastic training; read the data in the cell (e.g. with hvd.elastic.ElasticSampler).")
+        if stall_timeout is not None:
+            raise LaunchError("--stall-timeout is not applied to elastic runs (a rank waiting for a reset is not a "
+                              "stall); use --timeout to bound the run.")
         if self.reset_limit is not None and self.reset_limit < 0:
             raise LaunchError(f"--reset-limit must be 0 or more, not {self.reset_limit}.")
         if self.timeout <= 0:
