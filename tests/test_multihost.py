@@ -11,10 +11,9 @@ import shutil
 
 import netns
 import pytest
-from cluster import StandaloneCluster
+from cluster import StandaloneCluster, stop_active_session
 from conftest import run
 from procs import mpi_processes, rank_processes
-from test_cluster import _stop_active_session
 
 _why_not = netns.available()
 pytestmark = pytest.mark.skipif(_why_not is not None, reason=f"no simulated hosts: {_why_not}")
@@ -32,7 +31,7 @@ hvd.allgather_object(row)
 
 @pytest.fixture(scope="module")
 def two_host_shell(shell, tmp_path_factory):
-    _stop_active_session()
+    stop_active_session()
     with netns.TwoHosts() as network:
         cluster = StandaloneCluster(tmp_path_factory.mktemp("two-hosts"), host=network.driver,
                                     worker_hosts=network.hosts).start()
@@ -50,7 +49,7 @@ spark = (SparkSession.builder.master(MASTER).appName("hvdmagic-two-hosts")
             assert outcome.error_in_exec is None, outcome.error_in_exec
             yield shell
         finally:
-            _stop_active_session()
+            stop_active_session()
             cluster.stop()
 
 

@@ -23,6 +23,7 @@ the views who was lost, why, and which commit the survivors resumed from.
 from __future__ import annotations
 
 import base64
+import queue
 import threading
 import time
 from dataclasses import dataclass, field
@@ -81,7 +82,7 @@ class _Task:
     hostname: str  # the machine, for messages
     link: object
     gpus: list[str]
-    exits: list[int] = field(default_factory=list)  # of its current rank
+    exit_code: int | None = None  # of its current rank
     gone: bool = False
     ended: threading.Event = field(default_factory=threading.Event)  # its current rank exited, or it is gone
 
@@ -112,7 +113,6 @@ class ElasticJob(Job):
         super().__init__(backend, payload, **kwargs)
         self.start_np = np
         self.settings = elastic
-        self.resets: list[Reset] = []
         self._tasks: dict[str, _Task] = {}  # by Horovod host name
         self._by_link: dict[object, _Task] = {}
         self._lock = threading.Lock()
@@ -138,9 +138,8 @@ class ElasticJob(Job):
         return rendezvous
 
     def available_hosts(self) -> dict[str, int]:
-        with self._lock:  # in row order, so that a full world's ranks are the tasks' indices
-            live = sorted((task.row, name) for name, task in self._tasks.items() if not task.gone)
-        return {name: 1 for _, name in live}
+        with self._lock:
+            return {name: 1 for name, task in self._tasks.items() if not task.gone}
 
     def _drive(self) -> None:
         try:
@@ -157,7 +156,7 @@ class ElasticJob(Job):
         and return its exit code when it ends (Horovod calls this on a thread of its own)."""
         task = self._tasks[slot_info.hostname]
         with self._lock:
-            task.exits.clear()
+            task.exit_code = None
             if not task.gone:
                 task.ended.clear()
         slot = {"rank": slot_info.rank, "size": slot_info.size, "local_rank": slot_info.local_rank,
@@ -168,7 +167,8 @@ class ElasticJob(Job):
             task.link.send({"type": Event.GO, "slot": slot, "devices": devices})
         except OSError:
             return 1, time.time()
-        self.on_event({"type": Event.PLACED, "rank": task.row, "host": task.hostname})
+        # Through the job loop, so that the views hear of it on the kernel's thread, in order.
+        self.server.events.put((task.link, {"type": Event.PLACED, "rank": task.row, "host": task.hostname}))
         stop_sent = False
         while not task.ended.wait(POLL):
             if not stop_sent and any(event.is_set() for event in events):
@@ -179,7 +179,7 @@ class ElasticJob(Job):
                 except OSError:
                     break
         with self._lock:
-            return (task.exits[0] if task.exits else 1), time.time()
+            return (1 if task.exit_code is None else task.exit_code), time.time()
 
     # -- the job loop --------------------------------------------------------------
     def _loop(self, server, rendezvous, state: _State, started: float) -> None:
@@ -193,8 +193,8 @@ class ElasticJob(Job):
             if error := self.backend.failure():
                 self._driver.stop(error_message=error)
                 break
-            self._handle_next(server, state)
-        while self._drain(server, state):
+            self._handle_next(server, state, wait=POLL)
+        while self._handle_next(server, state, wait=None):
             pass  # the last results and exits, already sent
         if self._errors:
             raise self._failed("an exception in the cell fails an elastic run too: only lost processes and "
@@ -208,21 +208,10 @@ class ElasticJob(Job):
         if why:
             raise self._failed(f"Horovod's elastic driver stopped the run: {str(why).strip()}")
 
-    def _handle_next(self, server, state: _State) -> bool:
-        import queue
-
+    def _handle_next(self, server, state: _State, wait: float | None) -> bool:
+        """Handle the next event, waiting up to ``wait`` seconds for one (None: not at all)."""
         try:
-            link, event = server.events.get(timeout=POLL)
-        except queue.Empty:
-            return False
-        self._handle(event, state, None, link)
-        return True
-
-    def _drain(self, server, state: _State) -> bool:
-        import queue
-
-        try:
-            link, event = server.events.get_nowait()
+            link, event = server.events.get(timeout=wait) if wait else server.events.get_nowait()
         except queue.Empty:
             return False
         self._handle(event, state, None, link)
@@ -239,7 +228,7 @@ class ElasticJob(Job):
                 with self._lock:
                     task.gone = True
                 task.ended.set()
-                if not self._done.is_set() and not task.exits:
+                if not self._done.is_set() and task.exit_code is None:
                     self._lose(task.row, "its Spark task or executor was lost")
             return
         rank = event.get("rank")
@@ -274,13 +263,12 @@ class ElasticJob(Job):
             task = next((t for t in self._tasks.values() if t.row == rank and not t.gone), None)
             if task is not None:
                 with self._lock:
-                    task.exits.append(code)
+                    task.exit_code = code
                 task.ended.set()
             self._world.pop(rank, None)
             if code != 0 and not event.get("aborted") and not self._errors and not self._done.is_set():
                 self._lose(rank, _describe_exit(code))
                 return
-            state.exits[rank] = code
         self.on_event(event)
 
     def _hello(self, link, event: dict, state: _State) -> None:
@@ -301,7 +289,7 @@ class ElasticJob(Job):
             self._world[row] = event["world_rank"]
             self.on_event({"type": Event.WORLD, "rank": row, "world_rank": event["world_rank"],
                            "size": event.get("size")})
-        if isinstance(event.get("size"), int) and event["size"] != self._size and not self._size:
+        if not self._size and isinstance(event.get("size"), int):  # the first world's size
             self._size = event["size"]
 
     def _hostname(self, row: int) -> str:
@@ -326,7 +314,6 @@ class ElasticJob(Job):
                       dict(event.get("commit") or {}))
         self._losses.clear()
         self._size = size_after
-        self.resets.append(reset)
         self.on_event({"type": Event.RESUMED, "reset": reset})
 
     def _results_in_order(self, state: _State) -> list:
@@ -339,6 +326,8 @@ class ElasticJob(Job):
         # Tasks still waiting for a slot never said hello: only cancelling the stage ends them.
         self.backend.cancel()
         self.backend.join(timeout=30)
+        if self._driver is not None:
+            self._driver.release_waiters()
         rendezvous.stop()
         server.close()
 
@@ -368,6 +357,11 @@ def _driver_class():
             except _STOPPED:
                 if not self.finished():
                     raise
+
+        def release_waiters(self) -> None:
+            """Wake the rendezvous requests and worker threads still waiting at the registry's
+            barrier of a stopped run, which nothing else would ever complete."""
+            self._worker_registry._barrier.abort()
 
     return Driver
 

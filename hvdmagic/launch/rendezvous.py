@@ -29,6 +29,9 @@ class Rendezvous(RendezvousServer):
 
     def start(self, handler_cls=RendezvousHandler) -> int:
         self._httpd = RendezvousHTTPServer((self._host, 0), handler_cls, self._verbose)
+        # stop() must not wait for requests still being served: an elastic driver stops the
+        # rendezvous from the very barrier that a rank's request waits at.
+        self._httpd.daemon_threads, self._httpd.block_on_close = True, False
         # A short poll interval: shutdown() waits for it, at the end of every job.
         self._listen_thread = in_thread(target=self._httpd.serve_forever, args=(0.05,))
         self.port = self._httpd.server_address[1]
