@@ -159,9 +159,11 @@ class ChannelServer:
             reader.start()
 
     def _read_loop(self, link: Link) -> None:
+        authenticated = False
         try:
             while True:
                 event = link.recv()
+                authenticated = True
                 # Block (and so push back on the sender) while the driver catches up,
                 # but never past close(), or this thread would outlive the job.
                 while not self._closed.is_set():
@@ -180,9 +182,10 @@ class ChannelServer:
                 if link in self._links:
                     self._links.remove(link)
             link.close()
-            if not self._closed.is_set():
+            if authenticated and not self._closed.is_set():
                 # An elastic job must learn that a task vanished (its executor lost) to
-                # stop waiting for that task's rank; other jobs ignore it.
+                # stop waiting for that task's rank; other jobs ignore it. A peer that
+                # never sent an authenticated frame was never a task.
                 with contextlib.suppress(queue.Full):
                     self.events.put((link, {"type": Event.GONE}), timeout=1.0)
 

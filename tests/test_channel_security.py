@@ -139,6 +139,7 @@ def test_a_relayed_rank_event_cannot_claim_another_rank():
         receiver = channel.Link(theirs, secret, nonce, is_server=True)
         supervisor = Supervisor(spec=None, task_index=1)
         supervisor.slot = Slot(rank=1, size=2, local_rank=1, local_size=2, cross_rank=0, cross_size=1, host="h")
+        supervisor.row = supervisor.slot.rank  # what its events are tagged with
         lines = b'{"type":"report","rank":0,"progress":{}}\n' b"not json\n" b"{}\n" b'{"type":"heartbeat"}\n'
         supervisor._relay_events(sender, io.BytesIO(lines))
         assert receiver.recv() == {"type": "report", "rank": 1, "progress": {}}

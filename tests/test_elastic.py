@@ -71,10 +71,10 @@ def test_sigkilled_rank_resumes_from_the_commit_and_its_slot_comes_back(tmp_path
 
 
 def test_magic_goes_on_with_fewer_ranks_and_says_so(ip, tmp_path, capfd):
-    """Local mode: the cell finishes on one rank after the other's SIGKILL; the text view
+    """Local Spark: the cell finishes on one rank after the other's SIGKILL; the text view
     says which rank was lost and where training resumed; --out gets the new rank 0's value."""
     ip.user_ns.update(train=train, marker=str(tmp_path / "killed"))
-    result, error = run(ip, """%%horovod --np -2 --min-np 1 --max-np 2 --out outcome
+    result, error = run(ip, """%%horovod --np 2 --min-np 1 --max-np 2 --out outcome
 train(15, kill=(1, 7), marker=marker)
 """)
     assert error is None, error
@@ -87,7 +87,7 @@ train(15, kill=(1, 7), marker=marker)
     run_record = hvdmagic.last_run()
     assert run_record.ranks[1].state == "lost" and run_record.ranks[1].lost == "killed by SIGKILL"
     assert "task 1: [lost: killed by SIGKILL]" in out
-    assert repr(run_record).startswith("<RunRecord finished elastic 1 of 2 tasks (local)")
+    assert repr(run_record).startswith("<RunRecord finished elastic 1 of 2 tasks (spark)")
 
 
 def test_reset_limit_fails_the_cell_naming_the_loss(ip, tmp_path):
@@ -96,7 +96,7 @@ def test_reset_limit_fails_the_cell_naming_the_loss(ip, tmp_path):
     ip.user_ns.update(train=train, marker=str(tmp_path / "killed"), outcome="untouched")
     threads = threading.active_count()
     started = time.monotonic()
-    _, error = run(ip, """%%horovod --np -2 --min-np 1 --reset-limit 0 --out outcome
+    _, error = run(ip, """%%horovod --np 2 --min-np 1 --reset-limit 0 --out outcome
 train(40, kill=(1, 3), marker=marker)
 """)
     # Horovod's driver stops the run from inside its registry's barrier, where a rank's
@@ -119,7 +119,7 @@ def test_below_min_np_fails_after_the_elastic_timeout(ip, tmp_path):
     (the lost task's comes back only after its 10-15 s cooldown), then the cell fails."""
     ip.user_ns.update(train=train, marker=str(tmp_path / "killed"))
     started = time.monotonic()
-    _, error = run(ip, """%%horovod --np -2 --min-np 2 --elastic-timeout 3
+    _, error = run(ip, """%%horovod --np 2 --min-np 2 --elastic-timeout 3
 train(40, kill=(1, 3), marker=marker)
 """)
     assert isinstance(error, JobFailed), error

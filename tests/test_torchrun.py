@@ -94,6 +94,27 @@ def test_two_jobs_at_once_never_share_a_rendezvous_port():
     assert all(value == 2.0 for i in range(2) for _, value in results[i])
 
 
+def test_the_store_listens_on_the_driver_address_only():
+    """TCPStore alone would listen on every interface; hvdmagic hands it a socket bound to the
+    driver address, which the store closes when it goes."""
+    import psutil
+
+    from hvdmagic.launch.torch_store import TorchStore
+
+    store = TorchStore("127.0.0.1", 2)
+    listening = [c.laddr for c in psutil.Process().net_connections(kind="inet")
+                 if c.status == psutil.CONN_LISTEN and c.laddr.port == store.port]
+    store.stop()
+    assert [address.ip for address in listening] == ["127.0.0.1"], listening
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(
+            c.laddr.port == store.port for c in psutil.Process().net_connections(kind="inet")
+            if c.status == psutil.CONN_LISTEN):
+        time.sleep(0.1)
+    assert not any(c.laddr.port == store.port for c in psutil.Process().net_connections(kind="inet")
+                   if c.status == psutil.CONN_LISTEN), "the store's socket outlived it"
+
+
 @pytest.mark.parametrize("how, summary", [("raise ValueError('rank one is broken')", "ValueError: rank one is broken"),
                                           ("os.kill(os.getpid(), signal.SIGKILL)", "killed by SIGKILL")])
 def test_a_rank_failing_while_the_other_waits_in_all_reduce_fails_the_cell_fast(ip, tmp_path, how, summary):

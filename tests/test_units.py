@@ -90,6 +90,8 @@ def test_channel_rejects_a_replayed_frame():
         assert first == {"type": "hello"}
         raw.settimeout(5)
         assert raw.recv(1) == b""  # dropped
+        _, gone = server.events.get(timeout=5)  # an authenticated peer's end is news for the driver
+        assert gone == {"type": "gone"}
         assert server.events.empty() and server.rejected == 1
     finally:
         server.close()

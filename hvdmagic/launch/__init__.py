@@ -47,7 +47,7 @@ def launch(payload: bytes, np: int, *, timeout: float | None = None, stall_timeo
         return Job(make_backend(np, on_event, spark=spark, data=data, gpus=gpus), payload, **options).run()
     elastic.check(np, framework, controller, data, stall_timeout)
     tasks = elastic.max_np if np > 0 else -elastic.max_np
-    backend = make_backend(tasks, on_event, spark=spark, gpus=gpus, min_np=elastic.min_np)
+    backend = make_backend(tasks, on_event, spark=spark, gpus=gpus, elastic_start=abs(np))
     return ElasticJob(backend, payload, elastic, np=abs(np), **options).run()
 
 
@@ -76,7 +76,7 @@ def preflight(np: int, framework: Framework, controller: str) -> None:
 
 
 def make_backend(np: int, on_event: Callable[[dict], None] | None, *, spark=None, data=None, gpus: bool = False,
-                 min_np: int | None = None):
+                 elastic_start: int | None = None):
     """The Spark backend (np > 0) or the local one (np < 0), ready to start tasks.
 
     Finding or starting the Spark session and checking its slots happen here, and an
@@ -97,7 +97,7 @@ def make_backend(np: int, on_event: Callable[[dict], None] | None, *, spark=None
                 return LocalBackend(-np, data, gpus=gpus)
             from hvdmagic.launch.spark import SparkBackend
 
-            backend = SparkBackend(np, spark, data, on_stage=on_stage, gpus=gpus, min_np=min_np)
+            backend = SparkBackend(np, spark, data, on_stage=on_stage, gpus=gpus, elastic_start=elastic_start)
             for note in backend.notes:
                 notify({"type": Event.NOTE, "text": note})
             return backend

@@ -267,18 +267,18 @@ class SparkBackend:
     name = "spark"
 
     def __init__(self, np: int, session=None, data=None, on_stage: Callable[[Stage], None] = lambda stage: None,
-                 gpus: bool = False, min_np: int | None = None):
+                 gpus: bool = False, elastic_start: int | None = None):
         self.np = np
-        # Elastic (min_np given): a plain stage of np tasks that needs only min_np slots to begin;
-        # the rest start as slots free up (launch.elastic).
-        self.min_np = min_np
+        # Elastic (elastic_start given): a plain stage of np tasks, of which elastic_start need
+        # slots for training to begin; the rest start as slots free up (launch.elastic).
+        self.elastic_start = elastic_start
         self.data = data
         self.on_stage = on_stage
         self.notes: list[str] = []  # for the run's record, e.g. that a broken embedded session was replaced
         if _starting.is_set():  # a stopped cell's session is still starting: this cell waits for it
             on_stage(Stage.SPARK_STARTING)
         self.session = (session or (data.sparkSession if data is not None else None)
-                        or on_spark_thread(session_for, min_np or np, on_stage, self.notes, np))
+                        or on_spark_thread(session_for, elastic_start or np, on_stage, self.notes, np))
         self.sc = self.session.sparkContext
         self.bind_host, self.master, task_gpus = on_spark_thread(lambda: (
             self.sc.getConf().get("spark.driver.host", "127.0.0.1"), self.sc.master,
@@ -293,7 +293,7 @@ class SparkBackend:
         self.failure_details = ""  # the whole Spark error behind failure(), Java trace included
 
     def describe(self) -> str:
-        kind = "stage" if self.min_np else "barrier stage"
+        kind = "stage" if self.elastic_start else "barrier stage"
         return f"Spark {kind} of {self.np} tasks, job group {self.job_group} on {self.master}"
 
     def start(self, spec: TaskSpec) -> None:
@@ -312,7 +312,7 @@ class SparkBackend:
     def _run(self, spec: TaskSpec) -> None:
         try:
             self.sc.setJobGroup(self.job_group, f"hvdmagic %%horovod --np {self.np}", interruptOnCancel=True)
-            if self.min_np:
+            if self.elastic_start:
                 self.sc.parallelize(range(self.np), self.np).mapPartitions(elastic_task(spec)).collect()
             elif self.data is None:
                 self.sc.parallelize(range(self.np), self.np).barrier().mapPartitions(barrier_task(spec)).collect()
@@ -324,7 +324,7 @@ class SparkBackend:
                 self.data.repartition(self.np).mapInArrow(task, "task int, code int", barrier=True).collect()
         except Exception as exc:
             self.failure_details = str(exc)
-            kind = "stage" if self.min_np else "barrier stage"
+            kind = "stage" if self.elastic_start else "barrier stage"
             self._error = (f"the Spark {kind} failed: {first_line(exc)} (the whole error is in "
                            "hvdmagic.last_run().error.details)")
 
