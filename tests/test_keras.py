@@ -184,3 +184,43 @@ def test_ranks_get_keras_2_and_the_kernel_says_so_once(ip, monkeypatch):
         assert setting == "1" and model_module.startswith("tf_keras."), result  # Keras 2, not Keras 3
         notes.append([note for note in hvdmagic.last_run().notes if "TF_USE_LEGACY_KERAS=1" in note])
     assert len(notes[0]) == 1 and notes[1] == [], notes
+
+
+def test_elastic_keras_goes_on_after_a_rank_is_killed(ip, tmp_path):
+    """Horovod's elastic Keras API (KerasState and its callbacks) under --min-np: rank 1 is
+    SIGKILLed in epoch 2; rank 0 restores the last commit and finishes the fit alone."""
+    ip.user_ns["marker"] = str(tmp_path / "killed")
+    result, error = run(ip, """%%horovod --np 2 --min-np 1 --max-np 2 --out outcome
+import os, signal
+import numpy as np
+import tensorflow as tf
+import horovod.tensorflow.keras as hvd
+
+hvd.init()
+tf.keras.utils.set_random_seed(0)
+model = tf.keras.Sequential([tf.keras.Input((4,)), tf.keras.layers.Dense(1)])
+model.compile(hvd.DistributedOptimizer(tf.keras.optimizers.SGD(0.01)), "mse")
+x, y = np.ones((64, 4), "float32"), np.ones((64, 1), "float32")
+state = hvd.elastic.KerasState(model, batch=0, epoch=0)
+
+class Crash(tf.keras.callbacks.Callback):
+    def on_batch_end(self, batch, logs=None):
+        if hvd.rank() == 1 and state.epoch == 2 and batch == 3 and not os.path.exists(marker):
+            open(marker, "w").close()
+            os.kill(os.getpid(), signal.SIGKILL)
+
+callbacks = [hvd.elastic.CommitStateCallback(state, batches_per_commit=2), hvd.elastic.UpdateBatchStateCallback(state),
+             hvd.elastic.UpdateEpochStateCallback(state), Crash()]
+
+@hvd.elastic.run
+def train(state):
+    model.fit(x, y, batch_size=8, epochs=5, initial_epoch=state.epoch, callbacks=callbacks, verbose=0)
+
+train(state)
+hvd.size()
+""")
+    assert error is None, error
+    assert result == 1, result  # the fit ended on the one rank left
+    reset = hvdmagic.last_run().resets[0]
+    assert "killed by SIGKILL" in reset.reason and (reset.size_before, reset.size_after) == (2, 1), reset
+    assert (reset.commit["epoch"], reset.commit["batch"]) == (2, 2), reset.commit  # a commit every 2 batches
