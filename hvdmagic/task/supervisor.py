@@ -4,7 +4,8 @@ The same code runs inside a Spark barrier task and, in local mode, in a thread
 on the driver. It connects to the driver's channel, says hello, waits for the
 driver's go with its place in the layout (the rendezvous must be initialised
 before any rank touches it), spawns a fresh interpreter for the rank in its own session, and
-forwards its output and events until it exits or the driver says abort.
+forwards its output and events until it exits or the driver says abort. In an
+elastic job (a plain Spark task) it stays after its rank exits, for the next go.
 """
 
 from __future__ import annotations
