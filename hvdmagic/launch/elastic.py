@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
 from hvdmagic.errors import JobFailed, JobTimeout, LaunchError, RankFailure
-from hvdmagic.launch.job import POLL, Job, _describe_exit, _State, result_value
+from hvdmagic.launch.job import POLL, Job, JobState, describe_exit, result_value
 from hvdmagic.protocol import Event, Framework, Stage
 
 
@@ -182,7 +182,7 @@ class ElasticJob(Job):
             return (1 if task.exit_code is None else task.exit_code), time.time()
 
     # -- the job loop --------------------------------------------------------------
-    def _loop(self, server, rendezvous, state: _State, started: float) -> None:
+    def _loop(self, server, rendezvous, state: JobState, started: float) -> None:
         threading.Thread(target=self._drive, name="hvdmagic-elastic-driver", daemon=True).start()
         deadline = started + self.timeout if self.timeout else None
         while not self._done.is_set():
@@ -208,7 +208,7 @@ class ElasticJob(Job):
         if why:
             raise self._failed(f"Horovod's elastic driver stopped the run: {str(why).strip()}")
 
-    def _handle_next(self, server, state: _State, wait: float | None) -> bool:
+    def _handle_next(self, server, state: JobState, wait: float | None) -> bool:
         """Handle the next event, waiting up to ``wait`` seconds for one (None: not at all)."""
         try:
             link, event = server.events.get(timeout=wait) if wait else server.events.get_nowait()
@@ -217,7 +217,7 @@ class ElasticJob(Job):
         self._handle(event, state, None, link)
         return True
 
-    def _handle(self, event: dict, state: _State, rendezvous, link) -> None:
+    def _handle(self, event: dict, state: JobState, rendezvous, link) -> None:
         kind = event.get("type")
         if kind == Event.HELLO:
             self._hello(link, event, state)
@@ -267,11 +267,11 @@ class ElasticJob(Job):
                 task.ended.set()
             self._world.pop(rank, None)
             if code != 0 and not event.get("aborted") and not self._errors and not self._done.is_set():
-                self._lose(rank, _describe_exit(code))
+                self._lose(rank, describe_exit(code))
                 return
         self.on_event(event)
 
-    def _hello(self, link, event: dict, state: _State) -> None:
+    def _hello(self, link, event: dict, state: JobState) -> None:
         row = event.get("task")
         if not isinstance(row, int) or not 0 <= row < self.np:
             return
@@ -316,10 +316,10 @@ class ElasticJob(Job):
         self._size = size_after
         self.on_event({"type": Event.RESUMED, "reset": reset})
 
-    def _results_in_order(self, state: _State) -> list:
+    def _results_in_order(self, state: JobState) -> list:
         return [state.results[rank] for rank in sorted(state.results)]
 
-    def _shutdown(self, server, rendezvous, state: _State) -> None:
+    def _shutdown(self, server, rendezvous, state: JobState) -> None:
         if self._driver is not None and not self._driver.finished():
             self._driver.stop(error_message="the job was stopped")
         server.broadcast({"type": Event.ABORT})

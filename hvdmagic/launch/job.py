@@ -51,7 +51,7 @@ class UnsentResult:
 
 
 @dataclass
-class _State:
+class JobState:
     np: int
     hellos: dict[int, tuple[Any, dict]] = field(default_factory=dict)  # by task index: (link, hello)
     slots: dict[int, Slot] = field(default_factory=dict)  # by task index
@@ -106,7 +106,7 @@ class Job:
         secret = channel.new_secret()
         server = self.server = channel.ChannelServer(self.backend.bind_host, secret)
         rendezvous = self._make_rendezvous()
-        state = _State(self.np)
+        state = JobState(self.np)
         if self.controller == "mpi":
             self.mpi = MpiDriver(self.np, server.address, secret)
         try:
@@ -142,10 +142,10 @@ class Job:
             from hvdmagic.launch.rendezvous import Rendezvous
         return Rendezvous(self.backend.bind_host, self.np)
 
-    def _results_in_order(self, state: _State) -> list:
+    def _results_in_order(self, state: JobState) -> list:
         return [state.results.get(rank) for rank in range(self.np)]
 
-    def _loop(self, server: channel.ChannelServer, rendezvous, state: _State, started: float) -> None:
+    def _loop(self, server: channel.ChannelServer, rendezvous, state: JobState, started: float) -> None:
         deadline = started + self.timeout if self.timeout else None
         aborted_at = None
         verdict: str | None = None  # why the job was stopped without a rank failing
@@ -179,7 +179,7 @@ class Job:
             error = JobTimeout if verdict else JobFailed
             raise error(state.failures, stopped, note="; ".join(notes))
 
-    def _watchdog(self, state: _State, now: float, deadline: float | None) -> str | None:
+    def _watchdog(self, state: JobState, now: float, deadline: float | None) -> str | None:
         """Why the job must stop now (timeout, stall), or None."""
         if deadline is not None and now > deadline:
             return f"the run exceeded --timeout {self.timeout:g} s{self._stuck(state, now)}"
@@ -193,7 +193,7 @@ class Job:
                         f"{self.stall_timeout:g} s (--stall-timeout){self._stuck(state, now)}")
         return None
 
-    def _stuck(self, state: _State, now: float) -> str:
+    def _stuck(self, state: JobState, now: float) -> str:
         """Which running ranks went quiet, and whether they are still alive (heartbeats)."""
         if state.go_at is None:
             return f": only {len(state.hellos)} of {self.np} tasks had started"
@@ -206,7 +206,7 @@ class Job:
                 parts.append(f"rank {rank} stopped progressing {silent:.0f} s ago ({alive})")
         return "".join("; " + part for part in parts)
 
-    def _handle(self, event: dict, state: _State, rendezvous, link) -> None:
+    def _handle(self, event: dict, state: JobState, rendezvous, link) -> None:
         kind = event.get("type")
         if kind == Event.HELLO:
             task = event.get("task")
@@ -238,7 +238,7 @@ class Job:
             code = int(event.get("code", -1))
             state.exits[rank] = code
             if code != 0 and not event.get("aborted") and not any(f.rank == rank for f in state.failures):
-                state.failures.append(RankFailure(rank, _describe_exit(code), "", state.hosts.get(rank, "")))
+                state.failures.append(RankFailure(rank, describe_exit(code), "", state.hosts.get(rank, "")))
         if kind != Event.HEARTBEAT:
             self.on_event(event)
 
@@ -247,7 +247,7 @@ class Job:
         if self.server is not None:
             self.server.broadcast(event)
 
-    def _place(self, state: _State, rendezvous) -> None:
+    def _place(self, state: JobState, rendezvous) -> None:
         """Every task has said hello: lay the ranks out and send each task its go."""
         hellos = [state.hellos[task][1] for task in range(self.np)]
         layout = compute_layout([h["host"] for h in hellos])
@@ -276,7 +276,7 @@ class Job:
         for slot in layout:
             self.on_event({"type": Event.PLACED, "rank": slot.rank, "host": state.hosts[slot.rank]})
 
-    def _shutdown(self, server: channel.ChannelServer, rendezvous, state: _State) -> None:
+    def _shutdown(self, server: channel.ChannelServer, rendezvous, state: JobState) -> None:
         """Abort whatever still runs, cancel the backend, close the services.
 
         A second Ctrl-C while this runs only cuts the grace period short: the
@@ -324,7 +324,7 @@ def result_value(event: dict) -> Any:
     return cloudpickle.loads(base64.b64decode(event["data"]))
 
 
-def _describe_exit(code: int) -> str:
+def describe_exit(code: int) -> str:
     if code < 0:
         try:
             name = signal.Signals(-code).name
