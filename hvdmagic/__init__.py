@@ -11,7 +11,8 @@ The package is laid out by the process its code runs in:
 - ``task/``: a Spark barrier task: the supervisor of one rank;
 - ``rank/``: a rank process, and what user code calls there;
 - ``protocol`` (what travels between them), ``channel`` (the authenticated stream),
-  ``metric_rows`` (the metric columns' wire form) and ``errors`` are shared.
+  ``pickling`` (cloudpickle that keeps shipped code's file names), ``metric_rows``
+  (the metric columns' wire form) and ``errors`` are shared.
 
 Importing this package in a rank stays cheap: the kernel's API (``run``,
 ``HorovodRunner``, ``TorchDistributor``, ``last_run``) is imported on first use.

@@ -8,11 +8,16 @@ the kernel ships those cells' lines and names with the capture.
 from __future__ import annotations
 
 import linecache
+import os
 import pickle
+import subprocess
+import sys
+from pathlib import Path
 
 import cloudpickle
 import pytest
 
+from hvdmagic import pickling
 from hvdmagic.errors import JobFailed
 from hvdmagic.kernel.capture import capture_cell, code_filenames, notebook_sources, with_notebook_sources
 from hvdmagic.rank import cell as rank_cell
@@ -180,10 +185,54 @@ def test_with_notebook_sources_wraps_notebook_functions_for_run(ip, clean_rank_s
     assert notebook_sources([ip.user_ns["boom"]], None) == {}
 
     filename = filename_of(ip, "boom")
-    rank_side = pickle.loads(cloudpickle.dumps(wrapped))
+    rank_side = pickle.loads(pickling.dumps(wrapped))
     linecache.cache.pop(filename)  # a rank's process has never seen the kernel's cells
     with pytest.raises(ValueError) as caught:
         rank_side(3)
     text = _user_traceback(caught.value)
     header = f"Cell In[{defined.execution_count}], line {BOOM_LINE}, in boom"
     assert next_line(text.splitlines(), header) == 'raise ValueError(f"boom {y}")', text
+
+
+def test_shipped_code_keeps_its_file_name_whatever_cloudpickle_writes(ip):
+    """cloudpickle >= 3.1.3 writes ``<dynamic-code>`` for the file of every code object it ships by value."""
+    cell(ip, "class Net:\n    def forward(self):\n        def inner():\n            return 1\n        return inner\n"
+             "def make():\n    return lambda: 2\n")
+    filename = filename_of(ip, "make")
+    net, make = pickle.loads(pickling.dumps((ip.user_ns["Net"], ip.user_ns["make"])))
+    forward = net.forward.__code__
+    nested = next(const for const in forward.co_consts if isinstance(const, type(forward)))
+    for code in (forward, nested, make.__code__, make().__code__):
+        assert code.co_filename == filename, code
+    assert net().forward()() == 1 and make()() == 2
+
+
+# The oldest cloudpickle pyproject.toml allows, put first on the path by scripts/setup.sh.
+OLDEST_CLOUDPICKLE = Path(sys.prefix) / "oldest-cloudpickle"
+
+
+def test_tracebacks_name_cells_under_the_oldest_cloudpickle_too():
+    """The end-to-end traceback test again, in a fresh interpreter (and its ranks) importing the oldest cloudpickle."""
+    version = next(OLDEST_CLOUDPICKLE.glob("cloudpickle-*.dist-info"), None)
+    assert version is not None, f"no cloudpickle in {OLDEST_CLOUDPICKLE}: run `make setup` (scripts/setup.sh)"
+    expected = version.name.removeprefix("cloudpickle-").removesuffix(".dist-info")
+    assert expected != cloudpickle.__version__, "the oldest cloudpickle is the locked one: nothing to compare"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(OLDEST_CLOUDPICKLE),
+                                                                      os.environ.get("PYTHONPATH")])),
+           "HVDMAGIC_EXPECT_CLOUDPICKLE": expected, "HVDMAGIC_FAIL_ON_SKIP": ""}
+    tests = [test_runs_under_the_expected_cloudpickle,
+             test_shipped_code_keeps_its_file_name_whatever_cloudpickle_writes,
+             test_frame_in_another_cell_is_shown_as_that_cell]
+    done = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q",
+                           *(f"{__file__}::{test.__name__}" for test in tests)],
+                          env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0 and f"{len(tests)} passed" in done.stdout, done.stdout[-3000:] + done.stderr[-2000:]
+
+
+def test_runs_under_the_expected_cloudpickle(ip):
+    """Under the oldest-cloudpickle run above, the kernel and its ranks both import that version."""
+    expected = os.environ.get("HVDMAGIC_EXPECT_CLOUDPICKLE", cloudpickle.__version__)
+    assert cloudpickle.__version__ == expected
+    ranks = ip.run_cell("%%horovod --np -2\nimport cloudpickle\ncloudpickle.__version__\n")
+    assert ranks.error_in_exec is None, ranks.error_in_exec
+    assert ranks.result == expected

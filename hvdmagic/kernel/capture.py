@@ -25,6 +25,7 @@ from pathlib import Path
 
 import cloudpickle
 
+from hvdmagic import pickling
 from hvdmagic.errors import CaptureError, CellSyntaxError
 from hvdmagic.rank.cell import CELL_FILENAME, CellFunction, SourcedFunction, Sources
 
@@ -111,7 +112,7 @@ def capture_cell(source: str, user_ns: dict, hidden: set[str] | frozenset[str] =
     function = CellFunction(source, pickled, sources=notebook_sources([user_ns[name] for name in pickled], shell),
                             display_name=_current_cell_name(shell) or "")
     types = {name: _type_name(user_ns[name]) for name in wanted}
-    return Capture(function, cloudpickle.dumps((function, (), {})), types)
+    return Capture(function, pickling.dumps((function, (), {})), types)
 
 
 # How many objects the search for notebook code looks at, at most, and how many items of one container:
@@ -276,9 +277,9 @@ def dumps_by_value_if_users_own(obj, owner) -> bytes:
     """
     module = sys.modules.get(getattr(owner, "__module__", "") or "")
     if module is None or not is_users_own(module):
-        return cloudpickle.dumps(obj)
+        return pickling.dumps(obj)
     cloudpickle.register_pickle_by_value(module)
     try:
-        return cloudpickle.dumps(obj)
+        return pickling.dumps(obj)
     finally:
         cloudpickle.unregister_pickle_by_value(module)

@@ -78,12 +78,12 @@ def _shutdown_horovod() -> None:
 
 def report_result(value, rank: int, policy: str, **fields) -> None:
     """Send the cell's value as the policy says; ``fields`` tag the event (a session's cell id)."""
-    import cloudpickle
+    from hvdmagic import pickling
 
     event = {"type": Event.RESULT, "data": None, **fields}
     if policy != ResultPolicy.RANK0 or rank == 0:  # under RANK0 the others' values would be thrown away
         try:
-            event["data"] = base64.b64encode(cloudpickle.dumps(value)).decode("ascii")
+            event["data"] = base64.b64encode(pickling.dumps(value)).decode("ascii")
         except Exception as exc:
             kind = f"{type(value).__module__}.{type(value).__qualname__}"
             if policy != ResultPolicy.ALL_OR_REPR:
