@@ -25,3 +25,26 @@ bench: setup
 
 clean:
 	rm -rf $(VENV) artifacts
+
+# The lock (docs/dependencies.md). `make lock` writes requirements/lock.txt anew: the newest versions
+# that pyproject.toml (core and dev) and requirements/lock.in allow, for x86_64 Linux and CPython
+# LOCK_PYTHON (the project machines'; some pins need that 3.11 or a later one).
+# LOCK_UPGRADE= keeps the current pins where they still fit; LOCK_UPGRADE="-P cloudpickle" moves one.
+.PHONY: lock test-latest
+LOCK_PYTHON ?= 3.11.7
+LOCK_UPGRADE ?= --upgrade
+# uv does not read pip's configuration: it is told where pip finds torch's CPU wheel.
+LOCK_FIND_LINKS ?= $(or $(PIP_FIND_LINKS),$(shell python3 -m pip config get global.find-links 2>/dev/null))
+lock:
+	@HVDMAGIC_VENV="$(abspath $(VENV))" HVDMAGIC_LOCK=$(if $(wildcard requirements/lock.txt),,none) \
+		bash scripts/setup.sh tools
+	$(VENV)/bin/uv pip compile pyproject.toml requirements/lock.in --extra dev \
+		--excludes requirements/excludes.txt $(foreach link,$(LOCK_FIND_LINKS),--find-links $(link)) \
+		--python-version $(LOCK_PYTHON) --python-platform x86_64-manylinux_2_28 $(LOCK_UPGRADE) \
+		--custom-compile-command "make lock" --quiet -o requirements/lock.txt
+
+# `make test` in its own virtualenv with the newest versions pyproject.toml's ranges allow, not the
+# lock's (torch and TensorFlow stay setup.sh's: horovod is built for them). SETUP_ONLY=1: the set-up only.
+LATEST_VENV ?= .venv-latest
+test-latest:
+	@HVDMAGIC_LOCK=latest $(MAKE) --no-print-directory $(if $(SETUP_ONLY),setup,test) VENV="$(LATEST_VENV)"

@@ -6,8 +6,9 @@ prints the wheel's path on stdout (everything else goes to stderr); install it w
 ``pip install --no-deps <path>``. Without ``--frameworks`` it builds for those of
 torch and tensorflow that this Python can import. The wheel is kept in
 ``$HVDMAGIC_CACHE/hvdmagic/wheels`` (default ``~/.cache``), keyed by everything that
-changes the binary: horovod, Python, torch and TensorFlow versions, the build flags and
-the source patches. Only the first build on a machine pays the 5 to 10 minutes.
+changes the binary: horovod, Python, torch and TensorFlow versions, those of setuptools,
+wheel and cmake (BUILD_TOOLS), the build flags and the source patches. Only the first
+build on a machine pays the 5 to 10 minutes.
 
 horovod 0.28.1's sdist does not build against today's frameworks as it is:
 
@@ -82,6 +83,11 @@ PASSED_THROUGH = ("HOROVOD_CUDA_HOME", "HOROVOD_CUDA_INCLUDE", "HOROVOD_CUDA_LIB
 
 # What horovod's setup.py needs importable when it builds without isolation.
 BUILD_PREREQUISITES = ("setuptools", "wheel", "cloudpickle", "psutil", "yaml", "packaging", "cffi")
+
+# The build's tools that requirements/lock.txt pins: their versions are part of the cache key
+# (where installed; cmake often comes from the system instead), so a changed pin builds anew.
+# Not numpy, nor the other prerequisites: the build imports them but its output does not depend on them.
+BUILD_TOOLS = ("setuptools", "wheel", "cmake")
 
 WRAPPER = """#!/bin/sh
 # horovod 0.28.1 asks for C++14; torch's and TensorFlow's headers need C++17.
@@ -279,6 +285,17 @@ def build_flags(frameworks: list[str], gpu: bool | None) -> dict[str, str]:
     return flags
 
 
+def tool_versions() -> dict[str, str]:
+    """The installed versions of BUILD_TOOLS, from the metadata."""
+    found = {}
+    for name in BUILD_TOOLS:
+        try:
+            found[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+    return found
+
+
 def cache_key(version: str, frameworks: list[str], flags: dict[str, str]) -> str:
     versions = {name: distributions(FRAMEWORKS[name][0]) for name in frameworks}
     ident = {
@@ -286,6 +303,7 @@ def cache_key(version: str, frameworks: list[str], flags: dict[str, str]) -> str
         "python": sysconfig.get_python_version(),
         "platform": sysconfig.get_platform(),
         "frameworks": versions,
+        "tools": tool_versions(),
         "flags": flags,
         "env": {name: os.environ[name] for name in PASSED_THROUGH if os.environ.get(name)},
         "patches": PATCHES,

@@ -12,11 +12,20 @@
 #                        TF >= 2.16), or "none"
 #   HVDMAGIC_NUMPY, HVDMAGIC_PYARROW   their requirements (defaults below resolve together)
 #   HVDMAGIC_EXTRAS      hvdmagic's extras (default dev)
+#   HVDMAGIC_LOCK        the constraints every pip install here obeys (docs/dependencies.md):
+#                        requirements/lock.txt (default; `make lock` writes it), another file,
+#                        "none" (only the specs above and pyproject.toml's ranges), or "latest": no
+#                        lock, every package upgraded to the newest those allow, numpy and pyarrow
+#                        unpinned (`make test-latest`). A HVDMAGIC_TORCH/TENSORFLOW/TF_KERAS/NUMPY/
+#                        PYARROW setting takes its package out of the lock; the rest stays locked.
+#
+#   scripts/setup.sh tools   only the virtualenv and uv (`make lock` needs no more)
 set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="${HVDMAGIC_VENV:-$here/.venv}"
 python="${PYTHON:-python3}"
+# These defaults are requirements/lock.in's too: change both, then `make lock`.
 torch_spec="${HVDMAGIC_TORCH:-torch==2.13.0}"
 # tensorflow-cpu, not tensorflow: the same TF without the CUDA libraries (a fifth of the size).
 tensorflow_spec="${HVDMAGIC_TENSORFLOW:-tensorflow-cpu==2.21.0}"
@@ -26,6 +35,26 @@ numpy_spec="${HVDMAGIC_NUMPY:-numpy==2.4.6}"
 pyarrow_spec="${HVDMAGIC_PYARROW:-pyarrow==26.0.1}"
 horovod_version="0.28.1"
 extras="${HVDMAGIC_EXTRAS:-dev}"
+lock_mode="${HVDMAGIC_LOCK:-$here/requirements/lock.txt}"
+# What pip gets: -c with the lock (less what an override replaces), --upgrade for "latest".
+lock_args=()
+upgrade_args=()
+case "$lock_mode" in
+    none) ;;
+    latest)
+        upgrade_args=(--upgrade --upgrade-strategy eager)
+        # Only the frameworks horovod is built for stay pinned.
+        numpy_spec="${HVDMAGIC_NUMPY:-numpy}"
+        pyarrow_spec="${HVDMAGIC_PYARROW:-pyarrow}"
+        ;;
+    *)
+        if [ ! -f "$lock_mode" ]; then
+            printf '[setup] %s\n' "HVDMAGIC_LOCK: no file $lock_mode ('make lock' writes requirements/lock.txt; HVDMAGIC_LOCK=none goes without)" >&2
+            exit 1
+        fi
+        lock_args=(-c "$venv/.hvdmagic-constraints.txt")
+        ;;
+esac
 
 say() { printf '[setup] %s\n' "$*"; }
 
@@ -72,13 +101,48 @@ install_mpi() {
     fi
 }
 
+# pip's arguments: the lock's, then the upgrade's, then the caller's. (Empty arrays expand
+# to nothing, also under set -u of bash < 4.4.)
+pip_install() {
+    "$venv/bin/python" -m pip install -q ${lock_args[@]+"${lock_args[@]}"} ${upgrade_args[@]+"${upgrade_args[@]}"} "$@"
+}
+
+# The lock as pip's constraints, less the packages a HVDMAGIC_* setting replaces: written
+# into the virtualenv on every run (the stamp of install_project hashes it).
+write_constraints() {
+    [ ${#lock_args[@]} -gt 0 ] || return 0
+    local dropped=() pattern
+    [ -z "${HVDMAGIC_TORCH:-}" ] || dropped+=(torch)
+    if [ -n "${HVDMAGIC_TENSORFLOW:-}" ] && [ "$HVDMAGIC_TENSORFLOW" != none ]; then
+        dropped+=(tensorflow-cpu tensorflow tf-keras)
+    fi
+    if [ -n "${HVDMAGIC_TF_KERAS:-}" ] && [ "$HVDMAGIC_TF_KERAS" != none ]; then dropped+=(tf-keras); fi
+    [ -z "${HVDMAGIC_NUMPY:-}" ] || dropped+=(numpy)
+    [ -z "${HVDMAGIC_PYARROW:-}" ] || dropped+=(pyarrow)
+    pattern='^$'  # matches no requirement line
+    if [ ${#dropped[@]} -gt 0 ]; then
+        pattern="^($(IFS='|'; echo "${dropped[*]}"))=="
+        say "not locking ${dropped[*]} (set by HVDMAGIC_*); the rest of $lock_mode applies (HVDMAGIC_LOCK=none if pip finds a conflict)"
+    fi
+    { grep -E '^[A-Za-z0-9]' "$lock_mode" | grep -v -i -E "$pattern" || true; } > "$venv/.hvdmagic-constraints.txt"
+}
+
 make_venv() {
+    local new=""
     if [ ! -x "$venv/bin/python" ]; then
         say "creating virtualenv $venv"
         "$python" -m venv "$venv"
-        "$venv/bin/python" -m pip install -q --upgrade pip wheel setuptools >/dev/null
+        printf '*\n' > "$venv/.gitignore"  # as Python >= 3.13 does: git ignores it wherever it is
+        new=1
+    fi
+    write_constraints
+    if [ -n "$new" ]; then
+        pip_install --upgrade pip wheel setuptools >/dev/null
     fi
 }
+
+# uv, the lock's resolver (`make lock`), pinned by the lock like everything else.
+tools=(uv)
 
 # The version of an installed distribution, or nothing.
 installed() {
@@ -90,11 +154,11 @@ PY
 
 # The frameworks and build prerequisites; horovod builds without isolation against them.
 install_build_deps() {
-    local specs=("$torch_spec" "$numpy_spec" "$pyarrow_spec" cloudpickle psutil pyyaml packaging cffi wheel setuptools)
+    local specs=("$torch_spec" "$numpy_spec" "$pyarrow_spec" cloudpickle psutil pyyaml packaging cffi wheel setuptools "${tools[@]}")
     command -v cmake >/dev/null 2>&1 || specs+=(cmake)
     if with_tensorflow; then specs+=("$tensorflow_spec"); fi
     say "installing ${specs[*]}"
-    "$venv/bin/python" -m pip install -q "${specs[@]}"
+    pip_install "${specs[@]}"
     with_tensorflow || return 0
     # Keras 2 for horovod.tensorflow.keras (under Keras 3 its DistributedOptimizer does
     # not average). --no-deps: tf-keras requires `tensorflow`, which would pull the full
@@ -113,7 +177,7 @@ for name in ("tensorflow-cpu", "tensorflow"):
         esac
     fi
     if [ "$tf_keras_spec" != "none" ]; then
-        "$venv/bin/python" -m pip install -q --no-deps "$tf_keras_spec"
+        pip_install --no-deps "$tf_keras_spec"
     fi
 }
 
@@ -125,13 +189,19 @@ install_horovod() {
     # By path: it needs only the standard library, and hvdmagic is installed after it.
     wheel="$(PATH="$venv/bin:$PATH" "$venv/bin/python" "$here/hvdmagic/build_horovod.py" \
         --version "$horovod_version" --frameworks "$frameworks")"
-    if [ -f "$marker" ] && [ "$(cat "$marker")" = "$wheel" ] && "$venv/bin/python" -c 'import horovod' 2>/dev/null; then
-        say "horovod $horovod_version already installed ($wheel)"
-        return
+    if [ -f "$marker" ] && "$venv/bin/python" -c 'import horovod' 2>/dev/null; then
+        local installed_wheel
+        installed_wheel="$(cat "$marker")"
+        # The same file under another cache path (a moved cache, a renamed key) needs no reinstall.
+        if [ "$installed_wheel" = "$wheel" ] || { [ -f "$installed_wheel" ] && cmp -s "$installed_wheel" "$wheel"; }; then
+            [ "$installed_wheel" = "$wheel" ] || echo "$wheel" > "$marker"
+            say "horovod $horovod_version already installed ($wheel)"
+            return
+        fi
     fi
     say "installing $wheel"
     "$venv/bin/python" -m pip install -q --no-deps --force-reinstall "$wheel"
-    "$venv/bin/python" -m pip install -q cloudpickle psutil pyyaml packaging cffi
+    pip_install cloudpickle psutil pyyaml packaging cffi
     echo "$wheel" > "$marker"
 }
 
@@ -144,24 +214,74 @@ install_project() {
         version="$(installed "$name")"
         if [ -n "$version" ]; then pins+="$name==$version"$'\n'; fi
     done
-    # Nothing to do when the same hvdmagic (its pyproject.toml), extras and pins are installed.
-    want="$({ printf '%s\n%s\n' "$extras" "$pins"; cat "$here/pyproject.toml"; } \
+    # Nothing to do when the same hvdmagic (its pyproject.toml), extras, pins and lock are
+    # installed; "latest" always asks the index for newer versions.
+    want="$({ printf '%s\n%s\n%s\n' "$extras" "$pins" "$lock_mode"
+              if [ ${#lock_args[@]} -gt 0 ]; then cat "$venv/.hvdmagic-constraints.txt"; fi
+              cat "$here/pyproject.toml"; } \
         | "$venv/bin/python" -c 'import hashlib, sys; print(hashlib.sha256(sys.stdin.buffer.read()).hexdigest())')"
-    if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] \
+    if [ "$lock_mode" != latest ] && [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] \
         && [ "$("$venv/bin/python" -c 'import hvdmagic, os; print(os.path.dirname(hvdmagic.__file__))' 2>/dev/null)" = "$here/hvdmagic" ]; then
         say "hvdmagic[$extras] already installed (editable)"
         return
     fi
     say "installing hvdmagic[$extras] (editable)"
-    "$venv/bin/python" -m pip install -q -c <(printf '%s' "$pins") -e "$here[$extras]"
+    pip_install -c <(printf '%s' "$pins") -e "$here[$extras]"
     echo "$want" > "$stamp"
 }
 
+# tests/test_tracebacks.py runs again under the oldest cloudpickle that pyproject.toml allows, put
+# first on PYTHONPATH: its releases change what they write (3.1.3 renamed every shipped code's file).
+install_oldest_cloudpickle() {
+    local target="$venv/oldest-cloudpickle" floor
+    floor="$(sed -n 's/^ *"cloudpickle>=\([0-9.]*\)".*/\1/p' "$here/pyproject.toml")"
+    if [ -z "$floor" ]; then
+        say "pyproject.toml names no cloudpickle floor: tests/test_tracebacks.py cannot test the oldest"
+        return 1
+    fi
+    # PEP 440 pads with zeros: the floor ">=3" is release 3.0.0.
+    if [ -n "$(compgen -G "$target/cloudpickle-$floor*.dist-info")" ]; then
+        return 0
+    fi
+    say "installing cloudpickle==$floor into $target (the oldest allowed, for tests/test_tracebacks.py)"
+    rm -rf "$target"
+    "$venv/bin/python" -m pip install -q --no-deps --target "$target" "cloudpickle==$floor"
+}
+
+# For `make test-latest`: what differs from the lock, the first suspects when tests fail.
+report_latest() {
+    [ "$lock_mode" = latest ] && [ -f "$here/requirements/lock.txt" ] || return 0
+    "$venv/bin/python" - "$here/requirements/lock.txt" <<'PY'
+import importlib.metadata as md, re, sys
+norm = lambda name: re.sub(r"[-_.]+", "-", name).lower()
+locked = {norm(m[1]): m[2] for m in re.finditer(r"^([A-Za-z0-9][\w.-]*)==(\S+)", open(sys.argv[1]).read(), re.M)}
+newer, new = [], []
+for dist in md.distributions():
+    name = norm(dist.metadata["Name"] or "")
+    if name in ("", "pip", "horovod", "hvdmagic"):
+        continue
+    if name not in locked:
+        new.append(f"{name} {dist.version}")
+    elif locked[name] != dist.version:
+        newer.append(f"{name} {locked[name]} -> {dist.version}")
+print("[setup] not as requirements/lock.txt has them: " + (", ".join(sorted(newer)) or "none"))
+print("[setup] not in requirements/lock.txt: " + (", ".join(sorted(new)) or "none"))
+PY
+}
+
+if [ "${1:-}" = tools ]; then
+    make_venv
+    pip_install "${tools[@]}"
+    say "ready: $venv/bin/uv"
+    exit 0
+fi
 check_java
 install_mpi
 make_venv
 install_build_deps
 install_horovod
 install_project
+install_oldest_cloudpickle
+report_latest
 bash "$here/scripts/install_browser.sh" || say "continuing without chromium: tests/test_browser.py will fail until scripts/install_browser.sh succeeds"
 say "ready: $venv"
