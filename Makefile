@@ -3,7 +3,7 @@ VENV ?= $(or $(HVDMAGIC_VENV),.venv)
 PY := $(VENV)/bin/python
 export SPARK_LOCAL_IP ?= 127.0.0.1
 
-.PHONY: setup demo test bench clean
+.PHONY: setup demo test test-fast bench clean
 
 # HVDMAGIC_TENSORFLOW=none skips TensorFlow (docs/frameworks.md lists the other settings).
 setup:
@@ -15,6 +15,11 @@ demo: setup
 test: setup
 	$(PY) -m ruff check .
 	$(PY) -m pytest -p no:cacheprovider -ra --nbval-lax tests notebooks
+
+# The unit tier only (tests/conftest.py's TIERS): no Spark, no rank process, no kernel; seconds.
+test-fast: setup
+	$(PY) -m ruff check .
+	$(PY) -m pytest -p no:cacheprovider -ra -m unit tests
 
 # The benchmarks of docs/performance*.md: tables on stdout, every figure in artifacts/*.json.
 bench: setup

@@ -12,6 +12,33 @@ os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
 FAIL_ON_SKIP = os.environ.get("HVDMAGIC_FAIL_ON_SKIP") == "1"
 
 
+# Every test is in exactly one tier; `pytest -m unit` (make test-fast) runs the first in seconds.
+# A test module says its tier with `pytestmark`, a test with its own mark; the rest are integration.
+TIERS = {
+    "unit": "no Spark, no rank process, no kernel: the whole tier runs in seconds",
+    "integration": "a real IPython shell or Jupyter kernel, with local ranks or embedded local Spark",
+    "cluster": "a standalone Spark cluster on 127.0.0.1, or hosts in network namespaces",
+    "browser": "JupyterLab in headless chromium",
+    "notebook": "the example notebooks, executed by nbval",
+}
+
+
+def pytest_configure(config):
+    for tier, meaning in TIERS.items():
+        config.addinivalue_line("markers", f"{tier}: {meaning}")
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if item.path.suffix == ".ipynb":
+            item.add_marker("notebook")
+        tiers = [tier for tier in TIERS if item.get_closest_marker(tier)]
+        if len(tiers) > 1:
+            raise pytest.UsageError(f"{item.nodeid} is marked for several tiers: {', '.join(tiers)}")
+        if not tiers:
+            item.add_marker("integration")
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     outcome = yield

@@ -32,6 +32,7 @@ def test_run_returns_every_rank_in_rank_order():
     assert hvdmagic.last_run().results == results
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("np, verbosity", [(0, "all"), (2.5, "all"), (True, "all"), (2, "loud")])
 def test_horovodrunner_rejects_bad_arguments(np, verbosity):
     with pytest.raises(ValueError):

@@ -34,6 +34,8 @@ import nbformat
 import pytest
 from browser.jupyter import JupyterLab, launch_chromium, missing_chromium
 
+pytestmark = pytest.mark.browser
+
 REPO = Path(__file__).resolve().parents[1]
 ARTIFACTS = REPO / "artifacts"
 SCREENSHOTS = ARTIFACTS / "screenshots"

@@ -102,6 +102,7 @@ def test_callback_reports_progress_over_the_whole_fit(monkeypatch):
     assert calls[-1] == (5, None, "fit")
 
 
+@pytest.mark.unit
 def test_strategy_maps_lightning_reductions_to_horovod():
     import horovod.torch as hvd
     import torch.distributed
@@ -115,6 +116,7 @@ def test_strategy_maps_lightning_reductions_to_horovod():
         horovod_operation(hvd, "product")
 
 
+@pytest.mark.unit
 def test_lightning_module_explains_a_missing_lightning(monkeypatch):
     monkeypatch.setitem(sys.modules, "lightning", None)  # makes `import lightning` fail
     monkeypatch.setitem(sys.modules, "lightning.pytorch", None)

@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import cloudpickle
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -124,6 +125,7 @@ def test_a_job_under_attack_still_completes_correctly(monkeypatch):
     assert not SENTINEL.exists(), "a hostile payload was unpickled"
 
 
+@pytest.mark.unit
 def test_a_relayed_rank_event_cannot_claim_another_rank():
     """The supervisor forwards event lines as text and appends its own rank number."""
     import io

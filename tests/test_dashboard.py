@@ -22,6 +22,7 @@ from hvdmagic.metric_rows import GAP_ROW, MetricRows, decode
 from hvdmagic.rank import report
 
 
+@pytest.mark.unit
 def test_api_is_a_harmless_noop_outside_a_run():
     assert "HVDMAGIC_EVENT_FD" not in os.environ
     hvdmagic.progress(1, total=10, desc="x")
@@ -92,6 +93,7 @@ def live_report(monkeypatch):
     yield sent
 
 
+@pytest.mark.unit
 def test_rows_taken_while_a_rank_logs_are_neither_lost_nor_repeated(live_report):
     sent = live_report
     switch = sys.getswitchinterval()
@@ -128,6 +130,7 @@ def test_rows_taken_while_a_rank_logs_are_neither_lost_nor_repeated(live_report)
                for i in range(30000)), "a value landed in the wrong row"
 
 
+@pytest.mark.unit
 def test_log_metrics_counts_steps_converts_values_at_once_and_marks_gaps(live_report):
     import weakref
 
@@ -157,6 +160,7 @@ def test_log_metrics_counts_steps_converts_values_at_once_and_marks_gaps(live_re
     assert math.isnan(second["epoch"][1]) and math.isnan(second["a"][0]), "a metric a call skipped needs a gap"
 
 
+@pytest.mark.unit
 def test_a_malformed_metrics_batch_is_dropped_whole_and_noted():
     record = RunRecord(1)
     batch = metric_batch([0, 1], [1.0, 2.0], {"loss": [1.0, 2.0]})
@@ -198,6 +202,7 @@ def test_last_run_holds_logs_timings_and_result(ip):
     assert record.timings["elapsed"] > 0
 
 
+@pytest.mark.unit
 def test_text_twin_caps_live_output_but_keeps_every_line(capsys):
     record = RunRecord(1)
     view = text_ui.TextView(record, out=sys.stdout, max_lines=5)
@@ -242,6 +247,7 @@ def _widget_text(board) -> str:
     return "\n".join(str(getattr(widget, "value", "")) for widget in _descendants(board.box))
 
 
+@pytest.mark.unit
 def test_dashboard_draws_rows_overall_bar_recent_lines_charts_and_logs():
     from hvdmagic.kernel.ui.dashboard import CHART_POINTS, RECENT_LINES, Dashboard
 
@@ -272,6 +278,7 @@ def test_dashboard_draws_rows_overall_bar_recent_lines_charts_and_logs():
             assert "white-space:pre" in part.value and "\n" not in part.value
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("cancelled", [False, True], ids=["failed", "interrupted"])
 def test_an_error_is_shown_once_as_the_cells_error_not_in_the_views(cancelled):
     from hvdmagic.errors import JobInterrupted
@@ -303,6 +310,7 @@ def test_an_error_is_shown_once_as_the_cells_error_not_in_the_views(cancelled):
         assert "failed (see the error below)" in out.getvalue()
 
 
+@pytest.mark.unit
 def test_the_header_and_rows_show_each_start_up_stage():
     from hvdmagic.kernel.ui.dashboard import Dashboard
     from hvdmagic.protocol import Stage
@@ -339,6 +347,7 @@ def test_the_header_and_rows_show_each_start_up_stage():
     assert list(record.timings["stages"]) == [str(s) for s in Stage]
 
 
+@pytest.mark.unit
 def test_chart_controls_redraw_the_charts_at_the_next_frame():
     from hvdmagic.kernel.ui.dashboard import Dashboard
 
@@ -365,6 +374,7 @@ def test_chart_controls_redraw_the_charts_at_the_next_frame():
     assert board.draw_error is None
 
 
+@pytest.mark.unit
 def test_close_replaces_the_dashboard_with_the_snapshot_and_closes_every_widget():
     from ipywidgets.widgets.widget import _instances
 
@@ -393,6 +403,7 @@ def test_close_replaces_the_dashboard_with_the_snapshot_and_closes_every_widget(
     assert not models & set(_instances), "a closed widget is still registered (it would leak with its record)"
 
 
+@pytest.mark.unit
 def test_dashboard_redraws_at_most_ten_times_a_second():
     from hvdmagic.kernel.ui.dashboard import MAX_FPS, Dashboard
 
@@ -427,6 +438,7 @@ def test_dashboard_redraws_at_most_ten_times_a_second():
     assert board.draw_error is None
 
 
+@pytest.mark.unit
 def test_text_view_prints_a_line_per_epoch_and_ends_with_the_snapshot_text():
     record = RunRecord(-1)
     out = io.StringIO()
@@ -459,6 +471,7 @@ def test_text_view_prints_a_line_per_epoch_and_ends_with_the_snapshot_text():
                           "rank 0 metrics at step 12: loss=0.3333"]
 
 
+@pytest.mark.unit
 def test_widgets_in_any_jupyter_kernel_and_text_elsewhere(monkeypatch):
     import IPython
 
@@ -492,6 +505,7 @@ def _rank(bars: dict, state: str = "running") -> RankRecord:
     return RankRecord(0, state=state, bars=dict(bars), stage=Stage.TRAINING)
 
 
+@pytest.mark.unit
 def test_rows_keep_their_width_whatever_the_numbers():
     from hvdmagic.kernel.record import Bar
     from hvdmagic.kernel.ui import format
@@ -516,6 +530,7 @@ def test_rows_keep_their_width_whatever_the_numbers():
     assert "importing" in format.row(starting) and "0:05" in format.row(starting)
 
 
+@pytest.mark.unit
 def test_epoch_counter_and_overall_fraction_of_nested_bars():
     from hvdmagic.kernel.record import Bar
     from hvdmagic.kernel.ui import format
@@ -552,6 +567,7 @@ def test_epoch_counter_and_overall_fraction_of_nested_bars():
     assert format.overall_text(value, outer, 61.2) == "epoch 3/5 ·  46% · ETA 1:02"
 
 
+@pytest.mark.unit
 def test_the_rate_is_smoothed_and_carried_over_and_no_eta_without_it():
     from hvdmagic.kernel.record import Bar
     from hvdmagic.kernel.ui import format

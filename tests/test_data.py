@@ -32,6 +32,7 @@ frame = spark.range(1001).selectExpr("id", "id * 2 AS twice")
     assert "data: 1001 rows over 2 ranks, 501 per rank (1 repeated as padding)" in hvdmagic.last_run().notes
 
 
+@pytest.mark.unit
 def test_data_must_name_a_dataframe(ip):
     from IPython.core.error import UsageError
 

@@ -151,6 +151,7 @@ loop(state)
     wait_until_gone([p.pid for p in rank_processes()], within=10)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("line, message", [
     ("--np 2 --min-np 3", "1 <= --min-np <= --np <= --max-np"),
     ("--np 2 --max-np 1", "1 <= --min-np <= --np <= --max-np"),
@@ -165,11 +166,13 @@ def test_bad_elastic_arguments_are_usage_errors(ip, line, message):
     assert isinstance(error, UsageError) and message in str(error), error
 
 
+@pytest.mark.unit
 def test_elastic_data_is_refused(ip):
     with pytest.raises(Exception, match="cannot be combined with elastic training"):
         hvdmagic.launch.launch(b"", 2, data=object(), elastic=hvdmagic.launch.Elastic(1, 2))
 
 
+@pytest.mark.unit
 def test_the_rendezvous_refuses_a_pickle_from_the_network():
     """Horovod's elastic handler unpickles a worker's PUT of its notification address;
     ours refuses that PUT (ranks send it over the HMAC channel), and serves the rest."""
@@ -248,6 +251,7 @@ def _kill_the_worker_of(cluster, host_prefix: str, ready: str, killed: list, wit
     killed.append(f"no rank process with a Horovod host {host_prefix}*")
 
 
+@pytest.mark.cluster
 def test_a_lost_worker_does_not_lose_the_run(three_workers, tmp_path):
     """Two ranks on two of three workers; the worker under task 1 is killed (its Worker JVM and
     executor). The other rank resumes alone from the commit; Spark runs task 1 again on the third

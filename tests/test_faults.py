@@ -50,6 +50,7 @@ CASES = {
 }
 
 
+@pytest.mark.unit
 def test_every_scenario_has_a_case():
     assert set(CASES) == set(SCENARIOS)
 

@@ -26,6 +26,7 @@ print("pid", os.getpid())
     assert len(pids) == 2, out  # two separate processes
 
 
+@pytest.mark.unit
 def test_unpicklable_global_fails_before_launch_naming_it(ip):
     ip.run_cell("import threading\nlock = threading.Lock()\nbefore = 1")
     namespace = dict(ip.user_ns)
@@ -36,6 +37,7 @@ def test_unpicklable_global_fails_before_launch_naming_it(ip):
     assert ip.user_ns.keys() == namespace.keys()
 
 
+@pytest.mark.unit
 def test_open_file_global_names_its_type(ip, tmp_path):
     path = tmp_path / "f.txt"
     path.write_text("x")
@@ -48,6 +50,7 @@ def test_open_file_global_names_its_type(ip, tmp_path):
     assert "'handle' (_io.TextIOWrapper)" in str(error)
 
 
+@pytest.mark.unit
 def test_syntax_error_points_at_the_cell_line(ip):
     _, error = run(ip, "%%horovod --np -2\nx = 1\ny = (2 +\nprint(x)\n")
     assert isinstance(error, CellSyntaxError)
@@ -55,6 +58,7 @@ def test_syntax_error_points_at_the_cell_line(ip):
     assert '"<horovod-cell>", line 3' in rendered  # line 1 is the %%horovod line, as in the notebook
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("line, message", [
     ("--np 0", "--np must be"),
     ("--np abc", "invalid int value"),
@@ -69,12 +73,14 @@ def test_bad_arguments_are_usage_errors(ip, line, message):
     assert message in str(error)
 
 
+@pytest.mark.unit
 def test_missing_body_is_a_usage_error(ip):
     _, error = run(ip, "%%horovod --np 2\n   \n")
     assert isinstance(error, UsageError)
     assert "needs a cell body" in str(error)
 
 
+@pytest.mark.unit
 def test_help_describes_the_arguments(ip, capsys):
     ip.run_cell("%%horovod?")
     out = capsys.readouterr().out
@@ -168,6 +174,7 @@ def test_without_horovod_load_ext_works_and_a_cell_says_how_to_install_it(tmp_pa
         manager.shutdown_kernel(now=True)
 
 
+@pytest.mark.unit
 def test_help_shows_the_cell_magic_with_two_percent_signs_plain_text_and_an_example(ip):
     doc = ip.find_cell_magic("horovod").__doc__
     assert doc.lstrip(":\n ").startswith("%%horovod [--np N]"), doc[:80]
@@ -195,6 +202,7 @@ def fake_horovod(tmp_path, monkeypatch):
     return built_for
 
 
+@pytest.mark.unit
 def test_a_cell_that_needs_tensorflow_from_a_horovod_built_without_it_names_the_rebuild(ip, fake_horovod):
     fake_horovod(pytorch="2.13.0+cpu")
     ip.user_ns["before"] = 1
@@ -204,6 +212,7 @@ def test_a_cell_that_needs_tensorflow_from_a_horovod_built_without_it_names_the_
     assert "\n" not in str(error) and ip.user_ns["before"] == 1
 
 
+@pytest.mark.unit
 def test_a_framework_version_that_differs_from_the_build_names_the_rebuild(ip, fake_horovod):
     fake_horovod(pytorch="2.1.0")
     _, error = run(ip, "%%horovod --np -2\nimport horovod.torch as hvd")
@@ -211,6 +220,7 @@ def test_a_framework_version_that_differs_from_the_build_names_the_rebuild(ip, f
     assert "built against PyTorch 2.1.0, and PyTorch 2.13.0" in str(error)
 
 
+@pytest.mark.unit
 def test_mxnet_says_it_was_retired(ip):
     _, error = run(ip, "%%horovod --np -2\nimport mxnet as mx\nimport horovod.mxnet as hvd")
     assert isinstance(error, LaunchError) and "Apache retired MXNet in 2023" in str(error), error

@@ -71,6 +71,7 @@ hvd.allreduce(torch.ones(1))
     assert error is None and result == 2
 
 
+@pytest.mark.unit
 def test_missing_mpirun_is_a_clear_error(ip, monkeypatch, tmp_path):
     monkeypatch.setenv("PATH", str(tmp_path))  # an empty directory: no mpirun anywhere
     _, error = run(ip, "%%horovod --np 2 --controller mpi\n1")
@@ -80,6 +81,7 @@ def test_missing_mpirun_is_a_clear_error(ip, monkeypatch, tmp_path):
     assert "\n" not in message.strip()
 
 
+@pytest.mark.unit
 def test_unknown_controller_is_a_usage_error(ip):
     from IPython.core.error import UsageError
 
@@ -87,6 +89,7 @@ def test_unknown_controller_is_a_usage_error(ip):
     assert isinstance(error, UsageError), error
 
 
+@pytest.mark.unit
 def test_mpirun_command_names_every_host_as_remote_and_stays_on_the_driver_network(monkeypatch):
     from hvdmagic.launch import mpi
 
@@ -104,6 +107,7 @@ def test_mpirun_command_names_every_host_as_remote_and_stays_on_the_driver_netwo
     assert ("--allow-run-as-root" in command) == (os.geteuid() == 0)
 
 
+@pytest.mark.unit
 def test_rank_socket_hands_the_pipes_only_to_a_shim_of_the_job(tmp_path, monkeypatch):
     """A local process without the job's token gets nothing; the shim gets the rank's pipes."""
     from hvdmagic.task import mpi

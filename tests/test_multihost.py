@@ -16,7 +16,8 @@ from conftest import run
 from procs import mpi_processes, rank_processes
 
 _why_not = netns.available()
-pytestmark = pytest.mark.skipif(_why_not is not None, reason=f"no simulated hosts: {_why_not}")
+pytestmark = [pytest.mark.cluster,
+              pytest.mark.skipif(_why_not is not None, reason=f"no simulated hosts: {_why_not}")]
 
 LAYOUT_CELL = """%%horovod --np 4{flags}
 import os, torch, horovod.torch as hvd

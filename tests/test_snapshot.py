@@ -18,6 +18,8 @@ from hvdmagic.kernel.ui import charts
 from hvdmagic.kernel.ui.charts import CHART_POINTS, chart_html, debiased_ema, is_constant, metrics_html
 from hvdmagic.kernel.ui.snapshot import Snapshot
 
+pytestmark = pytest.mark.unit
+
 # -- helpers -----------------------------------------------------------------
 
 

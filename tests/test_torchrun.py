@@ -94,6 +94,7 @@ def test_two_jobs_at_once_never_share_a_rendezvous_port():
     assert all(value == 2.0 for i in range(2) for _, value in results[i])
 
 
+@pytest.mark.unit
 def test_the_store_listens_on_the_driver_address_only():
     """TCPStore alone would listen on every interface; hvdmagic hands it a socket bound to the
     driver address, which the store closes when it goes."""
@@ -203,6 +204,7 @@ open(os.path.join(args.out, f"rank{dist.get_rank()}"), "w").write(str(t.item()))
     assert {p.read_text() for p in out.iterdir()} == {"3.0"}
 
 
+@pytest.mark.unit
 def test_use_gpu_without_gpus_fails_before_starting(monkeypatch):
     from hvdmagic import TorchDistributor
 

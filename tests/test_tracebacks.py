@@ -79,6 +79,7 @@ def test_frame_in_another_cell_is_shown_as_that_cell(ip):
     assert "ValueError: boom 6" in rendered
 
 
+@pytest.mark.unit
 def test_only_the_referenced_cells_are_shipped_with_methods_and_their_helpers(ip):
     cell(ip, "def unrelated():\n    return 0\n")
     helper = cell(ip, "import os\ndef helper():\n    raise KeyError('k')\n")
@@ -93,6 +94,7 @@ def test_only_the_referenced_cells_are_shipped_with_methods_and_their_helpers(ip
     assert sources[ip.user_ns["Model"].forward.__code__.co_filename][0] == f"Cell In[{model.execution_count}]"
 
 
+@pytest.mark.unit
 def test_closures_partials_instances_and_containers_are_followed(ip):
     cell(ip, "def make():\n    def inner():\n        return 1\n    return inner\n")
     cell(ip, "import functools\nclosure = make()\npart = functools.partial(make)\n"
@@ -104,12 +106,14 @@ def test_closures_partials_instances_and_containers_are_followed(ip):
     assert code_filenames([1, "text", [2.0] * 10]) == set()
 
 
+@pytest.mark.unit
 def test_the_cell_keeps_its_file_name_without_a_shell():
     capture = capture_cell("y = 1\n", {}, shell=False)
     assert capture.function.display_name == ""
     assert capture.function.sources == {}
 
 
+@pytest.mark.unit
 def test_a_frame_in_a_shipped_cell_is_named_and_shows_its_source(clean_rank_state):
     filename = "/tmp/ipykernel_1234/567.py"  # exists only in "the kernel": nowhere on this machine
     source = "def f():\n    return g()\n\ndef g():\n    raise RuntimeError('deep')\n"
@@ -126,6 +130,7 @@ def test_a_frame_in_a_shipped_cell_is_named_and_shows_its_source(clean_rank_stat
     assert text.rstrip().endswith("RuntimeError: deep")
 
 
+@pytest.mark.unit
 def test_name_cells_rewrites_only_mapped_frame_headers():
     text = (
         "Traceback (most recent call last):\n"
@@ -155,6 +160,7 @@ def test_name_cells_rewrites_only_mapped_frame_headers():
     assert _name_cells(text, {}) == text
 
 
+@pytest.mark.unit
 def test_a_cell_function_pickled_before_the_new_fields_still_runs(clean_rank_state):
     function = CellFunction("1 + 1\n", {})
     state = cloudpickle.dumps(function)
@@ -165,6 +171,7 @@ def test_a_cell_function_pickled_before_the_new_fields_still_runs(clean_rank_sta
     assert linecache.getline(CELL_FILENAME, 1) == "1 + 1\n"
 
 
+@pytest.mark.unit
 def test_a_cell_function_registers_its_name_and_sources(clean_rank_state):
     function = CellFunction("1 / 0\n", {}, sources={"<other>": ("Cell In[1]", ["a = 1\n"])},
                             display_name="Cell In[2]")
@@ -176,6 +183,7 @@ def test_a_cell_function_registers_its_name_and_sources(clean_rank_state):
     assert "  Cell In[2], line 1, in <module>\n    1 / 0\n" in text, text
 
 
+@pytest.mark.unit
 def test_with_notebook_sources_wraps_notebook_functions_for_run(ip, clean_rank_state):
     defined = cell(ip, BOOM_CELL)
     wrapped = with_notebook_sources(ip.user_ns["boom"], shell=ip)
@@ -194,6 +202,7 @@ def test_with_notebook_sources_wraps_notebook_functions_for_run(ip, clean_rank_s
     assert next_line(text.splitlines(), header) == 'raise ValueError(f"boom {y}")', text
 
 
+@pytest.mark.unit
 def test_shipped_code_keeps_its_file_name_whatever_cloudpickle_writes(ip):
     """cloudpickle >= 3.1.3 writes ``<dynamic-code>`` for the file of every code object it ships by value."""
     cell(ip, "class Net:\n    def forward(self):\n        def inner():\n            return 1\n        return inner\n"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from conftest import run
 
 import hvdmagic
@@ -48,6 +49,7 @@ def test_a_killed_run_resumes_from_its_last_checkpoint(ip, tmp_path):
     assert abs(weight_sum - (initial + 40)) < 1e-4
 
 
+@pytest.mark.unit
 def test_checkpoints_work_on_a_single_node_too(tmp_path):
     import torch
 

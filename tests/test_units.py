@@ -11,6 +11,8 @@ from hvdmagic.errors import JobFailed, RankFailure
 from hvdmagic.launch.layout import compute_layout
 from hvdmagic.task.lines import LineSplitter
 
+pytestmark = pytest.mark.unit
+
 
 def test_layout_single_host():
     slots = compute_layout(["a", "a"])
