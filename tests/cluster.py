@@ -73,20 +73,30 @@ class StandaloneCluster:
         with urllib.request.urlopen(f"http://{self.host}:{self.ui_port}/json/", timeout=2) as reply:
             return json.load(reply)
 
-    def start(self, timeout: float = 90) -> StandaloneCluster:
+    def start(self, timeout: float = 90, workers: int | None = None) -> StandaloneCluster:
+        """The master and the first ``workers`` workers (all by default), once the master lists them."""
         self._start("master", ["org.apache.spark.deploy.master.Master", "--host", self.host,
                                "--port", str(self.port), "--webui-port", str(self.ui_port)])
-        for i, (worker_host, netns) in enumerate(self.worker_hosts):
-            script = self.workdir / f"gpus{i}.sh"
-            addresses = json.dumps([str(2 * i), str(2 * i + 1)])
-            script.write_text(f"#!/bin/sh\necho '{{\"name\": \"gpu\", \"addresses\": {addresses}}}'\n")
-            script.chmod(0o755)
-            opts = f"-Dspark.worker.resource.gpu.amount=2 -Dspark.worker.resource.gpu.discoveryScript={script}"
-            (self.workdir / f"worker{i}").mkdir()
-            self._start(f"worker{i}", ["org.apache.spark.deploy.worker.Worker", self.url,
-                                       "--cores", str(self.cores), "--memory", "2g", "--host", worker_host,
-                                       "--webui-port", "0", "--work-dir", str(self.workdir / f"worker{i}")],
-                        {"SPARK_WORKER_OPTS": opts}, worker_host, netns)
+        for i in range(self.workers if workers is None else workers):
+            self.start_worker(i)
+        return self.wait_for_workers(self.workers if workers is None else workers, timeout)
+
+    def start_worker(self, i: int) -> None:
+        """Start worker ``i`` (of ``worker_hosts``); it registers with the master seconds later."""
+        worker_host, netns = self.worker_hosts[i]
+        script = self.workdir / f"gpus{i}.sh"
+        addresses = json.dumps([str(2 * i), str(2 * i + 1)])
+        script.write_text(f"#!/bin/sh\necho '{{\"name\": \"gpu\", \"addresses\": {addresses}}}'\n")
+        script.chmod(0o755)
+        opts = f"-Dspark.worker.resource.gpu.amount=2 -Dspark.worker.resource.gpu.discoveryScript={script}"
+        (self.workdir / f"worker{i}").mkdir()
+        self._start(f"worker{i}", ["org.apache.spark.deploy.worker.Worker", self.url,
+                                   "--cores", str(self.cores), "--memory", "2g", "--host", worker_host,
+                                   "--webui-port", "0", "--work-dir", str(self.workdir / f"worker{i}")],
+                    {"SPARK_WORKER_OPTS": opts}, worker_host, netns)
+
+    def wait_for_workers(self, count: int, timeout: float = 90) -> StandaloneCluster:
+        """Return once the master lists ``count`` alive workers; fail with the logs after ``timeout``."""
         deadline = time.monotonic() + timeout
         alive = 0
         while time.monotonic() < deadline:
@@ -94,14 +104,14 @@ class StandaloneCluster:
                 alive = self._state().get("aliveworkers", 0)
             except OSError:
                 alive = 0
-            if alive == self.workers:
+            if alive == count:
                 return self
             if any(p.poll() is not None for p in self.procs):
                 break
             time.sleep(0.5)
         logs = "\n".join(f"--- {p.name}\n{p.read_text()[-2000:]}" for p in self.workdir.glob("*.log"))
         self.stop()
-        raise RuntimeError(f"the standalone cluster did not register {self.workers} workers "
+        raise RuntimeError(f"the standalone cluster did not register {count} workers "
                            f"(saw {alive}) within {timeout:g} s\n{logs}")
 
     def stop(self) -> None:

@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
+import re
 import shutil
+import time
 
 import pytest
 from cluster import StandaloneCluster, stop_active_session
 from conftest import run
 from procs import mpi_processes, rank_processes
 
+import hvdmagic
 from hvdmagic.errors import LaunchError
+from hvdmagic.launch import slots
+
+pytestmark = pytest.mark.cluster
 
 
 @pytest.fixture(scope="module")
@@ -90,8 +96,71 @@ hvd.allgather_object(row)
 
 
 def test_slot_check_on_the_cluster_fails_fast(cluster_shell):
-    # 2 workers x 2 GPUs, 1 GPU per task: 4 slots.
+    # 2 workers x 2 GPUs, 1 GPU per task: 4 slots, all registered, and the cluster is not growing.
+    started = time.monotonic()
     _, error = run(cluster_shell, "%%horovod --np 5\nx = 1")
+    took = time.monotonic() - started
     assert isinstance(error, LaunchError)
     assert "--np 5 needs 5 barrier task slots at once, but this Spark cluster offers 4" in str(error)
     assert "1 GPU(s)" in str(error)
+    assert re.search(r"and no more were on their way after \d+ s\.", str(error)), str(error)
+    # Not a timing: half the bound (60 s) tells "did not wait for slots on their way" from "waited", under any load.
+    assert took < slots.DEFAULT_BOUND / 2, f"a cluster that cannot grow took {took:.1f} s to fail, not seconds"
+
+
+@pytest.mark.parametrize("cores_max", ["4", None], ids=["cores-max", "master-only"])
+def test_a_worker_that_joins_after_the_cell_starts_still_gets_its_ranks(ip, tmp_path, monkeypatch, cores_max):
+    """The cluster's second worker starts only once the cell's slot check finds 2 of 4 slots, and the
+    check waits for the slots on their way instead of failing; the cell runs on both executors.
+
+    With spark.cores.max the application says it wants 4 cores from the start, so the check waits
+    while the worker's JVM starts. Without it only the master can tell, once the worker has
+    registered, that it is starting an executor (the seconds a loaded machine once needed longer
+    than the old 3 s). Last in the module: it ends the module cluster's session (one SparkContext
+    per process)."""
+    stop_active_session()
+    cluster = StandaloneCluster(tmp_path, workers=2).start(workers=1)
+    try:
+        ip.user_ns.update(MASTER=cluster.url, CORES_MAX=cores_max)
+        outcome = ip.run_cell("""
+import os, sys
+from pyspark.sql import SparkSession
+os.environ["PYSPARK_PYTHON"] = sys.executable
+builder = (SparkSession.builder.master(MASTER).appName("hvdmagic-late-worker-test")
+           .config("spark.driver.host", "127.0.0.1").config("spark.driver.bindAddress", "127.0.0.1")
+           .config("spark.executor.cores", "2").config("spark.executor.memory", "1g"))
+spark = (builder.config("spark.cores.max", CORES_MAX) if CORES_MAX else builder).getOrCreate()
+spark.conf.set("spark.hvdmagic.slotWait", "180")  # a loaded machine starts JVMs slowly
+""")
+        assert outcome.error_in_exec is None, outcome.error_in_exec
+        tracker, deadline = ip.user_ns["spark"].sparkContext.statusTracker(), time.monotonic() + 90
+        while len(tracker.getExecutorInfos()) < 2:  # the driver, and the first worker's executor
+            assert time.monotonic() < deadline, "the first worker's executor did not register within 90 s"
+            time.sleep(0.2)
+
+        seen, wait = [], slots.wait
+
+        def start_the_last_worker(np, free, *args, **kwargs):
+            seen.append(free)
+            cluster.start_worker(1)
+            if cores_max is None:
+                cluster.wait_for_workers(2)  # the master then starts an executor there at once
+            return wait(np, free, *args, **kwargs)
+
+        monkeypatch.setattr(slots, "wait", start_the_last_worker)
+        result, error = run(ip, """%%horovod --np 4
+import os, horovod.torch as hvd
+hvd.init()
+hvd.allgather_object((hvd.rank(), os.getcwd()))
+""")
+        assert error is None, error
+        assert seen == [2], f"the slot check saw {seen} free slots when it began to wait, not [2]"
+        assert sorted(rank for rank, _ in result) == [0, 1, 2, 3]
+        assert len({cwd for _, cwd in result}) == 2, f"ranks ran in {set(cwd for _, cwd in result)}"
+        notes = [note for note in hvdmagic.last_run().notes if note.startswith("the slot check waited")]
+        if cores_max:  # names the last witness; without one, the executor may register before the first look
+            assert notes, f"the run's record does not say the check waited: {hvdmagic.last_run().notes}"
+        assert rank_processes() == []
+    finally:
+        stop_active_session()
+        cluster.stop()

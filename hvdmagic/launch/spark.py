@@ -1,4 +1,4 @@
-"""The Spark side: find or start a session, check slots, run one barrier stage.
+"""The Spark side: find or start a session, check its slots (launch.slots), run one barrier stage.
 
 Every call into the JVM that hvdmagic makes for the kernel runs on one thread of
 its own (``on_spark_thread``), never on the kernel's main thread. Ctrl-C (the
@@ -20,19 +20,17 @@ import re
 import sys
 import tempfile
 import threading
-import time
 import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from hvdmagic.errors import LaunchError
+from hvdmagic.launch import slots as slot_check
 from hvdmagic.protocol import Stage, TaskSpec
 from hvdmagic.task.barrier import barrier_task, elastic_task, sharded_barrier_task
 
 _LOG4J = Path(__file__).with_name("log4j2.properties")
-SLOT_WAIT = 3.0  # seconds without new executors before too few slots is final
-EXECUTOR_WAIT = 60.0  # seconds a session with no executor yet gets for its first ones
 _embedded = None  # the session hvdmagic started itself, which it may resize or replace
 _spark_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hvdmagic-spark")
 held_slots: dict[object, int] = {}  # by session: the barrier slots its warm ranks occupy while it runs
@@ -140,55 +138,16 @@ def _forget_embedded() -> None:
     _embedded = None
 
 
-def available_slots(sc) -> int:
-    """Barrier task slots the cluster offers right now.
-
-    Spark's own count (the one its barrier check uses) covers executor cores,
-    spark.task.cpus and GPU amounts; the fallback counts cores only.
-    """
-    try:
-        jsc = sc._jsc.sc()
-        return int(jsc.maxNumConcurrentTasks(jsc.resourceProfileManager().defaultResourceProfile()))
-    except Exception:
-        pass
-    master = sc.master
-    if master == "local":
-        return 1
-    local = re.fullmatch(r"local\[(\*|\d+)(?:,\s*\d+)?\]", master)
-    if local:
-        return (os.cpu_count() or 1) if local.group(1) == "*" else int(local.group(1))
-    task_cpus = int(sc.getConf().get("spark.task.cpus", "1"))
-    return sc.defaultParallelism // max(1, task_cpus)
-
-
-def _wait_for_executors(sc, np: int, slots: int, held: int = 0) -> int:
-    """Give a new session's executors time to register before judging the slot count.
-
-    With no executor at all we wait up to EXECUTOR_WAIT for the first ones; once
-    some are there, we wait SLOT_WAIT after the count last grew. A cluster that is
-    simply too small is therefore reported within seconds.
-    """
-    start = changed = time.monotonic()
-    while slots < np:
-        now = time.monotonic()
-        some = slots + held > 0  # executors are there; a session may hold their slots
-        if (not some and now - start > EXECUTOR_WAIT) or (some and now - changed > SLOT_WAIT):
-            break
-        time.sleep(0.25)
-        current = available_slots(sc) - held
-        if current != slots:
-            slots, changed = current, time.monotonic()
-    return slots
-
-
 def session_for(np: int, on_stage: Callable[[Stage], None] = lambda stage: None,
-                notes: list[str] | None = None, embedded_slots: int | None = None):
+                notes: list[str] | None = None, embedded_slots: int | None = None,
+                stop: threading.Event | None = None):
     """The active SparkSession, or an embedded local one with at least ``np`` slots
     (``embedded_slots`` when hvdmagic starts it: an elastic job's --max-np).
 
     Runs on the Spark thread. An embedded session that broke (its JVM died) is
     replaced by a new one, and ``notes`` says so; a broken session of the user's
-    own is an error, since it may hold their state.
+    own is an error, since it may hold their state. Too few slots wait for those on
+    their way (launch.slots) until ``stop`` is set.
     """
     global _embedded
     from pyspark import SparkContext
@@ -211,31 +170,36 @@ def session_for(np: int, on_stage: Callable[[Stage], None] = lambda stage: None,
         return _embedded
     sc = session.sparkContext
     held = sum(held_slots.values())
-    slots = available_slots(sc) - held
+    slots = slot_check.available(sc) - held
     if slots < np and session is _embedded and not held:  # a session's stage runs there: keep it
         on_stage(Stage.SPARK_STARTING)
         session.stop()
         _embedded = _start_embedded(max(np, embedded_slots or 0))
         return _embedded
-    if slots < np:
-        on_stage(Stage.WAITING_FOR_SLOTS)
-    slots = _wait_for_executors(sc, np, slots, held)
-    if slots < np:
-        if held:
-            raise LaunchError(
-                f"--np {np} needs {np} free barrier task slots at once, and the warm ranks of a session hold "
-                f"{held} of this Spark cluster's {slots + held}: run the cell on the session (leave out --np), "
-                "stop the session (%horovod stop), or use local mode (--np -N).")
-        conf = sc.getConf()
-        gpus = conf.get("spark.task.resource.gpu.amount", None)
-        per_task = f"{conf.get('spark.task.cpus', '1')} core(s)" + (f" and {gpus} GPU(s)" if gpus else "")
+    if slots >= np:
+        return session
+    on_stage(Stage.WAITING_FOR_SLOTS)
+    waited = slot_check.wait(np, slots, held, lambda: slot_check.available(sc),
+                             lambda now: slot_check.on_their_way(sc, now), slot_check.bound(session), stop)
+    if waited.slots >= np:
+        if notes is not None and (note := waited.note()):
+            notes.append(note)
+        return session
+    slots = waited.slots
+    if held:
         raise LaunchError(
-            f"--np {np} needs {np} barrier task slots at once, but this Spark cluster offers {slots} "
-            f"(master {sc.master}, {per_task} per task). Spark would retry silently for minutes, so "
-            f"hvdmagic stops here: use a smaller --np, add executors or cores, "
-            f"or run on the driver in local mode with --np -{np}."
-        )
-    return session
+            f"--np {np} needs {np} free barrier task slots at once, and the warm ranks of a session hold "
+            f"{held} of this Spark cluster's {slots + held} ({waited.reason(np)}): run the cell on the session "
+            "(leave out --np), stop the session (%horovod stop), or use local mode (--np -N).")
+    conf = sc.getConf()
+    gpus = conf.get("spark.task.resource.gpu.amount", None)
+    per_task = f"{conf.get('spark.task.cpus', '1')} core(s)" + (f" and {gpus} GPU(s)" if gpus else "")
+    raise LaunchError(
+        f"--np {np} needs {np} barrier task slots at once, but this Spark cluster offers {slots} "
+        f"(master {sc.master}, {per_task} per task), {waited.reason(np)}. Spark would retry silently for "
+        f"minutes, so hvdmagic stops here: use a smaller --np, add executors or cores, "
+        f"or run on the driver in local mode with --np -{np}."
+    )
 
 
 _EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt)\b(:.*)?$")
@@ -277,8 +241,14 @@ class SparkBackend:
         self.notes: list[str] = []  # for the run's record, e.g. that a broken embedded session was replaced
         if _starting.is_set():  # a stopped cell's session is still starting: this cell waits for it
             on_stage(Stage.SPARK_STARTING)
-        self.session = (session or (data.sparkSession if data is not None else None)
-                        or on_spark_thread(session_for, elastic_start or np, on_stage, self.notes, np))
+        self.session = session or (data.sparkSession if data is not None else None)
+        if self.session is None:
+            stop = threading.Event()
+            try:
+                self.session = on_spark_thread(session_for, elastic_start or np, on_stage, self.notes, np, stop)
+            except KeyboardInterrupt:
+                stop.set()  # a slot check left waiting would hold up every later cell's Spark calls
+                raise
         self.sc = self.session.sparkContext
         self.bind_host, self.master, task_gpus = on_spark_thread(lambda: (
             self.sc.getConf().get("spark.driver.host", "127.0.0.1"), self.sc.master,
