@@ -1,8 +1,11 @@
 """Two simulated hosts: network namespaces joined to this one by a bridge.
 
-    root namespace: bridge hvdbr0 10.77.0.1/24 (the driver and the Spark master)
-    hvdmagic-h1:    veth  10.77.0.2/24          (a Spark worker)
-    hvdmagic-h2:    veth  10.77.0.3/24          (a Spark worker)
+    root namespace:    bridge hvb<pid> 10.77.N.1/24 (the driver and the Spark master)
+    hvdmagic-<pid>-h1: veth  10.77.N.2/24          (a Spark worker)
+    hvdmagic-<pid>-h2: veth  10.77.N.3/24          (a Spark worker)
+
+Names and the subnet are this process's own (N from its pid), so two test runs on
+one machine (``make test`` beside ``make test-latest``) do not tear down each other's.
 
 Each namespace has only its loopback and its veth, so a rank there can reach the
 others only over 10.77.0.0/24, and never through ``lo``. Everything is created
@@ -14,19 +17,26 @@ from __future__ import annotations
 import os
 import subprocess
 
-SUBNET = "10.77.0"
-BRIDGE = "hvdbr0"
+# Interface names have at most 15 characters: a pid has at most 7 digits.
+_OWN = os.getpid()
+SUBNET = f"10.77.{_OWN % 250 + 1}"
+BRIDGE = f"hvb{_OWN}"
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
     return subprocess.run(["ip", *args], capture_output=True, text=True, check=check)
 
 
+def inside_interface(host: int) -> str:
+    """The name of the veth that host ``host`` (0, 1, ...) has inside its namespace."""
+    return f"hv{_OWN}v{host}i"
+
+
 def available() -> str | None:
     """None when namespaces can be made here, else why not."""
     if os.geteuid() != 0:
         return "network namespaces need root"
-    probe = "hvdmagic-probe"
+    probe = f"hvdmagic-{_OWN}-probe"
     result = _ip("netns", "add", probe, check=False)
     if result.returncode != 0:
         return f"'ip netns add' failed: {result.stderr.strip()}"
@@ -37,7 +47,7 @@ def available() -> str | None:
 class TwoHosts:
     def __init__(self, hosts: int = 2):
         self.driver = f"{SUBNET}.1"
-        self.hosts = [(f"{SUBNET}.{i + 2}", f"hvdmagic-h{i + 1}") for i in range(hosts)]
+        self.hosts = [(f"{SUBNET}.{i + 2}", f"hvdmagic-{_OWN}-h{i + 1}") for i in range(hosts)]
 
     def __enter__(self) -> TwoHosts:
         try:
@@ -45,7 +55,7 @@ class TwoHosts:
             _ip("addr", "add", f"{self.driver}/24", "dev", BRIDGE)
             _ip("link", "set", BRIDGE, "up")
             for i, (address, ns) in enumerate(self.hosts):
-                outside, inside = f"hvdv{i}o", f"hvdv{i}i"
+                outside, inside = f"hv{_OWN}v{i}o", inside_interface(i)
                 _ip("netns", "add", ns)
                 _ip("link", "add", outside, "type", "veth", "peer", "name", inside)
                 _ip("link", "set", outside, "master", BRIDGE)
@@ -62,5 +72,5 @@ class TwoHosts:
     def __exit__(self, *exc) -> None:
         for i, (_, ns) in enumerate(self.hosts):
             _ip("netns", "del", ns, check=False)  # takes the inside veth, and with it the pair
-            _ip("link", "del", f"hvdv{i}o", check=False)
+            _ip("link", "del", f"hv{_OWN}v{i}o", check=False)
         _ip("link", "del", BRIDGE, check=False)
