@@ -184,17 +184,23 @@ def importable(module: str) -> bool:
         return False
 
 
+def installed_versions(names) -> dict[str, str]:
+    """The versions of those distributions in ``names`` that are installed, from the metadata."""
+    found = {}
+    for name in names:
+        try:
+            found[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+    return found
+
+
 @functools.cache
 def distributions(module: str) -> dict[str, str]:
     """The installed distributions that provide ``module`` and their versions, from the
     metadata (importing TensorFlow to ask takes seconds): {"tensorflow-cpu": "2.21.0"}."""
     names = metadata.packages_distributions().get(module, [])
-    found = {}
-    for name in sorted({name.lower().replace("_", "-") for name in names}):
-        try:
-            found[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            continue
+    found = installed_versions(sorted({name.lower().replace("_", "-") for name in names}))
     if not found:  # e.g. a framework built from source without metadata
         out = subprocess.run([sys.executable, "-c", f"import {module}; print({module}.__version__)"],
                              capture_output=True, text=True)
@@ -285,17 +291,6 @@ def build_flags(frameworks: list[str], gpu: bool | None) -> dict[str, str]:
     return flags
 
 
-def tool_versions() -> dict[str, str]:
-    """The installed versions of BUILD_TOOLS, from the metadata."""
-    found = {}
-    for name in BUILD_TOOLS:
-        try:
-            found[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            continue
-    return found
-
-
 def cache_key(version: str, frameworks: list[str], flags: dict[str, str]) -> str:
     versions = {name: distributions(FRAMEWORKS[name][0]) for name in frameworks}
     ident = {
@@ -303,7 +298,7 @@ def cache_key(version: str, frameworks: list[str], flags: dict[str, str]) -> str
         "python": sysconfig.get_python_version(),
         "platform": sysconfig.get_platform(),
         "frameworks": versions,
-        "tools": tool_versions(),
+        "tools": installed_versions(BUILD_TOOLS),
         "flags": flags,
         "env": {name: os.environ[name] for name in PASSED_THROUGH if os.environ.get(name)},
         "patches": PATCHES,

@@ -35,6 +35,9 @@ numpy_spec="${HVDMAGIC_NUMPY:-numpy==2.4.6}"
 pyarrow_spec="${HVDMAGIC_PYARROW:-pyarrow==26.0.1}"
 horovod_version="0.28.1"
 extras="${HVDMAGIC_EXTRAS:-dev}"
+
+say() { printf '[setup] %s\n' "$*"; }
+
 lock_mode="${HVDMAGIC_LOCK:-$here/requirements/lock.txt}"
 # What pip gets: -c with the lock (less what an override replaces), --upgrade for "latest".
 lock_args=()
@@ -49,14 +52,12 @@ case "$lock_mode" in
         ;;
     *)
         if [ ! -f "$lock_mode" ]; then
-            printf '[setup] %s\n' "HVDMAGIC_LOCK: no file $lock_mode ('make lock' writes requirements/lock.txt; HVDMAGIC_LOCK=none goes without)" >&2
+            say "HVDMAGIC_LOCK: no file $lock_mode ('make lock' writes requirements/lock.txt; HVDMAGIC_LOCK=none goes without)" >&2
             exit 1
         fi
         lock_args=(-c "$venv/.hvdmagic-constraints.txt")
         ;;
 esac
-
-say() { printf '[setup] %s\n' "$*"; }
 
 with_tensorflow() { [ "$tensorflow_spec" != "none" ]; }
 
