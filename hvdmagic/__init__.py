@@ -1,27 +1,50 @@
-"""hvdmagic: distributed Horovod training from a notebook cell, launched through Spark.
+"""hvdmagic: distributed training from a notebook, on Horovod or torch.distributed ranks launched through Spark.
 
-``%load_ext hvdmagic`` registers the ``%%horovod`` cell magic. Inside a rank,
-``progress``, ``log_metrics`` and ``track`` feed the live dashboard; they are
-no-ops elsewhere.
+Entry points. ``%load_ext hvdmagic`` registers the magics:
 
-The package is laid out by the process its code runs in:
+- ``%%horovod``: run the cell on Horovod ranks (``--np N``: one Spark barrier stage of N tasks;
+  ``--np -N``: N processes on the driver; no ``--np``: the session's ranks) and return rank 0's result;
+- ``%%torchrun``: the same for ``torch.distributed`` code, each rank with torchrun's environment;
+- ``%horovod start|stop|status`` (and ``%torchrun start|stop|status``): a session of warm
+  ranks that keep their imports and state, on which later cells without ``--np`` run.
 
-- ``kernel/``: the notebook kernel: the magic, capture, the run record, the views;
+From Python:
+
+- ``run(fn, np)``: call ``fn`` on every rank and return their results;
+- ``HorovodRunner``: a drop-in for Databricks' ``sparkdl.HorovodRunner``;
+- ``TorchDistributor``: a drop-in for pyspark's ``TorchDistributor``;
+- ``session(np)``: a session of warm ranks for ``run(fn, session=s)``;
+- ``last_run()``: the record of the latest run (metrics, logs, timings, result).
+
+Inside a rank, ``progress``, ``log_metrics`` and ``track`` feed the live dashboard (no-ops
+elsewhere); ``shard`` reads the rank's share of ``--data``; ``save_checkpoint``,
+``load_checkpoint`` and ``scale_lr`` help training code. ``hvdmagic.callbacks`` holds
+Lightning and Keras callbacks, and ``python -m hvdmagic.build_horovod`` builds horovod for
+the frameworks installed.
+
+The package is laid out by the process its code runs in; each package's docstring lists
+its modules and what they may import. Imports go one way, top to bottom:
+
+- ``kernel/``: the notebook kernel: the magics, the Python API, sessions, capture, the run
+  record, the views; it may import ``launch``, ``rank``'s payload types and the shared modules;
+- ``callbacks/``: framework integrations that run in a rank; they import only ``rank``;
 - ``launch/``: the driver's side of a job: the launcher core and its backends;
 - ``task/``: a Spark barrier task: the supervisor of one rank;
 - ``rank/``: a rank process, and what user code calls there;
 - ``protocol`` (what travels between them), ``channel`` (the authenticated stream),
   ``pickling`` (cloudpickle that keeps shipped code's file names), ``metric_rows``
-  (the metric columns' wire form) and ``errors`` are shared.
+  (the metric columns' wire form) and ``errors`` are shared;
+- ``build_horovod`` stands apart: a command that builds a horovod wheel.
 
-Importing this package in a rank stays cheap: the kernel's API (``run``,
-``HorovodRunner``, ``TorchDistributor``, ``last_run``) is imported on first use.
+Importing this package in a rank stays cheap: it imports only ``rank``'s user-facing
+functions, and the kernel's API (``run``, ``HorovodRunner``, ``TorchDistributor``,
+``session``, ``last_run``) is imported on first use.
 """
 
 from __future__ import annotations
 
-from hvdmagic.rank.report import log_metrics, progress, track
 from hvdmagic.rank.shards import shard
+from hvdmagic.rank.telemetry import log_metrics, progress, track
 from hvdmagic.rank.training import load_checkpoint, save_checkpoint, scale_lr
 
 __version__ = "0.1.0"
@@ -29,7 +52,7 @@ __all__ = ["HorovodRunner", "TorchDistributor", "last_run", "load_checkpoint", "
            "save_checkpoint", "scale_lr", "session", "shard", "track"]
 
 _KERNEL_API = {"run": "hvdmagic.kernel.api", "HorovodRunner": "hvdmagic.kernel.api",
-               "TorchDistributor": "hvdmagic.kernel.api", "session": "hvdmagic.kernel.sessions",
+               "TorchDistributor": "hvdmagic.kernel.api", "session": "hvdmagic.kernel.warm_sessions",
                "last_run": "hvdmagic.kernel.record"}
 
 

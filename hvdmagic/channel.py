@@ -21,7 +21,7 @@ import struct
 import threading
 from typing import Any
 
-from hvdmagic.protocol import Event
+from hvdmagic.protocol import Event, bare
 
 MAX_FRAME = 512 * 1024 * 1024
 # Until a peer has sent one authenticated frame, it may not make us buffer more than this.
@@ -187,7 +187,7 @@ class ChannelServer:
                 # stop waiting for that task's rank; other jobs ignore it. A peer that
                 # never sent an authenticated frame was never a task.
                 with contextlib.suppress(queue.Full):
-                    self.events.put((link, {"type": Event.GONE}), timeout=1.0)
+                    self.events.put((link, bare(Event.GONE)), timeout=1.0)
 
     def broadcast(self, event: dict[str, Any]) -> None:
         with self._lock:

@@ -40,7 +40,7 @@ def present(column: array) -> list[int] | None:
 class MetricRows:
     """The rows logged since the last flush: steps, times and one column per metric.
 
-    ``report.log_metrics`` appends to the arrays itself: on the training thread a
+    ``telemetry.log_metrics`` appends to the arrays itself: on the training thread a
     method call cost more than the append.
     """
 
@@ -55,7 +55,7 @@ class MetricRows:
         return len(self.steps)
 
     def drop_row(self, row: int) -> None:
-        """Undo a row that failed part-way (``report.log_metrics`` appends column by column)."""
+        """Undo a row that failed part-way (``telemetry.log_metrics`` appends column by column)."""
         del self.steps[row:]
         del self.times[row:]
         for name, column in list(self.columns.items()):

@@ -10,10 +10,13 @@ travels and ``json.dumps`` writes it as that string.
 
 from __future__ import annotations
 
+import base64
 import json
+import pickle
 import socket
 from dataclasses import asdict, dataclass
 from enum import StrEnum
+from typing import Any, Literal, TypedDict
 
 
 class Event(StrEnum):
@@ -115,7 +118,7 @@ class TaskSpec:
     controller: str = "gloo"  # or "mpi": mpirun starts the ranks, and the task adopts its own
     results: str = "all"  # which ranks send their value back: a ResultPolicy
     framework: str = "horovod"  # whose collectives the ranks use: a Framework
-    session: bool = False  # the ranks stay up and run cells as they come (launch.session)
+    session: bool = False  # the ranks stay up and run cells as they come (launch.warm_ranks)
     elastic: bool = False  # Horovod elastic: a task runs a rank each time the driver says go (launch.elastic)
 
 
@@ -132,6 +135,307 @@ class ResultPolicy(StrEnum):
     ALL = "all"  # hvdmagic.run: every rank's, in rank order; an unpicklable value fails its rank
     ALL_OR_REPR = "all_or_repr"  # the magic: every rank's, an unpicklable one replaced by its repr (an UnsentResult)
     RANK0 = "rank0"  # HorovodRunner: rank 0's only (the others are never used); an unpicklable one fails rank 0
+
+
+# -- the messages -------------------------------------------------------------
+# Each message is a JSON object, so each is a TypedDict: the views and the record read
+# them as the dicts they arrive as, and the metrics path (thousands of events a second)
+# pays for no conversion into objects. Each is built by its function below and nowhere
+# else, so a field added here reaches every mode. ``rank`` on a rank's own event is added
+# by its supervisor as it relays the line (``task.lines.relayed``).
+
+
+def _builder(shape: type, kind: Event, **defaults):
+    """The function that builds a ``shape`` message: its fields positionally, in the order
+    they are declared, or by name; a missing or unknown field is a TypeError."""
+    fields = [name for name in shape.__annotations__ if name != "type"]
+    required = shape.__required_keys__ - {"type"}
+
+    def build(*values, **named):
+        message = {"type": kind, **defaults, **dict(zip(fields, values)), **named}
+        if len(values) > len(fields) or required - message.keys():
+            raise TypeError(f"{shape.__name__} takes {', '.join(fields)}; got {values} {named}")
+        if unknown := message.keys() - shape.__annotations__.keys():
+            raise TypeError(f"{shape.__name__} has no field {', '.join(sorted(unknown))}")
+        return message
+
+    build.__name__ = build.__qualname__ = kind.name.lower()
+    build.__doc__ = f"A {shape.__name__} message ({kind.value!r}): {', '.join(fields)}."
+    return build
+
+
+# task -> driver
+class Hello(TypedDict):
+    type: Literal[Event.HELLO]
+    task: int  # the task's index in the stage
+    attempt: int  # Spark's attempt number: an elastic task's Horovod host name tells attempts apart
+    host: str  # the task's address toward the driver: names its host in the layout
+    gpus: list[str]  # the devices Spark gave the task
+    rows: int | None  # --data: the rows of the task's shard
+    hostname: str
+    pid: int
+
+
+class Output(TypedDict):
+    type: Literal[Event.OUTPUT]
+    rank: int
+    stream: str  # "stdout" or "stderr"
+    lines: list[str]  # complete lines
+    transient: str | None  # the latest \r update of the line being written, or None
+
+
+class Exit(TypedDict):
+    type: Literal[Event.EXIT]
+    rank: int
+    code: int  # the process's return code: negative for a signal
+    aborted: bool  # the supervisor's own signal ended it
+
+
+class Ready(TypedDict):
+    type: Literal[Event.READY]
+    task: int
+
+
+# rank -> driver (a rank's own events; "rank" is added by its supervisor)
+class Result(TypedDict, total=False):
+    type: Literal[Event.RESULT]
+    data: str | None  # the cloudpickled value, base64; None when the policy does not send it back
+    unpicklable: str  # ResultPolicy.ALL_OR_REPR: the type of a value that could not be pickled
+    repr: str
+    reason: str
+    cell: int  # a session's cell
+    world_rank: int  # elastic: the rank at the end of the run
+    rank: int
+
+
+class Error(TypedDict, total=False):
+    type: Literal[Event.ERROR]
+    exc_type: str
+    message: str
+    traceback: str  # the user's frames only
+    time: float  # when it was raised: the driver tells the first failure from its fallout
+    cell: int  # a session's cell
+    broken: bool  # a session: the ranks' collectives cannot be trusted any more
+    rank: int
+
+
+class Note(TypedDict, total=False):
+    type: Literal[Event.NOTE]
+    text: str
+    once: str  # a note a rank sends once per run, whoever calls for it
+    rank: int
+
+
+class StageReached(TypedDict, total=False):
+    type: Literal[Event.STAGE]
+    stage: Stage
+    rank: int  # absent: the driver reached it
+
+
+class Idle(TypedDict):
+    type: Literal[Event.IDLE]
+    cell: int | None  # the cell it finished; None when the rank first comes up
+    rss: int  # bytes
+
+
+class Worker(TypedDict, total=False):
+    type: Literal[Event.WORKER]
+    key: str  # Horovod's "host:local_rank"
+    secret: str  # the notification service's, base64
+    addresses: dict[str, list[list]]  # by interface: [address, port] pairs
+    world_rank: int
+    size: int
+
+
+class Reset(TypedDict, total=False):
+    type: Literal[Event.RESET]
+    commit: dict  # the plain values of the commit it restored
+    world_rank: int
+    size: int
+
+
+# driver -> task
+class Go(TypedDict):
+    type: Literal[Event.GO]
+    slot: dict  # a Slot's fields
+    devices: list | None  # [CUDA_VISIBLE_DEVICES, the rank's index in it], or None without GPUs
+    rows_per_rank: int | None  # --data: every shard is padded to this many rows
+
+
+class Cell(TypedDict):
+    type: Literal[Event.CELL]
+    id: int
+    payload: str  # base64
+
+
+class Exec(TypedDict):
+    type: Literal[Event.EXEC]
+    id: int
+    command: str
+
+
+class Bare(TypedDict):
+    """ABORT, INTERRUPT, STOP_RANK, HEARTBEAT and GONE carry nothing but their kind."""
+
+    type: Event
+
+
+# rsh agent <-> driver <-> task
+class Rsh(TypedDict):
+    type: Literal[Event.RSH]
+    host: str
+    command: str
+
+
+class RshExit(TypedDict, total=False):
+    type: Literal[Event.RSH_EXIT]
+    code: int
+    id: int  # the EXEC request it answers (task -> driver only)
+
+
+# driver -> the run's views
+class Launching(TypedDict):
+    type: Literal[Event.LAUNCHING]
+    description: str
+    job_group: str | None
+    channel: list  # [host, port]
+
+
+class Placed(TypedDict):
+    type: Literal[Event.PLACED]
+    rank: int
+    host: str
+
+
+class Lost(TypedDict):
+    type: Literal[Event.LOST]
+    rank: int
+    reason: str
+
+
+class World(TypedDict):
+    type: Literal[Event.WORLD]
+    rank: int  # the task's row
+    world_rank: int
+    size: int | None
+
+
+class Resumed(TypedDict):
+    type: Literal[Event.RESUMED]
+    reset: Any  # launch.elastic.Reset: driver-side only, never on the wire
+
+
+hello = _builder(Hello, Event.HELLO)
+output = _builder(Output, Event.OUTPUT, transient=None)
+exit_ = _builder(Exit, Event.EXIT)
+ready = _builder(Ready, Event.READY)
+result = _builder(Result, Event.RESULT)
+error = _builder(Error, Event.ERROR)
+note = _builder(Note, Event.NOTE)
+stage_reached = _builder(StageReached, Event.STAGE)
+idle = _builder(Idle, Event.IDLE)
+reset = _builder(Reset, Event.RESET)
+exec_command = _builder(Exec, Event.EXEC)
+rsh = _builder(Rsh, Event.RSH)
+rsh_exit = _builder(RshExit, Event.RSH_EXIT)
+launching = _builder(Launching, Event.LAUNCHING)
+placed = _builder(Placed, Event.PLACED)
+lost = _builder(Lost, Event.LOST)
+world = _builder(World, Event.WORLD)
+resumed = _builder(Resumed, Event.RESUMED)
+
+
+def bare(kind: Event) -> Bare:
+    return {"type": kind}
+
+
+def go(slot: Slot, devices: list | None, rows_per_rank: int | None = None) -> Go:
+    return {"type": Event.GO, "slot": slot.to_dict(), "devices": devices, "rows_per_rank": rows_per_rank}
+
+
+def slot_of(message: Go) -> Slot:
+    return Slot(**message["slot"])
+
+
+def cell(cell_id: int, payload: bytes) -> Cell:
+    return {"type": Event.CELL, "id": cell_id, "payload": base64.b64encode(payload).decode("ascii")}
+
+
+def cell_payload(message: Cell) -> bytes:
+    return base64.b64decode(message["payload"])
+
+
+def worker(key: str, secret: bytes, addresses: dict, **world_fields: int) -> Worker:
+    return {"type": Event.WORKER, "key": key, "secret": base64.b64encode(secret).decode("ascii"),
+            "addresses": {nic: [list(address) for address in listed] for nic, listed in addresses.items()},
+            **world_fields}
+
+
+def report_line(progress_json: str, metrics_json: str | None) -> str:
+    """A REPORT event as the JSON line a rank writes, encoded by hand: log_metrics calls this
+    thousands of times a second, and the pieces are JSON already."""
+    metrics = f',"metrics":{metrics_json}' if metrics_json else ""
+    return f'{{"type":"{Event.REPORT}","progress":{progress_json}{metrics}}}\n'
+
+
+# -- what a rank runs ---------------------------------------------------------------
+# One framing carries a payload from the kernel to a rank, for a one-shot cell (which
+# travels in the TaskSpec) and a session's cells (in CELL messages) alike. The supervisor
+# writes the rank's Boot, then each payload, to the rank's stdin: a pipe to its own child,
+# fed only from the TaskSpec or from frames that passed the job's HMAC check. A payload is
+# the cloudpickled ``(fn, args, kwargs)``; it is written as it came, never copied into a
+# bigger buffer (a notebook's globals can be hundreds of MB).
+
+
+@dataclass(frozen=True)
+class Boot:
+    """What a supervisor tells its rank before any payload."""
+
+    rank: int  # the rank's row: its rank, or an elastic task's index
+    results: str = "all"  # a ResultPolicy
+    session: bool = False  # run payloads as they come, in one namespace, until stdin closes
+    elastic: bool = False
+
+
+_LENGTH = 8
+
+
+def write_boot(stream, boot: Boot) -> None:
+    _write_frame(stream, pickle.dumps(boot))
+
+
+def read_boot(stream) -> Boot | None:
+    body = _read_frame(stream)
+    return None if body is None else pickle.loads(body)
+
+
+def write_payload(stream, payload: bytes, cell_id: int | None = None) -> None:
+    """One payload: its cell's id (None for a one-shot cell), then its bytes."""
+    _write_frame(stream, json.dumps(cell_id).encode())
+    _write_frame(stream, payload)
+
+
+def read_payload(stream) -> tuple[int | None, bytes] | None:
+    """The next ``(cell id, payload)`` written by ``write_payload``, or None at EOF."""
+    header = _read_frame(stream)
+    payload = None if header is None else _read_frame(stream)
+    return None if payload is None else (json.loads(header), payload)
+
+
+def _write_frame(stream, body: bytes) -> None:
+    stream.write(len(body).to_bytes(_LENGTH, "big"))
+    stream.write(body)
+    stream.flush()
+
+
+def _read_frame(stream) -> bytes | None:
+    header = _read_exactly(stream, _LENGTH)
+    return None if header is None else _read_exactly(stream, int.from_bytes(header, "big"))
+
+
+def _read_exactly(stream, size: int) -> bytes | None:
+    data = stream.read(size)  # a buffered reader returns short only at EOF
+    return data if len(data) == size else None
 
 
 def read_message(sock: socket.socket) -> dict:

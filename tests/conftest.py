@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 import pytest
+from helpers import kernel, kernel_factory  # noqa: F401 (fixtures: a real Jupyter kernel, for every module)
 
 os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
 
@@ -72,16 +73,3 @@ def run(ip, cell: str):
     outcome = ip.run_cell(cell)
     return outcome.result, outcome.error_in_exec
 
-
-@pytest.fixture
-def kernel(monkeypatch):
-    """A real Jupyter kernel (text views), shut down after the test."""
-    monkeypatch.setenv("HVDMAGIC_NONINTERACTIVE", "1")
-    from kernels import start_kernel
-
-    manager, client = start_kernel()
-    try:
-        yield manager, client
-    finally:
-        client.stop_channels()
-        manager.shutdown_kernel(now=True)

@@ -2,34 +2,39 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
-import time
 
 import psutil
+from helpers import wait_until
 
 
-def rank_processes() -> list[psutil.Process]:
-    """Rank processes started from this process (Spark's ranks descend from its JVM)."""
+def rank_processes(parent: int | None = None) -> list[psutil.Process]:
+    """Rank processes started from this process, or from process ``parent`` (Spark's ranks descend from its JVM)."""
     found = []
-    for proc in psutil.Process(os.getpid()).children(recursive=True):
+    for proc in psutil.Process(parent or os.getpid()).children(recursive=True):
         try:
             if "hvdmagic.rank" in proc.cmdline():
                 found.append(proc)
-        except psutil.NoSuchProcess:
+        except psutil.Error:  # exited (or a zombie) while we looked
             continue
     return found
 
 
 def wait_until_gone(pids, within: float, what: str = "rank processes") -> None:
     """Fail with a clear message if any of ``pids`` still runs after ``within`` seconds."""
-    deadline = time.monotonic() + within
-    alive = list(pids)
-    while alive and time.monotonic() < deadline:
-        alive = [p for p in alive if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
-        if alive:
-            time.sleep(0.1)
-    assert not alive, f"{what} {alive} still ran {within:g} s later"
+    wait_until(lambda: not alive(pids), within, lambda: f"{what} {alive(pids)} still ran {within:g} s later")
+
+
+def alive(pids) -> list[int]:
+    """Those of ``pids`` whose processes still run (a zombie has exited)."""
+    running = []
+    for pid in pids:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                running.append(pid)
+    return running
 
 
 def kernel_resources() -> dict[str, int]:
@@ -43,13 +48,10 @@ def kernel_resources() -> dict[str, int]:
     }
 
 
-def mpi_processes(within: float = 10.0) -> list[str]:
-    """mpirun, its daemons, agents and rank shims still running anywhere on the machine
-    ``within`` seconds from now (orted daemonizes, so it is nobody's child here)."""
-    deadline = time.monotonic() + within
-    while (found := _mpi_processes()) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    return found
+def wait_until_no_mpi_processes(within: float = 10.0, what: str = "mpirun, a daemon or a shim outlived the cell"):
+    """Fail, naming them, if mpirun, its daemons, agents or rank shims still run anywhere on the
+    machine ``within`` seconds from now (orted daemonizes, so it is nobody's child here)."""
+    wait_until(lambda: not _mpi_processes(), within, lambda: f"{what}: {_mpi_processes()}")
 
 
 def _mpi_processes() -> list[str]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 import hvdmagic
@@ -33,7 +35,13 @@ def test_run_returns_every_rank_in_rank_order():
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("np, verbosity", [(0, "all"), (2.5, "all"), (True, "all"), (2, "loud")])
-def test_horovodrunner_rejects_bad_arguments(np, verbosity):
-    with pytest.raises(ValueError):
+@pytest.mark.parametrize("np, verbosity, message", [
+    (0, "all", "np must be a positive number of Spark ranks, or negative for local mode (e.g. -2: two processes "
+               "on the driver), not 0."),
+    (2.5, "all", "np must be a whole number of ranks, not 2.5."),
+    (True, "all", "np must be a whole number of ranks, not True."),
+    (2, "loud", "driver_log_verbosity must be one of ('all', 'log_callback_only'), not 'loud'"),
+], ids=["0-all", "2.5-all", "True-all", "2-loud"])
+def test_horovodrunner_rejects_bad_arguments(np, verbosity, message):
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
         HorovodRunner(np=np, driver_log_verbosity=verbosity)

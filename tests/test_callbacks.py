@@ -145,7 +145,7 @@ def tracking(tmp_path, monkeypatch):
 
 
 def test_log_run_writes_rank0_metric_history(tracking):
-    from hvdmagic.callbacks.mlflow import log_run
+    from hvdmagic.kernel.mlflow_export import log_run
 
     hvdmagic.run(log_decreasing_loss, -2, 4)
     run_id = log_run(experiment="hvdmagic-tests", run_name="four steps")

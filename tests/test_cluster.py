@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import re
 import shutil
-import time
 
 import pytest
-from cluster import StandaloneCluster, stop_active_session
 from conftest import run
-from procs import mpi_processes, rank_processes
+from helpers import record_slot_waits, spark_cluster, wait_until
+from procs import rank_processes, wait_until_no_mpi_processes
 
 import hvdmagic
 from hvdmagic.errors import LaunchError
@@ -19,30 +18,11 @@ pytestmark = pytest.mark.cluster
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    stop_active_session()  # one SparkContext per process: the embedded one must go
-    cluster = StandaloneCluster(tmp_path_factory.mktemp("spark-cluster")).start()
-    yield cluster
-    stop_active_session()
-    cluster.stop()
-
-
-@pytest.fixture(scope="module")
-def cluster_shell(shell, cluster):
-    shell.user_ns["MASTER"] = cluster.url
-    outcome = shell.run_cell("""
-import os, sys
-from pyspark.sql import SparkSession
-os.environ["PYSPARK_PYTHON"] = sys.executable  # the executors' Python: this venv, with hvdmagic
-spark = (SparkSession.builder.master(MASTER).appName("hvdmagic-cluster-test")
-         .config("spark.driver.host", "127.0.0.1").config("spark.driver.bindAddress", "127.0.0.1")
-         .config("spark.executor.cores", "2").config("spark.executor.memory", "1g")
-         .config("spark.executor.resource.gpu.amount", "2").config("spark.task.resource.gpu.amount", "1")
-         .config("spark.executorEnv.CUDA_VISIBLE_DEVICES", "7,6,5,4")
-         .getOrCreate())
-""")
-    assert outcome.error_in_exec is None, outcome.error_in_exec
-    return shell
+def cluster_shell(shell, tmp_path_factory):
+    """The shell, on a cluster of 2 workers with 2 cores and 2 fake GPUs each; a task takes 1 GPU."""
+    with spark_cluster(tmp_path_factory.mktemp("spark-cluster"), workers=2, cores=2, gpus=2, task_gpus=1,
+                       app="hvdmagic-cluster-test", conf={"spark.executorEnv.CUDA_VISIBLE_DEVICES": "7,6,5,4"}):
+        yield shell
 
 
 def test_four_ranks_across_both_executors(cluster_shell):
@@ -92,20 +72,19 @@ hvd.allgather_object(row)
     assert len({r[4] for r in rows}) == 2, f"ranks ran in {set(r[4] for r in rows)}, not in both executors"
     assert sorted(r[5] for r in rows) == ["4", "5", "6", "7"]
     assert rank_processes() == []
-    assert mpi_processes() == []
+    wait_until_no_mpi_processes()
 
 
-def test_slot_check_on_the_cluster_fails_fast(cluster_shell):
+def test_slot_check_on_the_cluster_fails_fast(cluster_shell, monkeypatch):
     # 2 workers x 2 GPUs, 1 GPU per task: 4 slots, all registered, and the cluster is not growing.
-    started = time.monotonic()
+    waits = record_slot_waits(monkeypatch)
     _, error = run(cluster_shell, "%%horovod --np 5\nx = 1")
-    took = time.monotonic() - started
     assert isinstance(error, LaunchError)
     assert "--np 5 needs 5 barrier task slots at once, but this Spark cluster offers 4" in str(error)
     assert "1 GPU(s)" in str(error)
     assert re.search(r"and no more were on their way after \d+ s\.", str(error)), str(error)
-    # Not a timing: half the bound (60 s) tells "did not wait for slots on their way" from "waited", under any load.
-    assert took < slots.DEFAULT_BOUND / 2, f"a cluster that cannot grow took {took:.1f} s to fail, not seconds"
+    # Fast: the check saw nothing on its way, so it neither waited for slots on their way nor ran out its bound.
+    assert [(w.slots, w.coming, w.waited_for, w.ran_out) for w in waits] == [(4, None, None, False)], waits
 
 
 @pytest.mark.parametrize("cores_max", ["4", None], ids=["cores-max", "master-only"])
@@ -118,25 +97,12 @@ def test_a_worker_that_joins_after_the_cell_starts_still_gets_its_ranks(ip, tmp_
     registered, that it is starting an executor (the seconds a loaded machine once needed longer
     than the old 3 s). Last in the module: it ends the module cluster's session (one SparkContext
     per process)."""
-    stop_active_session()
-    cluster = StandaloneCluster(tmp_path, workers=2).start(workers=1)
-    try:
-        ip.user_ns.update(MASTER=cluster.url, CORES_MAX=cores_max)
-        outcome = ip.run_cell("""
-import os, sys
-from pyspark.sql import SparkSession
-os.environ["PYSPARK_PYTHON"] = sys.executable
-builder = (SparkSession.builder.master(MASTER).appName("hvdmagic-late-worker-test")
-           .config("spark.driver.host", "127.0.0.1").config("spark.driver.bindAddress", "127.0.0.1")
-           .config("spark.executor.cores", "2").config("spark.executor.memory", "1g"))
-spark = (builder.config("spark.cores.max", CORES_MAX) if CORES_MAX else builder).getOrCreate()
-spark.conf.set("spark.hvdmagic.slotWait", "180")  # a loaded machine starts JVMs slowly
-""")
-        assert outcome.error_in_exec is None, outcome.error_in_exec
-        tracker, deadline = ip.user_ns["spark"].sparkContext.statusTracker(), time.monotonic() + 90
-        while len(tracker.getExecutorInfos()) < 2:  # the driver, and the first worker's executor
-            assert time.monotonic() < deadline, "the first worker's executor did not register within 90 s"
-            time.sleep(0.2)
+    with spark_cluster(tmp_path, workers=2, start=1, app="hvdmagic-late-worker-test",
+                       conf={"spark.cores.max": cores_max} if cores_max else {}) as (cluster, spark):
+        spark.conf.set("spark.hvdmagic.slotWait", "180")  # a loaded machine starts JVMs slowly
+        tracker = spark.sparkContext.statusTracker()
+        wait_until(lambda: len(tracker.getExecutorInfos()) >= 2,  # the driver, and the first worker's executor
+                   90, "the first worker's executor did not register")
 
         seen, wait = [], slots.wait
 
@@ -161,6 +127,3 @@ hvd.allgather_object((hvd.rank(), os.getcwd()))
         if cores_max:  # names the last witness; without one, the executor may register before the first look
             assert notes, f"the run's record does not say the check waited: {hvdmagic.last_run().notes}"
         assert rank_processes() == []
-    finally:
-        stop_active_session()
-        cluster.stop()

@@ -13,13 +13,15 @@ from array import array
 
 import pytest
 from conftest import run
+from helpers import wait_until
 
 import hvdmagic
 from hvdmagic.errors import JobFailed, RankFailure
 from hvdmagic.kernel.record import RankRecord, RunRecord
 from hvdmagic.kernel.ui import text as text_ui
+from hvdmagic.launch.placement import Placement
 from hvdmagic.metric_rows import GAP_ROW, MetricRows, decode
-from hvdmagic.rank import report
+from hvdmagic.rank import telemetry
 
 
 @pytest.mark.unit
@@ -84,12 +86,12 @@ refused
 
 @pytest.fixture
 def live_report(monkeypatch):
-    """report as inside a rank; yields what it sends."""
+    """telemetry as inside a rank; yields what it sends."""
     sent = io.StringIO()
-    monkeypatch.setattr(report, "_events", sent)
-    monkeypatch.setattr(report, "_rows", MetricRows())
-    monkeypatch.setattr(report, "_metric_steps", 0)
-    monkeypatch.setattr(report, "_progress_sent", {})
+    monkeypatch.setattr(telemetry, "_events", sent)
+    monkeypatch.setattr(telemetry, "_rows", MetricRows())
+    monkeypatch.setattr(telemetry, "_metric_steps", 0)
+    monkeypatch.setattr(telemetry, "_progress_sent", {})
     yield sent
 
 
@@ -102,19 +104,19 @@ def test_rows_taken_while_a_rank_logs_are_neither_lost_nor_repeated(live_report)
 
     def flusher():
         while not stop.is_set():
-            report.flush()
+            telemetry.flush()
 
     thread = threading.Thread(target=flusher)
     thread.start()
     try:
         for i in range(30000):
-            report.log_metrics(step=i, **({"loss": i} if i % 3 else {"acc": -i}))
+            telemetry.log_metrics(step=i, **({"loss": i} if i % 3 else {"acc": -i}))
     finally:
         stop.set()
         sys.setswitchinterval(switch)
         thread.join(timeout=30)
     assert not thread.is_alive(), "the flushing thread did not stop"
-    report.flush()
+    telemetry.flush()
     steps, loss, acc, batches = array("d"), array("d"), array("d"), 0
     for line in sent.getvalue().splitlines():
         event = json.loads(line)
@@ -140,18 +142,18 @@ def test_log_metrics_counts_steps_converts_values_at_once_and_marks_gaps(live_re
     sent = live_report
     loss = torch.tensor(0.5)
     tensor = weakref.ref(loss)
-    report.log_metrics(a=1.0, b=2)  # no step: 0
-    report.log_metrics(b=True, a=loss)  # the other order of names; a tensor and a bool
+    telemetry.log_metrics(a=1.0, b=2)  # no step: 0
+    telemetry.log_metrics(b=True, a=loss)  # the other order of names; a tensor and a bool
     del loss
     assert tensor() is None, "log_metrics kept the tensor alive until the flush"
-    report.flush()
-    report.log_metrics(step=10, epoch=3)  # an int becomes a float
-    report.log_metrics(a=np.float32(4.5))  # a numpy scalar, no step: one after the previous call's
+    telemetry.flush()
+    telemetry.log_metrics(step=10, epoch=3)  # an int becomes a float
+    telemetry.log_metrics(a=np.float32(4.5))  # a numpy scalar, no step: one after the previous call's
     with pytest.raises(TypeError, match=r"^log_metrics\(step=...\) needs a number, not str$"):
-        report.log_metrics(step="x", a=1.0)
+        telemetry.log_metrics(step="x", a=1.0)
     with pytest.raises(OverflowError, match=r"^log_metrics\(a=...\) is too large for a float$"):
-        report.log_metrics(a=10**400, b=1.0)
-    report.flush()
+        telemetry.log_metrics(a=10**400, b=1.0)
+    telemetry.flush()
     batches = [decode(json.loads(line)["metrics"]) for line in sent.getvalue().splitlines()]
     assert [list(steps) for steps, _, _ in batches] == [[0, 1], [10, 11]], "refused calls left rows behind"
     first, second = batches[0][2], batches[1][2]
@@ -162,7 +164,7 @@ def test_log_metrics_counts_steps_converts_values_at_once_and_marks_gaps(live_re
 
 @pytest.mark.unit
 def test_a_malformed_metrics_batch_is_dropped_whole_and_noted():
-    record = RunRecord(1)
+    record = RunRecord(Placement.of(1))
     batch = metric_batch([0, 1], [1.0, 2.0], {"loss": [1.0, 2.0]})
     batch["rows"] = 3  # every column is one row short
     record.apply({"type": "report", "rank": 0, "metrics": batch})
@@ -204,7 +206,7 @@ def test_last_run_holds_logs_timings_and_result(ip):
 
 @pytest.mark.unit
 def test_text_twin_caps_live_output_but_keeps_every_line(capsys):
-    record = RunRecord(1)
+    record = RunRecord(Placement.of(1))
     view = text_ui.TextView(record, out=sys.stdout, max_lines=5)
     for i in range(3):
         event = {"type": "output", "rank": 0, "stream": "stdout", "lines": [f"l{i}a", f"l{i}b", f"l{i}c"]}
@@ -229,7 +231,7 @@ def metric_batch(steps: list, times: list, values: dict[str, list]) -> dict:
 
 
 def _fed_record() -> RunRecord:
-    record = RunRecord(2)
+    record = RunRecord(Placement.of(2))
     record.apply({"type": "launching", "description": "test", "job_group": "hvdmagic-abc"})
     for rank in (0, 1):
         record.apply({"type": "placed", "rank": rank, "host": "127.0.0.1"})
@@ -315,7 +317,7 @@ def test_the_header_and_rows_show_each_start_up_stage():
     from hvdmagic.kernel.ui.dashboard import Dashboard
     from hvdmagic.protocol import Stage
 
-    record = RunRecord(2)
+    record = RunRecord(Placement.of(2))
     board = Dashboard(record)
     board._draw()
     assert ">launching<" in board.header.value and "hvdmagic-stage" not in board.header.value
@@ -424,15 +426,16 @@ def test_dashboard_redraws_at_most_ten_times_a_second():
     board.start()
     started, initial = time.monotonic(), len(draws)  # start() draws once itself
     feeder.start()
-    deadline = started + 10
-    while len(draws) - initial < 8 and time.monotonic() < deadline:  # a flood of changes: the loop must redraw
-        time.sleep(0.01)
-    elapsed = time.monotonic() - started
-    loop_draws = len(draws) - initial
-    stop.set()
-    feeder.join()
-    board.close()
-    assert loop_draws >= 8, f"the redraw loop drew {loop_draws} time(s) in {elapsed:.1f} s while the record changed"
+    try:  # a flood of changes: the loop must redraw
+        wait_until(lambda: len(draws) - initial >= 8, 10,
+                   lambda: f"the redraw loop drew {len(draws) - initial} time(s) while the record changed",
+                   interval=0.01)
+        elapsed = time.monotonic() - started
+        loop_draws = len(draws) - initial
+    finally:
+        stop.set()
+        feeder.join()
+        board.close()
     # The helper thread waits 1/MAX_FPS between draws, however fast the record changes.
     assert loop_draws <= MAX_FPS * elapsed + 2, f"{loop_draws} draws in {elapsed:.2f} s"
     assert board.draw_error is None
@@ -440,7 +443,7 @@ def test_dashboard_redraws_at_most_ten_times_a_second():
 
 @pytest.mark.unit
 def test_text_view_prints_a_line_per_epoch_and_ends_with_the_snapshot_text():
-    record = RunRecord(-1)
+    record = RunRecord(Placement.of(-1))
     out = io.StringIO()
     view = text_ui.TextView(record, out=out)
 
@@ -497,7 +500,7 @@ def test_widgets_in_any_jupyter_kernel_and_text_elsewhere(monkeypatch):
     assert not ui.interactive(), "plain Python: text"
 
 
-# -- format.py: the progress text every view shares ------------------------------------------------
+# -- progress_text.py: the progress text every view shares ------------------------------------------------
 
 def _rank(bars: dict, state: str = "running") -> RankRecord:
     from hvdmagic.protocol import Stage
@@ -508,7 +511,7 @@ def _rank(bars: dict, state: str = "running") -> RankRecord:
 @pytest.mark.unit
 def test_rows_keep_their_width_whatever_the_numbers():
     from hvdmagic.kernel.record import Bar
-    from hvdmagic.kernel.ui import format
+    from hvdmagic.kernel.ui import progress_text
     from hvdmagic.protocol import Stage
 
     cases = [(0, 10, None), (5, 10, 0.004), (999, 1000, 1.5), (12345, 99999, 15234.0),
@@ -519,60 +522,61 @@ def test_rows_keep_their_width_whatever_the_numbers():
             bars = {"train": Bar(step, total, 0, 0.0, 4000.0)}
             if epochs:
                 bars = {"epoch": Bar(3, 120, 0, -1.0, -1.0), **bars}
-            row = format.row(_rank(bars), rate=rate)
+            row = progress_text.row(_rank(bars), rate=rate)
             assert "\n" not in row
             widths.add(len(row))
-            left, _, right = format.row_parts(_rank(bars), rate=rate)
-            assert (len(left), len(right)) == (format.left_width(epochs), format.right_width())
+            left, _, right = progress_text.row_parts(_rank(bars), rate=rate)
+            assert (len(left), len(right)) == (progress_text.left_width(epochs), progress_text.right_width())
         starting = RankRecord(0, state="running", stage=Stage.IMPORTING, stage_since=time.time() - 5)
-        widths.add(len(format.row(starting, epochs=epochs)))
+        widths.add(len(progress_text.row(starting, epochs=epochs)))
         assert len(widths) == 1, f"rows of {sorted(widths)} characters (epochs={epochs})"
-    assert "importing" in format.row(starting) and "0:05" in format.row(starting)
+    assert "importing" in progress_text.row(starting) and "0:05" in progress_text.row(starting)
 
 
 @pytest.mark.unit
 def test_epoch_counter_and_overall_fraction_of_nested_bars():
     from hvdmagic.kernel.record import Bar
-    from hvdmagic.kernel.ui import format
+    from hvdmagic.kernel.ui import progress_text
 
     # Two epochs done; this epoch's bar restarted after the epoch loop moved, 30 of 100 done.
     bars = {"epoch": Bar(2, 5, 0, 0.0, 20.0), "train": Bar(30, 100, 0, 20.5, 25.0, restarts=2)}
-    outer, inner = format.pick_bars(bars)
+    outer, inner = progress_text.pick_bars(bars)
     assert outer[0] == "epoch" and inner[0] == "train"
-    assert format.fraction(outer, inner) == pytest.approx((2 + 30 / 100) / 5)
-    assert format.rank_fraction(bars) == pytest.approx(0.46)
-    row = format.row(_rank(bars))
+    assert progress_text.fraction(outer, inner) == pytest.approx((2 + 30 / 100) / 5)
+    assert progress_text.rank_fraction(bars) == pytest.approx(0.46)
+    row = progress_text.row(_rank(bars))
     assert row.startswith("epoch 3/5 ") and " train " in row and " 30% " in row and " 30/100 " in row
-    assert format.progress_summary(_rank(bars)) == "epoch 3/5 · train 30/100"
+    assert progress_text.progress_summary(_rank(bars)) == "epoch 3/5 · train 30/100"
     # At the epoch's end the loop moves before the next epoch's bar restarts: nothing counts twice.
     moved = {"epoch": Bar(3, 5, 0, 0.0, 30.0), "train": Bar(100, 100, 0, 20.5, 29.9, restarts=2)}
-    assert format.rank_fraction(moved) == pytest.approx(3 / 5)
+    assert progress_text.rank_fraction(moved) == pytest.approx(3 / 5)
     done = {"epoch": Bar(5, 5, 0, 0.0, 50.0), "train": Bar(100, 100, 0, 40.5, 49.9, restarts=4)}
-    assert format.rank_fraction(done) == 1.0 and format.epoch_text(format.pick_bars(done)[0]) == "epoch 5/5"
-    assert format.progress_summary(_rank(done, "finished")) == "epoch 5/5 · train 100/100"
+    assert progress_text.rank_fraction(done) == 1.0
+    assert progress_text.epoch_text(progress_text.pick_bars(done)[0]) == "epoch 5/5"
+    assert progress_text.progress_summary(_rank(done, "finished")) == "epoch 5/5 · train 100/100"
     # Bars one after the other are not nested, and only a lone bar spans the run.
     one_by_one = {"epoch 0": Bar(10, 10, 0, 0.0, 5.0), "epoch 1": Bar(4, 10, 0, 5.1, 7.0)}
-    assert format.pick_bars(one_by_one)[0] is None and format.rank_fraction(one_by_one) is None
+    assert progress_text.pick_bars(one_by_one)[0] is None and progress_text.rank_fraction(one_by_one) is None
     phases = {"train": Bar(10, 10, 0, 8.0, 9.0, restarts=1), "val": Bar(2, 4, 0, 9.1, 9.5, restarts=1)}
-    assert format.pick_bars(phases)[0] is None and format.rank_fraction(phases) is None
-    assert format.rank_fraction({"train": Bar(25, 100, 0, 0.0, 9.0)}) == 0.25
-    assert format.rank_fraction({"train": Bar(25, 100, 20, 9.0, 10.0, restarts=1)}) is None
+    assert progress_text.pick_bars(phases)[0] is None and progress_text.rank_fraction(phases) is None
+    assert progress_text.rank_fraction({"train": Bar(25, 100, 0, 0.0, 9.0)}) == 0.25
+    assert progress_text.rank_fraction({"train": Bar(25, 100, 20, 9.0, 10.0, restarts=1)}) is None
     # The run's overall progress is its slowest rank's.
-    record = RunRecord(2)
+    record = RunRecord(Placement.of(2))
     record.ranks[0].bars = dict(bars)
     record.ranks[1].bars = dict(moved)
-    value, outer = format.run_fraction(record)
+    value, outer = progress_text.run_fraction(record)
     assert value == pytest.approx(0.46) and outer[0] == "epoch"
-    assert format.overall_text(value, outer, None) == "epoch 3/5 ·  46%"
-    assert format.overall_text(value, outer, 61.2) == "epoch 3/5 ·  46% · ETA 1:02"
+    assert progress_text.overall_text(value, outer, None) == "epoch 3/5 ·  46%"
+    assert progress_text.overall_text(value, outer, 61.2) == "epoch 3/5 ·  46% · ETA 1:02"
 
 
 @pytest.mark.unit
 def test_the_rate_is_smoothed_and_carried_over_and_no_eta_without_it():
     from hvdmagic.kernel.record import Bar
-    from hvdmagic.kernel.ui import format
+    from hvdmagic.kernel.ui import progress_text
 
-    meter = format.Meter()
+    meter = progress_text.Meter()
     assert meter.rate is None
     meter.update(0, 100.0)
     assert meter.rate is None, "one sample is no rate"
@@ -589,19 +593,22 @@ def test_the_rate_is_smoothed_and_carried_over_and_no_eta_without_it():
     assert 10 < meter.rate < 20
 
     fresh = _rank({"train": Bar(0, 100, 0, 5.0, 5.0)})
-    assert "<" not in format.row(fresh), "an ETA without a rate"
-    assert "0:00<0:10" in format.row(fresh, rate=10.0)
-    assert "<" not in format.row(_rank({"train": Bar(100, 100, 0, 5.0, 15.0)}), rate=10.0), "an ETA of a full bar"
-    assert "<0:01" in format.row(_rank({"train": Bar(99, 100, 0, 5.0, 15.0)}), rate=10.0), "ETA rounds up, never 0:00"
-    assert format.rate_text(15234) == "15.2k it/s" and format.rate_text(0.5) == "2 s/it"
-    assert format.count(123456) == "123k" and format.count(99999) == "99999" and format.count(2.5) == "2.5"
+    assert "<" not in progress_text.row(fresh), "an ETA without a rate"
+    assert "0:00<0:10" in progress_text.row(fresh, rate=10.0)
+    full = _rank({"train": Bar(100, 100, 0, 5.0, 15.0)})
+    assert "<" not in progress_text.row(full, rate=10.0), "an ETA of a full bar"
+    almost = _rank({"train": Bar(99, 100, 0, 5.0, 15.0)})
+    assert "<0:01" in progress_text.row(almost, rate=10.0), "ETA rounds up, never 0:00"
+    assert progress_text.rate_text(15234) == "15.2k it/s" and progress_text.rate_text(0.5) == "2 s/it"
+    assert progress_text.count(123456) == "123k" and progress_text.count(99999) == "99999"
+    assert progress_text.count(2.5) == "2.5"
 
 
 def test_history_keeps_columns_with_gaps_and_no_python_object_per_row():
     import gc
     import math
 
-    record = RunRecord(2)
+    record = RunRecord(Placement.of(2))
     record.apply({"type": "report", "rank": 0,
                   "metrics": metric_batch([0, 1, 2], [100.0, 100.01, 100.02], {"loss": [3.0, None, 1.0]})})
     record.apply({"type": "report", "rank": 1, "metrics": metric_batch([0], [100.005], {"acc": [0.5]})})

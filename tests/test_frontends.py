@@ -8,11 +8,9 @@ no widget view left in it. ``HVDMAGIC_NONINTERACTIVE`` is left unset throughout.
 
 from __future__ import annotations
 
-import queue
 import time
 
-import pytest
-from kernels import execute, start_kernel
+from helpers import execute, iopub_messages, shell_reply
 
 WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
 
@@ -42,42 +40,16 @@ def _run(client, code: str, timeout: float, on_message=None) -> tuple[dict, list
     """
     msg_id = client.execute(code)
     messages = []
-    deadline = time.monotonic() + timeout
-    while True:
-        remaining = deadline - time.monotonic()
-        assert remaining > 0, f"no reply within {timeout} s; {len(messages)} message(s) so far"
-        try:
-            msg = client.get_iopub_msg(timeout=remaining)
-        except queue.Empty:
-            continue
-        if msg["parent_header"].get("msg_id") != msg_id and not msg["msg_type"].startswith("comm_"):
-            continue
+    for msg in iopub_messages(client, msg_id, timeout, comms=True):
         messages.append(msg)
         if on_message:
             on_message(msg)
-        if (msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle"
-                and msg["parent_header"].get("msg_id") == msg_id):
-            while True:
-                reply = client.get_shell_msg(timeout=10)
-                if reply["parent_header"].get("msg_id") == msg_id:
-                    return reply["content"], messages
+    return shell_reply(client, msg_id), messages
 
 
-@pytest.fixture
-def plain_kernel(monkeypatch):
-    """A kernel started through jupyter_client with neither JPY_SESSION_NAME nor HVDMAGIC_NONINTERACTIVE."""
-    monkeypatch.delenv("HVDMAGIC_NONINTERACTIVE", raising=False)
-    manager, client = start_kernel()
-    try:
-        client.wait_for_ready(timeout=60)
-        yield client
-    finally:
-        client.stop_channels()
-        manager.shutdown_kernel(now=True)
-
-
-def test_a_kernel_without_a_jupyter_server_shows_widgets_then_the_snapshot(plain_kernel):
-    client = plain_kernel
+def test_a_kernel_without_a_jupyter_server_shows_widgets_then_the_snapshot(kernel_factory):
+    # Started through jupyter_client with neither JPY_SESSION_NAME nor HVDMAGIC_NONINTERACTIVE.
+    _, client = kernel_factory(interactive=True)
     reply, texts = execute(client, "%load_ext hvdmagic", timeout=60)
     assert reply["status"] == "ok", texts
     subshells = _subshells(client)
@@ -140,11 +112,7 @@ def test_a_kernel_without_a_jupyter_server_shows_widgets_then_the_snapshot(plain
 
 def _subshells(client) -> bool:
     """Whether the kernel can route messages to subshells (ipykernel 7), as the controls need."""
-    msg_id = client.kernel_info()
-    while True:
-        reply = client.get_shell_msg(timeout=10)
-        if reply["parent_header"].get("msg_id") == msg_id:
-            return "kernel subshells" in reply["content"].get("supported_features", [])
+    return "kernel subshells" in shell_reply(client, client.kernel_info()).get("supported_features", [])
 
 
 def test_nbclient_stores_the_snapshot_not_the_widgets(tmp_path, monkeypatch):

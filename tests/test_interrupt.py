@@ -5,11 +5,11 @@ from __future__ import annotations
 import random
 import time
 
-import psutil
 import pytest
-from kernels import execute as _execute
-from kernels import start_kernel
-from kernels import wait_for_reply as _wait_for_reply
+from helpers import execute as _execute
+from helpers import stop_kernel
+from helpers import wait_for_reply as _wait_for_reply
+from procs import alive, rank_processes
 
 TRAIN = {
     "horovod": """%%horovod --np 2
@@ -27,17 +27,6 @@ time.sleep(600)
 }
 
 
-def _rank_pids(kernel_pid: int) -> list[int]:
-    pids = []
-    for proc in psutil.Process(kernel_pid).children(recursive=True):
-        try:
-            if "hvdmagic.rank" in proc.cmdline():
-                pids.append(proc.pid)
-        except psutil.Error:  # exited (or a zombie) while we looked
-            continue
-    return pids
-
-
 @pytest.mark.parametrize("magic", list(TRAIN))
 def test_interrupt_stops_ranks_and_keeps_the_kernel(kernel, magic):
     manager, client = kernel
@@ -49,7 +38,7 @@ def test_interrupt_stops_ranks_and_keeps_the_kernel(kernel, magic):
 
     def interrupt_once_training(text):
         if "training" in text and not interrupted_at:
-            seen.extend(_rank_pids(kernel_pid))
+            seen.extend(p.pid for p in rank_processes(kernel_pid))
             interrupted_at.append(time.monotonic())
             manager.interrupt_kernel()
 
@@ -60,8 +49,7 @@ def test_interrupt_stops_ranks_and_keeps_the_kernel(kernel, magic):
     error_text = texts[-1]
     assert len(error_text.splitlines()) <= 2, f"the interrupt produced a long traceback:\n{error_text}"
     assert time.monotonic() - interrupted_at[0] < 5 + 5, "the cell took too long to stop"
-    alive = [pid for pid in seen if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
-    assert alive == [], f"rank processes {alive} survived the interrupt"
+    assert alive(seen) == [], f"rank processes {alive(seen)} survived the interrupt"
 
     reply, texts = _execute(client, "%%horovod --np 2\nimport horovod.torch as hvd\nhvd.init()\nhvd.size()",
                             timeout=180)
@@ -99,7 +87,7 @@ def reply_text(error: str) -> str:
     return error.split(":", 1)[1].strip() if ":" in error else error
 
 
-def test_stop_at_random_moments_gives_one_line_and_the_next_cell_works(monkeypatch):
+def test_stop_at_random_moments_gives_one_line_and_the_next_cell_works(kernel_factory):
     """Stop pressed during Spark's first start, the submission, the ranks' start-up and training.
 
     Three fresh kernels; in each, the first cell (which starts the JVM) and two later ones
@@ -107,11 +95,10 @@ def test_stop_at_random_moments_gives_one_line_and_the_next_cell_works(monkeypat
     Stop is followed by a cell that must work. Nine Stops catch a one-in-three failure with
     97 % probability.
     """
-    monkeypatch.setenv("HVDMAGIC_NONINTERACTIVE", "1")
     rng = random.Random(20261123)
     hit = []
     for _ in range(3):
-        manager, client = start_kernel()
+        manager, client = kernel_factory()
         try:
             reply, _ = _execute(client, "%load_ext hvdmagic", timeout=60)
             assert reply["status"] == "ok"
@@ -119,7 +106,6 @@ def test_stop_at_random_moments_gives_one_line_and_the_next_cell_works(monkeypat
             for _ in range(2):
                 hit.append(_interrupt_at(manager, client, rng.uniform(0.0, 3.0)))
         finally:
-            client.stop_channels()
-            manager.shutdown_kernel(now=True)
+            stop_kernel(manager, client)
     assert any("embedded Spark was starting" in text for text in hit), hit
     assert any("while the ranks" in text for text in hit), hit

@@ -6,6 +6,7 @@ import re
 
 import pytest
 from conftest import run
+from helpers import execute
 from IPython.core.error import UsageError
 
 from hvdmagic.errors import CaptureError, CellSyntaxError, LaunchError
@@ -66,11 +67,19 @@ def test_syntax_error_points_at_the_cell_line(ip):
     ("", "needs --np N, or a session"),
     ("--np 2 --out 3x", "valid Python variable name"),
     ("--np 2 --timeout -1", "--timeout must be"),
+    # elastic runs
+    ("--np 2 --min-np 3", "1 <= --min-np <= --np <= --max-np"),
+    ("--np 2 --max-np 1", "1 <= --min-np <= --np <= --max-np"),
+    ("--min-np 1", "give the cell --np N"),
+    ("--np 2 --min-np 1 --controller mpi", "over Gloo"),
+    ("--np 2 --min-np 1 --reset-limit -1", "--reset-limit must be 0 or more"),
+    ("--np 2 --min-np 1 --elastic-timeout 0", "--elastic-timeout must be a positive"),
+    ("--np 2 --min-np 1 --stall-timeout 5", "--stall-timeout is not applied to elastic runs"),
 ])
 def test_bad_arguments_are_usage_errors(ip, line, message):
     _, error = run(ip, f"%%horovod {line}\nx = 1")
     assert isinstance(error, UsageError), error
-    assert message in str(error)
+    assert message in str(error), error
 
 
 @pytest.mark.unit
@@ -153,25 +162,16 @@ def test_run_fails_naming_the_rank_and_type_of_an_unpicklable_value():
     assert "the result (_thread.lock) cannot be pickled" in str(caught.value)
 
 
-def test_without_horovod_load_ext_works_and_a_cell_says_how_to_install_it(tmp_path):
+def test_without_horovod_load_ext_works_and_a_cell_says_how_to_install_it(kernel_factory):
     """horovod is imported lazily: the friendly error is reachable in a kernel whose import fails."""
-    from kernels import execute, start_kernel
-
-    fake = tmp_path / "horovod"
-    fake.mkdir()
-    (fake / "__init__.py").write_text("raise ImportError('horovod is not built in this test kernel')\n")
-    manager, client = start_kernel(PYTHONPATH=str(tmp_path), HVDMAGIC_NONINTERACTIVE="1")
-    try:
-        reply, texts = execute(client, "%load_ext hvdmagic", timeout=60)
-        assert reply["status"] == "ok", texts
-        reply, texts = execute(client, "%%horovod --np -2\n1", timeout=60)
-        assert reply["status"] == "error" and reply["ename"] == "LaunchError", (reply, texts)
-        message = texts[-1]
-        assert "horovod is not importable" in message and "make demo" in message
-        assert len(message.strip().splitlines()) == 1, f"not one paragraph:\n{message}"
-    finally:
-        client.stop_channels()
-        manager.shutdown_kernel(now=True)
+    _, client = kernel_factory(without_horovod=True)
+    reply, texts = execute(client, "%load_ext hvdmagic", timeout=60)
+    assert reply["status"] == "ok", texts
+    reply, texts = execute(client, "%%horovod --np -2\n1", timeout=60)
+    assert reply["status"] == "error" and reply["ename"] == "LaunchError", (reply, texts)
+    message = texts[-1]
+    assert "horovod is not importable" in message and "make demo" in message
+    assert len(message.strip().splitlines()) == 1, f"not one paragraph:\n{message}"
 
 
 @pytest.mark.unit

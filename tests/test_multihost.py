@@ -11,9 +11,9 @@ import shutil
 
 import netns
 import pytest
-from cluster import StandaloneCluster, stop_active_session
 from conftest import run
-from procs import mpi_processes, rank_processes
+from helpers import spark_cluster
+from procs import rank_processes, wait_until_no_mpi_processes
 
 _why_not = netns.available()
 pytestmark = [pytest.mark.cluster,
@@ -32,26 +32,15 @@ hvd.allgather_object(row)
 
 @pytest.fixture(scope="module")
 def two_host_shell(shell, tmp_path_factory):
-    stop_active_session()
-    with netns.TwoHosts() as network:
-        cluster = StandaloneCluster(tmp_path_factory.mktemp("two-hosts"), host=network.driver,
-                                    worker_hosts=network.hosts).start()
-        shell.user_ns.update(MASTER=cluster.url, DRIVER=network.driver)
-        outcome = shell.run_cell("""
-import os, sys
-from pyspark.sql import SparkSession
-os.environ["PYSPARK_PYTHON"] = sys.executable
-spark = (SparkSession.builder.master(MASTER).appName("hvdmagic-two-hosts")
-         .config("spark.driver.host", DRIVER).config("spark.driver.bindAddress", DRIVER)
-         .config("spark.executor.cores", "2").config("spark.executor.memory", "1g")
-         .getOrCreate())
-""")
+    """The shell, on a cluster of one 2-core worker on each simulated host; the driver on their network."""
+    with netns.TwoHosts() as network, spark_cluster(tmp_path_factory.mktemp("two-hosts"), cores=2,
+                                                    host=network.driver, worker_hosts=network.hosts,
+                                                    app="hvdmagic-two-hosts"):
+        shell.user_ns["DRIVER"] = network.driver
         try:
-            assert outcome.error_in_exec is None, outcome.error_in_exec
             yield shell
         finally:
-            stop_active_session()
-            cluster.stop()
+            del shell.user_ns["DRIVER"]
 
 
 def _check_layout(rows):
@@ -83,7 +72,7 @@ def test_mpi_layout_follows_the_hosts(two_host_shell):
     assert error is None, error
     _check_layout(result)
     assert rank_processes() == []
-    assert mpi_processes() == []
+    wait_until_no_mpi_processes()
 
 
 TORCHRUN_CELL = """%%torchrun --np 4

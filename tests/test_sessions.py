@@ -10,6 +10,7 @@ import time
 
 import pytest
 from conftest import run
+from helpers import record_slot_waits, wait_until
 from IPython.core.error import UsageError
 from procs import kernel_resources, rank_processes, wait_until_gone
 
@@ -72,13 +73,26 @@ def test_state_carries_over_cells_and_the_step_count_continues(ip, np):
     wait_until_gone(list(pids), within=10)
 
 
-def test_a_trivial_cell_on_warm_ranks_takes_milliseconds(session):
+def test_a_trivial_cell_on_warm_ranks_starts_no_process_and_no_stage(session):
+    """Why a cell on warm ranks takes milliseconds (the figure is in benchmarks/): it runs in the
+    session's rank processes, starts no process, and goes through none of a launch's stages."""
+    from hvdmagic.protocol import Stage
+
     run(session, SETUP)
-    started = time.perf_counter()
-    result, error = run(session, "%%horovod\nhvd.allreduce(torch.ones(1)).item()")
-    assert error is None and result == 1.0
-    # Generous: the figure (a few ms) is in benchmarks/; this only proves no process or stage starts.
-    assert time.perf_counter() - started < 1.0
+    ranks = rank_processes()
+
+    def processes():  # the rank processes and theirs; a process is its pid and start time
+        return {p for rank in rank_processes() for p in (rank, *rank.children(recursive=True))}
+
+    before = processes()
+    result, error = run(session, "%%horovod\n(hvd.allreduce(torch.ones(1)).item(), hvd.allgather_object(os.getpid()))")
+    assert error is None and result[0] == 1.0, error
+    assert sorted(result[1]) == sorted(p.pid for p in ranks) and len(ranks) == 2, "the cell ran in other processes"
+    assert processes() == before, "a rank process started, or one ended"
+    launch_stages = {Stage.SPARK_STARTING, Stage.WAITING_FOR_SLOTS, Stage.SUBMITTED, Stage.RANKS_STARTING,
+                     Stage.IMPORTING}
+    reached = set(hvdmagic.last_run().stage_reached)
+    assert reached and not reached & launch_stages, f"the cell went through {sorted(reached & launch_stages)}"
 
 
 def test_a_keyboard_interrupt_in_the_cell_keeps_the_session(session):
@@ -151,10 +165,7 @@ def test_a_killed_rank_is_named_and_the_session_comes_back_without_its_state(ses
 def test_the_session_stops_itself_when_idle_and_says_so(ip):
     ip.run_line_magic("horovod", "start --np -2 --idle-timeout 2")
     pids = [p.pid for p in rank_processes()]
-    deadline = time.monotonic() + 30
-    while rank_processes() and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert rank_processes() == [], "the idle session's ranks still run"
+    wait_until(lambda: rank_processes() == [], 30, "the idle session's ranks still run")
     _, error = run(ip, "%%horovod\n1")
     assert isinstance(error, UsageError) and "--idle-timeout" in str(error), error
     wait_until_gone(pids, within=1)
@@ -197,9 +208,8 @@ def test_stop_leaves_no_process_thread_or_socket_behind(ip):
         ip.run_line_magic("horovod", "start --np -2")
         run(ip, SETUP)
         ip.run_line_magic("horovod", "stop")
-    deadline = time.monotonic() + 10
-    while (after := kernel_resources())["threads"] > before["threads"] and time.monotonic() < deadline:
-        time.sleep(0.05)
+    after = wait_until(lambda: (now := kernel_resources())["threads"] <= before["threads"] and now, 10,
+                       lambda: f"threads: {before['threads']} before, {kernel_resources()['threads']} after")
     assert rank_processes() == []
     for what in ("threads", "sockets", "fds", "children"):
         assert after[what] <= before[what], f"{what}: {before[what]} before, {after[what]} after three sessions"
@@ -207,11 +217,11 @@ def test_stop_leaves_no_process_thread_or_socket_behind(ip):
 
 def test_a_cell_from_outside_the_kernel_is_refused(session, tmp_path):
     """Only the kernel holds the session's secret: a frame from anyone else never reaches a rank."""
-    from hvdmagic.kernel import sessions
+    from hvdmagic.kernel import warm_sessions
 
     run(session, SETUP)
     marker = tmp_path / "ran"
-    warm = sessions._sessions[sessions.Framework.HOROVOD]
+    warm = warm_sessions._sessions[warm_sessions.Framework.HOROVOD]
     server = warm._job.server
     rejected = server.rejected
     with socket.create_connection(server.address, timeout=5) as sock:
@@ -219,9 +229,7 @@ def test_a_cell_from_outside_the_kernel_is_refused(session, tmp_path):
         forged = channel.Link(sock, channel.new_secret(), nonce, is_server=False)  # another kernel's secret
         forged.send({"type": "cell", "id": 99, "payload": ""})
         forged.send({"type": "output", "rank": 0, "lines": [f"open({str(marker)!r}, 'w')"]})
-    deadline = time.monotonic() + 10
-    while server.rejected == rejected and time.monotonic() < deadline:
-        time.sleep(0.01)
+    wait_until(lambda: server.rejected != rejected, 10, "the forged connection was not turned away")
     assert server.rejected == rejected + 1, "the forged connection was not turned away"
     result, error = run(session, "%%horovod\nhvd.size()")
     assert error is None and result == 2 and not marker.exists()
@@ -266,16 +274,17 @@ def test_python_api_session_context_manager(ip):
     assert rank_processes() == []
 
 
-def test_a_one_shot_spark_cell_beside_a_spark_session_fails_at_once_instead_of_waiting(ip):
+def test_a_one_shot_spark_cell_beside_a_spark_session_fails_at_once_instead_of_waiting(ip, monkeypatch):
     from hvdmagic.errors import LaunchError
 
     ip.run_line_magic("horovod", "start --np 2")
     try:
-        started = time.monotonic()
+        waits = record_slot_waits(monkeypatch)
         _, error = run(ip, "%%horovod --np 2\n1")
         assert isinstance(error, LaunchError), error
         assert "the warm ranks of a session hold 2" in str(error), error
-        assert time.monotonic() - started < 30
+        # At once: the slot check saw nothing on its way, and neither waited for slots nor ran out its bound.
+        assert [(w.coming, w.waited_for, w.ran_out) for w in waits] == [(None, None, False)], waits
         result, error = run(ip, "%%horovod\nimport horovod.torch as hvd\nhvd.init()\nhvd.size()")
         assert error is None and result == 2, "the session was disturbed"
     finally:

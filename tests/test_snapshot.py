@@ -17,6 +17,7 @@ from hvdmagic.kernel.record import RunRecord
 from hvdmagic.kernel.ui import charts
 from hvdmagic.kernel.ui.charts import CHART_POINTS, chart_html, debiased_ema, is_constant, metrics_html
 from hvdmagic.kernel.ui.snapshot import Snapshot
+from hvdmagic.launch.placement import Placement
 
 pytestmark = pytest.mark.unit
 
@@ -206,7 +207,7 @@ def test_a_constant_metric_is_a_compact_row_not_a_chart():
 
 
 def _record(failed: bool = False) -> RunRecord:
-    record = RunRecord(2)
+    record = RunRecord(Placement.of(2))
     record.apply({"type": "launching", "description": "test", "job_group": "hvdmagic-abc"})
     for rank in (0, 1):
         record.apply({"type": "placed", "rank": rank, "host": f"10.0.0.{rank + 1}"})
@@ -245,7 +246,7 @@ def test_snapshot_text_is_deterministic_and_matches_the_text_views_summary():
         "scale_lr: lr 0.01 x 2 ranks = 0.02\n"
         "rank 0 metrics at step 9: loss=0.1  lr=0.01\n"
     )
-    local = RunRecord(-1)
+    local = RunRecord(Placement.of(-1))
     local.finish()
     assert Snapshot(local).text() == "%%horovod np=1 (local): finished\n"
 

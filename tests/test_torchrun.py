@@ -8,6 +8,7 @@ import time
 
 import pytest
 from conftest import run
+from helpers import execute, wait_until
 from procs import rank_processes
 
 import hvdmagic
@@ -107,13 +108,8 @@ def test_the_store_listens_on_the_driver_address_only():
                  if c.status == psutil.CONN_LISTEN and c.laddr.port == store.port]
     store.stop()
     assert [address.ip for address in listening] == ["127.0.0.1"], listening
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and any(
-            c.laddr.port == store.port for c in psutil.Process().net_connections(kind="inet")
-            if c.status == psutil.CONN_LISTEN):
-        time.sleep(0.1)
-    assert not any(c.laddr.port == store.port for c in psutil.Process().net_connections(kind="inet")
-                   if c.status == psutil.CONN_LISTEN), "the store's socket outlived it"
+    wait_until(lambda: not any(c.laddr.port == store.port for c in psutil.Process().net_connections(kind="inet")
+                               if c.status == psutil.CONN_LISTEN), 10, "the store's socket outlived it")
 
 
 @pytest.mark.parametrize("how, summary", [("raise ValueError('rank one is broken')", "ValueError: rank one is broken"),
@@ -266,36 +262,27 @@ trainer.fit(Model(), data)
     assert {rank.bar.step for rank in hvdmagic.last_run().ranks} == {steps}
 
 
-def test_an_environment_without_horovod_runs_torchrun_the_api_and_the_drop_in(tmp_path):
+def test_an_environment_without_horovod_runs_torchrun_the_api_and_the_drop_in(kernel_factory):
     """horovod cannot be imported in this kernel nor in its ranks; everything torch-only still works."""
-    from kernels import execute, start_kernel
-
-    fake = tmp_path / "horovod"
-    fake.mkdir()
-    (fake / "__init__.py").write_text("raise ImportError('no horovod in this environment (test)')\n")
-    manager, client = start_kernel(PYTHONPATH=str(tmp_path), HVDMAGIC_NONINTERACTIVE="1")
+    _, client = kernel_factory(without_horovod=True)
 
     def ok(code: str, timeout: float = 180) -> str:
         reply, texts = execute(client, code, timeout=timeout)
         assert reply["status"] == "ok", (code, texts)
         return "".join(texts)
 
-    try:
-        ok("%load_ext hvdmagic")
-        ok("import hvdmagic\n"
-           "def world():\n"
-           "    import sys, torch.distributed as dist\n"
-           "    dist.init_process_group('gloo')\n"
-           "    return dist.get_world_size(), 'horovod' in sys.modules")
-        ok("%%torchrun --np -2 --out magic_result\nworld()")
-        out = ok("print('magic', magic_result)\n"
-                 "print('api', hvdmagic.run(world, -2, backend='torch'))\n"
-                 "from hvdmagic import TorchDistributor\n"
-                 "print('drop-in', TorchDistributor(2, local_mode=False, use_gpu=False).run(world))")
-        assert "magic (2, False)" in out and "api [(2, False), (2, False)]" in out and "drop-in (2, False)" in out, out
-        reply, texts = execute(client, "%%horovod --np -2\n1", timeout=60)
-        assert reply["status"] == "error" and reply["ename"] == "LaunchError", texts
-        assert "horovod is not importable" in texts[-1] and "%%torchrun needs no horovod" in texts[-1]
-    finally:
-        client.stop_channels()
-        manager.shutdown_kernel(now=True)
+    ok("%load_ext hvdmagic")
+    ok("import hvdmagic\n"
+       "def world():\n"
+       "    import sys, torch.distributed as dist\n"
+       "    dist.init_process_group('gloo')\n"
+       "    return dist.get_world_size(), 'horovod' in sys.modules")
+    ok("%%torchrun --np -2 --out magic_result\nworld()")
+    out = ok("print('magic', magic_result)\n"
+             "print('api', hvdmagic.run(world, -2, backend='torch'))\n"
+             "from hvdmagic import TorchDistributor\n"
+             "print('drop-in', TorchDistributor(2, local_mode=False, use_gpu=False).run(world))")
+    assert "magic (2, False)" in out and "api [(2, False), (2, False)]" in out and "drop-in (2, False)" in out, out
+    reply, texts = execute(client, "%%horovod --np -2\n1", timeout=60)
+    assert reply["status"] == "error" and reply["ename"] == "LaunchError", texts
+    assert "horovod is not importable" in texts[-1] and "%%torchrun needs no horovod" in texts[-1]

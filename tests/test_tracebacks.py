@@ -21,8 +21,8 @@ from hvdmagic import pickling
 from hvdmagic.errors import JobFailed
 from hvdmagic.kernel.capture import capture_cell, code_filenames, notebook_sources, with_notebook_sources
 from hvdmagic.rank import cell as rank_cell
-from hvdmagic.rank.__main__ import _name_cells, _user_traceback
 from hvdmagic.rank.cell import CELL_FILENAME, CellFunction, SourcedFunction
+from hvdmagic.rank.outcome import _name_cells, _user_traceback
 
 BOOM_CELL = """\
 x = 1

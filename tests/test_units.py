@@ -9,6 +9,7 @@ import pytest
 from hvdmagic import channel
 from hvdmagic.errors import JobFailed, RankFailure
 from hvdmagic.launch.layout import compute_layout
+from hvdmagic.launch.placement import Placement
 from hvdmagic.task.lines import LineSplitter
 
 pytestmark = pytest.mark.unit
@@ -207,14 +208,14 @@ def test_supervisor_marks_only_its_own_kills_as_aborted():
     import signal
     import subprocess
 
-    from hvdmagic.task.supervisor import Supervisor
+    from hvdmagic.task.rank_process import RankProcess
 
-    ours = Supervisor(spec=None, task_index=0)
+    ours = RankProcess(0, print, print)
     ours.proc = subprocess.Popen(["sleep", "30"], start_new_session=True)
     ours.kill()
     assert ours.proc.returncode == -signal.SIGTERM and -ours.proc.returncode in ours._sent
 
-    oom = Supervisor(spec=None, task_index=0)
+    oom = RankProcess(0, print, print)
     oom.proc = subprocess.Popen(["sleep", "30"], start_new_session=True)
     oom.proc.send_signal(signal.SIGKILL)  # the OOM killer got there first
     oom.proc.wait()
@@ -277,7 +278,7 @@ def test_tensorflow_start_up_chatter_is_kept_out_of_the_views_and_shown_when_the
     mine = ["Epoch 1/2", "loss: 0.5 - error: the data is bad", "E: my own message"]
     assert all(is_startup_noise(line) for line in chatter)
     assert not any(is_startup_noise(line) for line in mine)
-    record = RunRecord(1)
+    record = RunRecord(Placement.of(1))
     record.apply({"type": "output", "rank": 0, "stream": "stderr", "lines": chatter + mine, "transient": None})
     assert [line for _, _, line in record.all_logs] == mine  # what the views show
     assert record.logs[0].count("\n") == len(chatter) + len(mine)  # the full log keeps everything

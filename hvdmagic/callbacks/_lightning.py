@@ -21,7 +21,7 @@ import math
 from contextlib import ExitStack
 from types import ModuleType
 
-from hvdmagic.rank.report import log_metrics, progress
+from hvdmagic.rank.telemetry import log_metrics, progress
 
 _OPERATIONS = {"mean": "Average", "avg": "Average", "average": "Average", "sum": "Sum", "max": "Max", "min": "Min"}
 
@@ -136,21 +136,11 @@ def define(pl: ModuleType) -> dict[str, type]:
             set_rank_zero(hvd.rank())  # before the Trainer prints its device summary
             self._exit_stack: ExitStack | None = None
 
-        @property
-        def global_rank(self) -> int:
-            return hvd.rank()
-
-        @property
-        def local_rank(self) -> int:
-            return hvd.local_rank()
-
-        @property
-        def node_rank(self) -> int:
-            return hvd.cross_rank()
-
-        @property
-        def world_size(self) -> int:
-            return hvd.size()
+        # Lightning's names for Horovod's ranks.
+        global_rank = property(lambda self: hvd.rank())
+        local_rank = property(lambda self: hvd.local_rank())
+        node_rank = property(lambda self: hvd.cross_rank())
+        world_size = property(lambda self: hvd.size())
 
         @property
         def is_distributed(self) -> bool:

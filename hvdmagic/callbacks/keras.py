@@ -22,7 +22,7 @@ except ImportError as exc:
                       "run the README's set-up command, which installs it and builds horovod for it "
                       "(docs/frameworks.md).") from exc
 
-from hvdmagic.rank.report import log_metrics, progress
+from hvdmagic.rank.telemetry import log_metrics, progress
 
 _Callback = _tf.keras.callbacks.Callback
 

@@ -11,7 +11,7 @@ from typing import Any
 
 from hvdmagic.kernel.capture import dumps_by_value_if_users_own, with_notebook_sources
 from hvdmagic.kernel.runner import execute
-from hvdmagic.launch import Elastic, ResultPolicy
+from hvdmagic.launch import Elastic, Placement, ResultPolicy, Where
 from hvdmagic.protocol import Framework
 from hvdmagic.rank.scripts import run_script
 
@@ -60,8 +60,10 @@ def run(fn: Callable, np: int | None = None, *args, timeout: float | None = None
 
     Returns:
         A list of |np| values: what ``fn`` returned on each rank, rank 0's first. Every
-        rank's value must be picklable, or that rank fails with a TypeError. An elastic
-        run returns the values of the ranks it ended with, in their final rank order.
+        rank's value must be picklable, or that rank fails with a TypeError (on a session's
+        ranks, which outlive the call, the value becomes an ``UnsentResult`` with its repr
+        instead). An elastic run returns the values of the ranks it ended with, in their
+        final rank order.
 
     Raises:
         hvdmagic.errors.JobFailed: a rank raised or died; the error names it and shows its traceback.
@@ -95,9 +97,13 @@ def run(fn: Callable, np: int | None = None, *args, timeout: float | None = None
                              "it starts with")
         elastic = Elastic.from_arguments(np, min_np=min_np, max_np=max_np, reset_limit=reset_limit,
                                          timeout=elastic_timeout)
+    placement = None
+    if session is None:
+        placement = Placement.of(np, framework=framework, controller=controller, elastic=elastic, name="np")
+        placement.check_options(data=data, stall_timeout=stall_timeout)
     payload = _dumps((fn, args, kwargs), fn)
-    return execute(payload, np, timeout=timeout, stall_timeout=stall_timeout, data=data, controller=controller,
-                   framework=framework, session=session, command="hvdmagic.run", elastic=elastic).results
+    return execute(payload, placement, timeout=timeout, stall_timeout=stall_timeout, data=data, session=session,
+                   command="hvdmagic.run").results
 
 
 def _dumps(obj, fn: Callable) -> bytes:
@@ -137,8 +143,7 @@ class HorovodRunner:
     """
 
     def __init__(self, np: int, driver_log_verbosity: str = "all"):
-        if not isinstance(np, int) or isinstance(np, bool) or np == 0:
-            raise ValueError(f"HorovodRunner needs a non-zero integer np, not {np!r}")
+        self.placement = Placement.of(np, name="np")  # a PlacementError (a ValueError) for 0, 2.5, True
         if driver_log_verbosity not in _VERBOSITIES:
             raise ValueError(f"driver_log_verbosity must be one of {_VERBOSITIES}, not {driver_log_verbosity!r}")
         self.num_processor = np
@@ -172,7 +177,7 @@ class HorovodRunner:
             accuracy = HorovodRunner(np=2).run(train, lr=0.1)
         """
         payload = _dumps((main, (), kwargs), main)
-        return execute(payload, self.num_processor, results=ResultPolicy.RANK0, command="HorovodRunner").result
+        return execute(payload, self.placement, results=ResultPolicy.RANK0, command="HorovodRunner").result
 
 
 class TorchDistributor:
@@ -228,7 +233,7 @@ class TorchDistributor:
             if kwargs:
                 raise TypeError("a script takes command-line arguments only, not keyword arguments")
             train_object, args = run_script, (train_object, *map(str, args))
-        np = -self.num_processes if self.local_mode else self.num_processes
+        placement = Placement(self.num_processes, Where.LOCAL if self.local_mode else Where.SPARK, Framework.TORCH,
+                              gpus=self.use_gpu)
         payload = _dumps((train_object, args, kwargs), train_object)
-        return execute(payload, np, results=ResultPolicy.RANK0, framework=Framework.TORCH,
-                       gpus=self.use_gpu, command="TorchDistributor").result
+        return execute(payload, placement, results=ResultPolicy.RANK0, command="TorchDistributor").result

@@ -27,7 +27,7 @@ import cloudpickle
 
 from hvdmagic import pickling
 from hvdmagic.errors import CaptureError, CellSyntaxError
-from hvdmagic.rank.cell import CELL_FILENAME, CellFunction, SourcedFunction, Sources
+from hvdmagic.rank.cell import CELL_FILENAME, CellFunction, SourcedFunction, Sources, split_last_expression
 
 # IPython's own bookkeeping names (In, _i3, _42, ...), never worth shipping.
 _IPYTHON_NAMES = re.compile(r"^(_+|_i+|_\d+|_i\d+|_ih|_oh|_dh|In|Out|get_ipython|exit|quit)$")
@@ -79,13 +79,15 @@ def format_size(size: int) -> str:
 
 
 def capture_cell(source: str, user_ns: dict, hidden: set[str] | frozenset[str] = frozenset(),
-                 shell=None) -> Capture:
+                 shell=None, tree: ast.Module | None = None) -> Capture:
     """Build the payload for ``source`` (already transformed to plain Python).
 
     ``shell`` (None: the running IPython shell, if any; False: none) names the
     notebook cells in the ranks' tracebacks; without one, frames keep their file names.
+    ``tree``: ``parse_cell(source)``, when the caller has parsed it already; the ranks
+    get it with the source, and parse nothing.
     """
-    tree = parse_cell(source)
+    tree = tree or parse_cell(source)
     wanted = sorted(
         name for name in referenced_names(tree)
         if name in user_ns and name not in hidden and not _IPYTHON_NAMES.match(name)
@@ -110,7 +112,7 @@ def capture_cell(source: str, user_ns: dict, hidden: set[str] | frozenset[str] =
         )
     shell = _shell() if shell is None else shell
     function = CellFunction(source, pickled, sources=notebook_sources([user_ns[name] for name in pickled], shell),
-                            display_name=_current_cell_name(shell) or "")
+                            display_name=_current_cell_name(shell) or "", code=split_last_expression(tree))
     types = {name: _type_name(user_ns[name]) for name in wanted}
     return Capture(function, pickling.dumps((function, (), {})), types)
 

@@ -8,12 +8,11 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
-from hvdmagic.errors import LaunchError
-from hvdmagic.kernel import sessions
-from hvdmagic.kernel.capture import capture_cell
-from hvdmagic.kernel.preflight import check_cell
+from hvdmagic.kernel import warm_sessions
+from hvdmagic.kernel.capture import capture_cell, parse_cell
+from hvdmagic.kernel.framework_check import check_cell
 from hvdmagic.kernel.runner import execute
-from hvdmagic.launch import Elastic, ResultPolicy
+from hvdmagic.launch import Elastic, Placement, PlacementError, ResultPolicy
 from hvdmagic.protocol import Framework
 
 
@@ -36,7 +35,7 @@ def _launch_arguments(func):
                  help="Store the run's metrics history (a pandas DataFrame, all ranks) in the variable NAME."),
         argument("--mlflow", nargs="?", const="", metavar="EXPERIMENT",
                  help="After a successful run, log rank 0's metrics, the params and the duration to MLflow "
-                      "(experiment EXPERIMENT, else MLflow's default); see hvdmagic.callbacks.mlflow."),
+                      "(experiment EXPERIMENT, else MLflow's default); see hvdmagic.kernel.mlflow_export."),
     ]):
         func = decorate(func)
     return func
@@ -84,7 +83,7 @@ class HorovodMagics(Magics):
             hvd.allreduce(torch.tensor(evaluate(model))).item()
         """
         if cell is None:
-            return sessions.line_magic("%horovod", line, Framework.HOROVOD)
+            return warm_sessions.line_magic("%horovod", line, Framework.HOROVOD)
         args = parse_argstring(self.horovod, line)
         return self._launch("%%horovod", args, cell, Framework.HOROVOD, timeline=args.timeline,
                             controller=args.controller, elastic=_elastic(args))
@@ -116,22 +115,26 @@ class HorovodMagics(Magics):
             evaluate(model)
         """
         if cell is None:
-            return sessions.line_magic("%torchrun", line, Framework.TORCH)
+            return warm_sessions.line_magic("%torchrun", line, Framework.TORCH)
         args = parse_argstring(self.torchrun, line)
         return self._launch("%%torchrun", args, cell, Framework.TORCH)
 
-    def _launch(self, magic: str, args, cell: str, framework: Framework, **options):
+    def _launch(self, magic: str, args, cell: str, framework: Framework, *, controller: str = "gloo",
+                elastic: Elastic | None = None, timeline: str | None = None):
         """Check the arguments, capture the cell, run it, and store what --out and --metrics name."""
-        session = None
+        session = placement = None
         if args.np is None:
-            session = sessions.for_cell(magic, framework)
+            session = warm_sessions.for_cell(magic, framework)
             for flag in ("data", "timeline"):
                 if getattr(args, flag, None) is not None:
                     raise UsageError(f"--{flag} needs ranks of its own: give the cell --np N (a session's ranks "
                                      "are already running).")
-        elif args.np == 0:
-            raise UsageError("--np must be a positive number of Spark ranks, "
-                             "or negative for local mode (e.g. --np -2).")
+        else:
+            try:
+                placement = Placement.of(args.np, framework=framework, controller=controller, elastic=elastic)
+                placement.check_options(stall_timeout=args.stall_timeout)
+            except PlacementError as exc:
+                raise UsageError(str(exc)) from None
         for flag, name in (("--out", args.out), ("--metrics", args.metrics)):
             if name is not None and not name.isidentifier():
                 raise UsageError(f"{flag} needs a valid Python variable name, not {name!r}.")
@@ -146,23 +149,28 @@ class HorovodMagics(Magics):
             if not hasattr(data, "mapInArrow"):
                 raise UsageError(f"--data needs the name of a Spark DataFrame in the notebook; "
                                  f"{args.data!r} is {'undefined' if data is None else type(data).__name__}.")
+            try:
+                placement.check_options(data=data)
+            except PlacementError as exc:
+                raise UsageError(str(exc)) from None
         if args.mlflow is not None and importlib.util.find_spec("mlflow") is None:
             raise UsageError("--mlflow needs MLflow in the notebook's environment: pip install mlflow-skinny.")
 
         source = cell_source(self.shell, cell)
+        tree = parse_cell(source)  # the one parse: the checks, the capture and the ranks share it
         if framework == Framework.HOROVOD:
-            check_cell(source)
-        capture = capture_cell(source, self.shell.user_ns, set(self.shell.user_ns_hidden))
+            check_cell(tree)
+        capture = capture_cell(source, self.shell.user_ns, set(self.shell.user_ns_hidden), tree=tree)
         print(capture.summary(), flush=True)
-        record = execute(capture.payload, args.np, timeout=args.timeout, stall_timeout=args.stall_timeout,
-                         data=data, results=ResultPolicy.ALL_OR_REPR, framework=framework, session=session,
-                         command=magic, **options)
+        record = execute(capture.payload, placement, timeout=args.timeout, stall_timeout=args.stall_timeout,
+                         data=data, results=ResultPolicy.ALL_OR_REPR, session=session, command=magic,
+                         timeline=timeline)
         if args.out:
             self.shell.user_ns[args.out] = record.result
         if args.metrics:
             self.shell.user_ns[args.metrics] = record.metrics
         if args.mlflow is not None:
-            from hvdmagic.callbacks.mlflow import log_run
+            from hvdmagic.kernel.mlflow_export import log_run
 
             run_id = log_run(record, experiment=args.mlflow or None)
             print(f"hvdmagic: logged rank 0's metrics to MLflow run {run_id}", flush=True)
@@ -178,12 +186,7 @@ def _elastic(args) -> Elastic | None:
     if args.np is None:
         raise UsageError("--min-np, --max-np, --reset-limit and --elastic-timeout start an elastic run of its own: "
                          "give the cell --np N (the ranks it starts with) too.")
-    elastic = Elastic.from_arguments(args.np, **given)
-    try:
-        elastic.check(args.np, Framework.HOROVOD, args.controller, None, args.stall_timeout)
-    except LaunchError as exc:
-        raise UsageError(str(exc)) from None
-    return elastic
+    return Elastic.from_arguments(args.np, **given)
 
 
 def cell_source(shell, cell: str) -> str:

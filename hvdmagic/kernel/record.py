@@ -15,9 +15,8 @@ from typing import Any
 from hvdmagic import metric_rows
 from hvdmagic.kernel.history import MetricHistory
 from hvdmagic.kernel.noise import is_startup_noise
+from hvdmagic.launch.placement import Placement
 from hvdmagic.protocol import STAGE_ORDER, Event, Stage
-
-STATES = ("launching", "running", "finished", "failed", "cancelled")
 
 
 @dataclass
@@ -64,14 +63,16 @@ class RankRecord:
 
 
 class RunRecord:
-    """``elastic``: (min_np, start np, max_np) of an elastic run, whose rows are its tasks."""
+    """One run as the views show it: a row per rank (an elastic run's: per task, ``max_np`` of them)."""
 
-    def __init__(self, np: int, command: str = "%%horovod", elastic: tuple[int, int, int] | None = None):
-        self.np = abs(np)
-        self.elastic = elastic
-        self.world_size = elastic[1] if elastic else self.np  # the ranks training now
+    def __init__(self, placement: Placement, command: str = "%%horovod"):
+        self.np = placement.tasks
+        elastic = placement.elastic
+        # (min_np, start np, max_np) of an elastic run
+        self.elastic = (elastic.min_np, placement.np, elastic.max_np) if elastic else None
+        self.world_size = placement.np  # the ranks training now
         self.resets: list = []  # elastic: each reset (launch.elastic.Reset): when, why, sizes, the commit
-        self.mode = "local" if np < 0 else "spark"
+        self.mode = placement.where.value
         self.command = command  # how the run was asked for: "%%horovod", "%%torchrun", "hvdmagic.run", ...
         self.state = "launching"
         self.description = ""
@@ -228,12 +229,6 @@ class RunRecord:
     def logs(self) -> dict[int, str]:
         """Every output line of every rank, by rank."""
         return {r.rank: "".join(line + "\n" for _, line in r.logs) for r in self.ranks}
-
-    @property
-    def stage_elapsed(self) -> float:
-        """Seconds the run has spent in its current stage."""
-        since = self.stage_reached.get(self.stage, self.started) if self.stage else self.started
-        return (self.ended or time.time()) - since
 
     @property
     def timings(self) -> dict:

@@ -29,50 +29,11 @@ import time
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
-from hvdmagic.errors import JobFailed, JobTimeout, LaunchError, RankFailure
+from hvdmagic import protocol
+from hvdmagic.errors import JobFailed, JobTimeout, RankFailure
 from hvdmagic.launch.job import POLL, Job, JobState, describe_exit, result_value
-from hvdmagic.protocol import Event, Framework, Stage
-
-
-@dataclass(frozen=True)
-class Elastic:
-    """Horovod elastic training: start on np ranks, go on while ``min_np`` remain, grow to ``max_np``.
-
-    ``reset_limit``: how many resets the run may go through before it fails (None: no limit).
-    ``timeout``: seconds Horovod waits for at least ``min_np`` slots (at the start and after a loss).
-    ``cooldown``: the range of seconds a task whose rank died sits out before it gets a rank again.
-    """
-
-    min_np: int
-    max_np: int
-    reset_limit: int | None = None
-    timeout: float = 60.0
-    cooldown: tuple[int, int] = (5, 300)  # the first return comes 10-15 s after a loss, the next 20-25 s ...
-
-    @classmethod
-    def from_arguments(cls, np: int, *, min_np: int | None = None, max_np: int | None = None,
-                       reset_limit: int | None = None, timeout: float | None = None) -> Elastic:
-        """The settings a user gave, the rest defaulted: min_np and max_np to |np|."""
-        return cls(min_np=abs(np) if min_np is None else min_np, max_np=abs(np) if max_np is None else max_np,
-                   reset_limit=reset_limit, **({} if timeout is None else {"timeout": timeout}))
-
-    def check(self, np: int, framework: Framework, controller: str, data, stall_timeout: float | None = None) -> None:
-        if not 1 <= self.min_np <= abs(np) <= self.max_np:
-            raise LaunchError(f"elastic training needs 1 <= --min-np <= --np <= --max-np; got --min-np "
-                              f"{self.min_np}, --np {abs(np)}, --max-np {self.max_np}.")
-        if framework != Framework.HOROVOD or controller != "gloo":
-            raise LaunchError("elastic training is Horovod's, over Gloo (hvd.elastic.run); %%torchrun and "
-                              "--controller mpi run a fixed number of ranks.")
-        if data is not None:
-            raise LaunchError("--data deals a fixed number of shards, one per rank, so it cannot be combined with "
-                              "elastic training; read the data in the cell (e.g. with hvd.elastic.ElasticSampler).")
-        if stall_timeout is not None:
-            raise LaunchError("--stall-timeout is not applied to elastic runs (a rank waiting for a reset is not a "
-                              "stall); use --timeout to bound the run.")
-        if self.reset_limit is not None and self.reset_limit < 0:
-            raise LaunchError(f"--reset-limit must be 0 or more, not {self.reset_limit}.")
-        if self.timeout <= 0:
-            raise LaunchError(f"--elastic-timeout must be a positive number of seconds, not {self.timeout:g}.")
+from hvdmagic.launch.placement import Elastic, Placement
+from hvdmagic.protocol import Event, Slot, Stage
 
 
 @dataclass
@@ -109,10 +70,10 @@ class ElasticJob(Job):
 
     elastic = True
 
-    def __init__(self, backend, payload: bytes, elastic: Elastic, *, np: int, **kwargs):
-        super().__init__(backend, payload, **kwargs)
-        self.start_np = np
-        self.settings = elastic
+    def __init__(self, backend, payload: bytes, placement: Placement, **kwargs):
+        super().__init__(backend, payload, placement, **kwargs)
+        self.start_np = placement.np
+        self.settings: Elastic = placement.elastic
         self._tasks: dict[str, _Task] = {}  # by Horovod host name
         self._by_link: dict[object, _Task] = {}
         self._lock = threading.Lock()
@@ -159,23 +120,22 @@ class ElasticJob(Job):
             task.exit_code = None
             if not task.gone:
                 task.ended.clear()
-        slot = {"rank": slot_info.rank, "size": slot_info.size, "local_rank": slot_info.local_rank,
-                "local_size": slot_info.local_size, "cross_rank": slot_info.cross_rank,
-                "cross_size": slot_info.cross_size, "host": slot_info.hostname}
+        slot = Slot(slot_info.rank, slot_info.size, slot_info.local_rank, slot_info.local_size, slot_info.cross_rank,
+                    slot_info.cross_size, slot_info.hostname)
         devices = [",".join(task.gpus), 0] if task.gpus else None
         try:
-            task.link.send({"type": Event.GO, "slot": slot, "devices": devices})
+            task.link.send(protocol.go(slot, devices))
         except OSError:
             return 1, time.time()
         # Through the job loop, so that the views hear of it on the kernel's thread, in order.
-        self.server.events.put((task.link, {"type": Event.PLACED, "rank": task.row, "host": task.hostname}))
+        self.server.events.put((task.link, protocol.placed(task.row, task.hostname)))
         stop_sent = False
         while not task.ended.wait(POLL):
             if not stop_sent and any(event.is_set() for event in events):
                 # Horovod is done with this worker (the job ended, or its host left).
                 stop_sent = True
                 try:
-                    task.link.send({"type": Event.STOP_RANK})
+                    task.link.send(protocol.bare(Event.STOP_RANK))
                 except OSError:
                     break
         with self._lock:
@@ -238,7 +198,16 @@ class ElasticJob(Job):
             host, _, local_rank = str(event.get("key", "")).rpartition(":")
             addresses = {nic: [tuple(address) for address in listed]
                          for nic, listed in (event.get("addresses") or {}).items()}
-            self._driver.register_worker_server(host, int(local_rank), addresses, base64.b64decode(event["secret"]))
+            from horovod.runner.common.util.network import NoValidAddressesFound
+
+            try:
+                self._driver.register_worker_server(host, int(local_rank), addresses,
+                                                    base64.b64decode(event["secret"]))
+            except NoValidAddressesFound:
+                # Registering probes the rank's notification service: a rank that has already
+                # exited (its cell raised at once) is not there. Its error and exit events,
+                # queued behind this one, say what happened.
+                pass
             self._set_world(rank, event)
             return
         if kind == Event.RESET:
@@ -282,13 +251,12 @@ class ElasticJob(Job):
             self._by_link[link] = task
         if state.go_at is None:
             state.go_at = time.monotonic()
-            self.on_event({"type": Event.STAGE, "stage": Stage.RANKS_STARTING})
+            self.on_event(protocol.stage_reached(Stage.RANKS_STARTING))
 
     def _set_world(self, row: int, event: dict) -> None:
         if isinstance(event.get("world_rank"), int):
             self._world[row] = event["world_rank"]
-            self.on_event({"type": Event.WORLD, "rank": row, "world_rank": event["world_rank"],
-                           "size": event.get("size")})
+            self.on_event(protocol.world(row, event["world_rank"], event.get("size")))
         if not self._size and isinstance(event.get("size"), int):  # the first world's size
             self._size = event["size"]
 
@@ -299,7 +267,7 @@ class ElasticJob(Job):
         where = f" on {host}" if (host := self._hostname(row)) else ""
         self._losses.append(f"task {row}'s rank lost ({reason})")
         self._all_losses.append(f"task {row}'s rank{where} at {time.strftime('%H:%M:%S')} ({reason})")
-        self.on_event({"type": Event.LOST, "rank": row, "reason": reason})
+        self.on_event(protocol.lost(row, reason))
 
     def _failed(self, why: str, failures: list[RankFailure] = ()) -> JobFailed:
         settings = self.settings
@@ -314,7 +282,7 @@ class ElasticJob(Job):
                       dict(event.get("commit") or {}))
         self._losses.clear()
         self._size = size_after
-        self.on_event({"type": Event.RESUMED, "reset": reset})
+        self.on_event(protocol.resumed(reset))
 
     def _results_in_order(self, state: JobState) -> list:
         return [state.results[rank] for rank in sorted(state.results)]
@@ -322,7 +290,7 @@ class ElasticJob(Job):
     def _shutdown(self, server, rendezvous, state: JobState) -> None:
         if self._driver is not None and not self._driver.finished():
             self._driver.stop(error_message="the job was stopped")
-        server.broadcast({"type": Event.ABORT})
+        server.broadcast(protocol.bare(Event.ABORT))
         # Tasks still waiting for a slot never said hello: only cancelling the stage ends them.
         self.backend.cancel()
         self.backend.join(timeout=30)

@@ -28,7 +28,7 @@ def interruptible():
     PySpark installs a SIGINT handler (in a session the user created) that cancels
     *every* Spark job of the context by calling the JVM from inside the handler. We
     want only ours stopped, through the normal shutdown path; and the main thread
-    makes no JVM call during a launch (see ``launch.spark``), so a plain
+    makes no JVM call during a launch (see ``launch.spark_session``), so a plain
     KeyboardInterrupt there is always safe.
     """
     if threading.current_thread() is not threading.main_thread():

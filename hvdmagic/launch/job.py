@@ -18,11 +18,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from hvdmagic import channel
+from hvdmagic import channel, protocol
 from hvdmagic.errors import JobFailed, JobInterrupted, JobTimeout, LaunchError, RankFailure
 from hvdmagic.launch.interrupts import interruptible
 from hvdmagic.launch.layout import compute_layout, visible_devices
 from hvdmagic.launch.mpi import MpiDriver
+from hvdmagic.launch.placement import Placement
 from hvdmagic.protocol import PROGRESS_EVENTS, Event, Framework, ResultPolicy, Slot, Stage, TaskSpec
 
 ABORT_GRACE = 5.0  # seconds the other ranks get to report after the first failure
@@ -75,22 +76,22 @@ class JobState:
 class Job:
     elastic = False  # launch.elastic.ElasticJob: Horovod's elastic driver decides which ranks run
 
-    def __init__(self, backend, payload: bytes, *, timeout: float | None = None,
+    def __init__(self, backend, payload: bytes, placement: Placement, *, timeout: float | None = None,
                  stall_timeout: float | None = None, env: dict[str, str] | None = None,
-                 controller: str = "gloo", results: ResultPolicy = ResultPolicy.ALL,
-                 framework: Framework = Framework.HOROVOD, session: bool = False,
+                 results: ResultPolicy = ResultPolicy.ALL, session: bool = False,
                  on_event: Callable[[dict], None] | None = None):
         self.backend = backend
-        self.np = backend.np
+        self.np = backend.np  # the tasks: an elastic run's max_np
         self.payload = payload
+        self.placement = placement
         self.timeout = timeout
         self.stall_timeout = stall_timeout
         self.env = tuple(sorted((env or {}).items()))
-        self.controller = controller
+        self.controller = placement.controller
         self.results = results
-        self.framework = framework
+        self.framework = placement.framework
         # A session's ranks outlive their cells: a cell's error is the session's business
-        # (launch.session), and only a rank that dies fails the job.
+        # (launch.warm_ranks), and only a rank that dies fails the job.
         self.session = session
         self.server: channel.ChannelServer | None = None  # while the job runs: send() reaches every task
         self.mpi: MpiDriver | None = None
@@ -116,9 +117,7 @@ class Job:
                 controller=self.controller, results=self.results, framework=self.framework,
                 session=self.session, elastic=self.elastic,
             )
-            self.on_event({"type": Event.LAUNCHING, "description": self.backend.describe(),
-                           "job_group": getattr(self.backend, "job_group", None),
-                           "channel": list(server.address)})
+            self.on_event(protocol.launching(self.backend.describe(), self.backend.job_group, list(server.address)))
             self.backend.start(spec)
             self._loop(server, rendezvous, state, started)
         except KeyboardInterrupt:
@@ -155,10 +154,10 @@ class Job:
                 verdict = self._watchdog(state, now, deadline)
                 if state.failures or verdict:
                     # Fail fast: stop the others now, then give them a moment to report.
-                    server.broadcast({"type": Event.ABORT})
+                    server.broadcast(protocol.bare(Event.ABORT))
                     aborted_at = now
                 elif error := self.backend.failure() or (self.mpi and self.mpi.failure()):
-                    raise LaunchError(error, details=getattr(self.backend, "failure_details", ""))
+                    raise LaunchError(error, details=self.backend.failure_details)
             elif now - aborted_at > ABORT_GRACE:
                 break
             try:
@@ -226,7 +225,7 @@ class Job:
         if kind in PROGRESS_EVENTS:
             state.last_progress[rank] = now
         if self.session and kind in (Event.RESULT, Event.ERROR):
-            pass  # a session's cell outcome: launch.session reads it from the event
+            pass  # a session's cell outcome: launch.warm_ranks reads it from the event
         elif kind == Event.RESULT:
             state.results[rank] = result_value(event)
         elif kind == Event.ERROR:
@@ -265,16 +264,15 @@ class Job:
         for task, slot in enumerate(layout):
             link = state.hellos[task][0]
             try:
-                link.send({"type": Event.GO, "slot": slot.to_dict(), "devices": visible_devices(layout, gpus, task),
-                           "rows_per_rank": rows_per_rank})
+                link.send(protocol.go(slot, visible_devices(layout, gpus, task), rows_per_rank))
             except OSError:
                 pass  # that task is gone; its missing exit ends the job
         state.go_at = time.monotonic()
-        self.on_event({"type": Event.STAGE, "stage": Stage.RANKS_STARTING})
+        self.on_event(protocol.stage_reached(Stage.RANKS_STARTING))
         if state.rows:
-            self.on_event({"type": Event.NOTE, "rank": 0, "text": _data_note(state.rows)})
+            self.on_event(protocol.note(_data_note(state.rows), rank=0))
         for slot in layout:
-            self.on_event({"type": Event.PLACED, "rank": slot.rank, "host": state.hosts[slot.rank]})
+            self.on_event(protocol.placed(slot.rank, state.hosts[slot.rank]))
 
     def _shutdown(self, server: channel.ChannelServer, rendezvous, state: JobState) -> None:
         """Abort whatever still runs, cancel the backend, close the services.
@@ -284,7 +282,7 @@ class Job:
         """
         try:
             if not state.clean:
-                server.broadcast({"type": Event.ABORT})
+                server.broadcast(protocol.bare(Event.ABORT))
                 grace_end = time.monotonic() + ABORT_GRACE
                 while len(state.exits) < len(state.slots) and time.monotonic() < grace_end:
                     try:

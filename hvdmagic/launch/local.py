@@ -1,4 +1,7 @@
-"""Local mode (np < 0): the rank supervisors run as threads on the driver, no Spark."""
+"""Local mode (np < 0): the rank supervisors run as threads on the driver, no Spark.
+
+Runs in the kernel; matches ``launch.backend.Backend``.
+"""
 
 from __future__ import annotations
 
@@ -9,18 +12,22 @@ import threading
 from pathlib import Path
 
 from hvdmagic.errors import LaunchError
+from hvdmagic.launch.backend import Backend
 from hvdmagic.protocol import TaskSpec
 from hvdmagic.task.shards import write_shard
 from hvdmagic.task.supervisor import run_task
 
 
-class LocalBackend:
+class LocalBackend(Backend):
     name = "local"
     bind_host = "127.0.0.1"
+    job_group = None  # no scheduler, so no job to name
+    failure_details = ""  # failure() says it all: a supervisor's exception in the kernel's own process
 
     def __init__(self, np: int, data=None, gpus: bool = False):
         self.np = np
         self.data = data
+        self.notes: list[str] = []
         self.gpus = driver_gpus(np) if gpus else [[] for _ in range(np)]  # one device per task
         self._threads: list[threading.Thread] = []
         self._errors: list[str] = []

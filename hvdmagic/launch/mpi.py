@@ -22,6 +22,7 @@ import threading
 import time
 from pathlib import Path
 
+from hvdmagic import protocol
 from hvdmagic.errors import LaunchError
 from hvdmagic.protocol import PYTHON_ENV, RSH_ENV, Event
 from hvdmagic.task.mpi import as_root_env
@@ -161,14 +162,14 @@ class MpiDriver:
         elif kind == Event.RSH:
             index = host_index(str(event.get("host")))
             if index is None or index >= len(self._leaders):
-                link.send({"type": Event.RSH_EXIT, "code": 255})
+                link.send(protocol.rsh_exit(255))
                 return
             request = len(self._agents) + 1
             self._agents[request] = link
-            self._leaders[index].send({"type": Event.EXEC, "id": request, "command": str(event.get("command", ""))})
+            self._leaders[index].send(protocol.exec_command(request, str(event.get("command", ""))))
         elif kind == Event.RSH_EXIT and (agent := self._agents.get(event.get("id"))) is not None:
             try:
-                agent.send({"type": Event.RSH_EXIT, "code": int(event.get("code", 1))})
+                agent.send(protocol.rsh_exit(int(event.get("code", 1))))
             except OSError:
                 pass  # mpirun already stopped that agent
 

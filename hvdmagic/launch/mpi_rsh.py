@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import sys
 
-from hvdmagic import channel
+from hvdmagic import channel, protocol
 from hvdmagic.protocol import RSH_ENV, Event
 
 
@@ -24,7 +24,7 @@ def main(argv: list[str]) -> int:
     link = channel.connect(host, int(port), bytes.fromhex(secret))
     try:
         # ssh hands the remote shell one string: so do we.
-        link.send({"type": Event.RSH, "host": argv[0], "command": " ".join(argv[1:])})
+        link.send(protocol.rsh(argv[0], " ".join(argv[1:])))
         while True:
             reply = link.recv()
             if reply.get("type") == Event.RSH_EXIT:

@@ -1,181 +1,51 @@
-"""The Spark side: find or start a session, check its slots (launch.slots), run one barrier stage.
+"""The Spark backend: the task supervisors as one barrier stage on the kernel's SparkSession.
 
-Every call into the JVM that hvdmagic makes for the kernel runs on one thread of
-its own (``on_spark_thread``), never on the kernel's main thread. Ctrl-C (the
-notebook's Stop) raises KeyboardInterrupt in the main thread; had it landed inside
-a Py4J call there, the call's half-read answer would be left on its connection, and
-pyspark's own SIGINT handler would make a second, reentrant call on it
-(``cancelAllJobs``): the gateway, and sometimes the JVM, broke for the rest of the
-kernel's life. On its own thread a call always finishes; the main thread only
-waits for it, and an interrupted wait leaves it to finish in the background. One
-thread, not one per call, because in pinned-thread mode every Python thread that
-calls the JVM holds a connection of its own.
+Runs in the kernel. It takes its session from ``launch.spark_session`` (the active one,
+or an embedded local one), checks that the session has the slots the stage needs
+(``session_for``, counting with ``launch.slots``), runs the stage
+(``hvdmagic.task.barrier``'s code, shipped in its closure) in a job group of its own,
+watches it for failure and cancels it. It matches ``launch.backend.Backend``; its calls
+into the JVM go through the Spark thread (``spark_session.on_spark_thread``). Imports
+pyspark lazily.
 """
 
 from __future__ import annotations
 
-import contextlib
-import os
-import re
-import sys
-import tempfile
 import threading
 import uuid
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 from hvdmagic.errors import LaunchError
 from hvdmagic.launch import slots as slot_check
+from hvdmagic.launch import spark_session
+from hvdmagic.launch.backend import Backend
+from hvdmagic.launch.spark_session import first_line, on_spark_thread
 from hvdmagic.protocol import Stage, TaskSpec
 from hvdmagic.task.barrier import barrier_task, elastic_task, sharded_barrier_task
 
-_LOG4J = Path(__file__).with_name("log4j2.properties")
-_embedded = None  # the session hvdmagic started itself, which it may resize or replace
-_spark_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hvdmagic-spark")
 held_slots: dict[object, int] = {}  # by session: the barrier slots its warm ranks occupy while it runs
-_starting = threading.Event()  # the Spark thread is starting an embedded session (maybe for a cell that was stopped)
-
-
-def on_spark_thread(fn: Callable, *args):
-    """``fn(*args)`` on hvdmagic's Spark thread; the main thread only waits (see the module doc)."""
-    return _spark_thread.submit(fn, *args).result()
-
-
-def jvm_log() -> Path:
-    """Where the embedded Spark's JVM writes its own output: never into a cell."""
-    return Path(tempfile.gettempdir()) / f"hvdmagic-spark-{os.getpid()}.log"
-
-
-@contextlib.contextmanager
-def _jvm_output_to_log():
-    """Point this process's stdout and stderr at jvm_log() while the JVM is started.
-
-    The JVM inherits them, so its start-up notices ("Using incubator modules",
-    "Setting default log level") and its later chatter stay out of the notebook,
-    where the kernel would show them as a red block. Python's own sys.stdout is
-    the kernel's stream, not fd 1, so prints are unaffected.
-    """
-    saved = [os.dup(1), os.dup(2)]
-    log = os.open(jvm_log(), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-    try:
-        os.dup2(log, 1)
-        os.dup2(log, 2)
-        yield
-    finally:
-        os.dup2(saved[0], 1)
-        os.dup2(saved[1], 2)
-        for fd in (log, *saved):
-            os.close(fd)
-
-
-def _java_check() -> None:
-    from shutil import which
-
-    if not (os.environ.get("JAVA_HOME") or which("java")):
-        raise LaunchError(
-            "Spark needs Java 17 or newer, and no 'java' was found on PATH (JAVA_HOME is not set either). "
-            "Install it, e.g. 'apt-get install -y openjdk-17-jre-headless', or run the set-up command "
-            "from the README; or use local mode (--np -N), which needs no Spark."
-        )
-
-
-def _start_embedded(slots: int):
-    from pyspark.sql import SparkSession
-
-    _java_check()
-    # Spark binds to the machine's external-looking address unless told otherwise;
-    # an embedded session serves only this kernel, so loopback is the right place.
-    os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
-    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
-    _starting.set()
-    try:
-        with _jvm_output_to_log():
-            session = (
-                SparkSession.builder.master(f"local[{slots}]")
-                .appName("hvdmagic")
-                .config("spark.driver.host", "127.0.0.1")
-                .config("spark.driver.bindAddress", "127.0.0.1")
-                .config("spark.ui.showConsoleProgress", "false")
-                .config("spark.driver.extraJavaOptions", f"-Dlog4j2.configurationFile={_LOG4J}")
-                .getOrCreate()
-            )
-    except Exception as exc:
-        raise LaunchError(f"could not start an embedded local Spark session: {first_line(exc)} "
-                          f"(the JVM's own output is in {jvm_log()})", details=str(exc)) from None
-    finally:
-        _starting.clear()
-    session.sparkContext.setLogLevel("ERROR")
-    return session
-
-
-def _unusable(session) -> str | None:
-    """Why ``session`` cannot run a job (its context stopped, its JVM gone), or None."""
-    try:
-        if session.sparkContext._jsc.sc().isStopped():
-            return "its SparkContext was stopped"
-    except Exception as exc:  # Py4JError, ConnectionRefusedError: the gateway or the JVM is gone
-        return first_line(exc)
-    return None
-
-
-def _forget_embedded() -> None:
-    """Drop a broken embedded session so that a new one can start in this kernel."""
-    global _embedded
-    from pyspark import SparkContext
-    from pyspark.sql import SparkSession
-
-    gateway = SparkContext._gateway
-    with contextlib.suppress(Exception):
-        _embedded.stop()
-    with contextlib.suppress(Exception):
-        gateway.shutdown()
-    proc = getattr(gateway, "proc", None)
-    if proc is not None and proc.poll() is None:
-        proc.kill()
-    SparkContext._active_spark_context = SparkContext._gateway = SparkContext._jvm = None
-    SparkSession._instantiatedSession = SparkSession._activeSession = None
-    _embedded = None
 
 
 def session_for(np: int, on_stage: Callable[[Stage], None] = lambda stage: None,
                 notes: list[str] | None = None, embedded_slots: int | None = None,
                 stop: threading.Event | None = None):
     """The active SparkSession, or an embedded local one with at least ``np`` slots
-    (``embedded_slots`` when hvdmagic starts it: an elastic job's --max-np).
+    (``embedded_slots`` when hvdmagic starts it: an elastic job's --max-np), with
+    ``np`` barrier task slots free.
 
-    Runs on the Spark thread. An embedded session that broke (its JVM died) is
-    replaced by a new one, and ``notes`` says so; a broken session of the user's
-    own is an error, since it may hold their state. Too few slots wait for those on
-    their way (launch.slots) until ``stop`` is set.
+    Runs on the Spark thread. ``launch.spark_session`` finds, starts or replaces the
+    session (``notes`` says when it replaced a broken one). An embedded session too
+    small for ``np`` is restarted bigger; on any other, too few slots wait for those
+    on their way (launch.slots) until ``stop`` is set, then fail in one paragraph.
     """
-    global _embedded
-    from pyspark import SparkContext
-    from pyspark.sql import SparkSession
-
-    session = SparkSession.getActiveSession()
-    if session is None and SparkContext._active_spark_context is not None:
-        session = SparkSession.builder.getOrCreate()
-    if session is not None and (problem := _unusable(session)):
-        if session is not _embedded:
-            raise LaunchError(f"the active SparkSession cannot run a job ({problem}). Stop it with spark.stop() "
-                              "and create a new one, or restart the kernel; or use local mode (--np -N).")
-        _forget_embedded()
-        session = None
-        if notes is not None:
-            notes.append(f"the embedded Spark session was unusable ({problem}); hvdmagic started a new one")
-    if session is None:
-        on_stage(Stage.SPARK_STARTING)
-        _embedded = _start_embedded(max(np, embedded_slots or 0, os.cpu_count() or 1))
-        return _embedded
+    session, new = spark_session.find_or_start(max(np, embedded_slots or 0), on_stage, notes)
+    if new:
+        return session
     sc = session.sparkContext
     held = sum(held_slots.values())
     slots = slot_check.available(sc) - held
-    if slots < np and session is _embedded and not held:  # a session's stage runs there: keep it
-        on_stage(Stage.SPARK_STARTING)
-        session.stop()
-        _embedded = _start_embedded(max(np, embedded_slots or 0))
-        return _embedded
+    if slots < np and spark_session.is_embedded(session) and not held:  # a session's stage runs there: keep it
+        return spark_session.restart_embedded(max(np, embedded_slots or 0), on_stage)
     if slots >= np:
         return session
     on_stage(Stage.WAITING_FOR_SLOTS)
@@ -202,32 +72,7 @@ def session_for(np: int, on_stage: Callable[[Stage], None] = lambda stage: None,
     )
 
 
-_EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt)\b(:.*)?$")
-
-
-def first_line(exc: BaseException) -> str:
-    """The useful line of a Spark/Py4J error, without the Java stack."""
-    text = str(exc)
-    python_tb = text.rfind("Traceback (most recent call last)")
-    if python_tb >= 0:
-        tail = text[python_tb:].split("\n\tat ")[0]
-        lines = [line.strip() for line in tail.splitlines() if line.strip()]
-        errors = [line for line in lines if _EXCEPTION_LINE.match(line)]
-        if errors or lines:
-            line = (errors or lines)[-1]
-            if re.search(r"No module named '(hvdmagic|horovod|torch|pyarrow)\b", line):
-                line += (f" on the executors: their Python ({os.environ.get('PYSPARK_PYTHON', 'python3')}, "
-                         "set by PYSPARK_PYTHON before the session starts) needs hvdmagic, horovod, torch and "
-                         "pyarrow installed; on one machine, set PYSPARK_PYTHON to this kernel's Python "
-                         f"({sys.executable}); see docs/clusters.md")
-            return line
-    for line in text.splitlines():
-        if line.strip():
-            return line.strip()[:500]
-    return type(exc).__name__
-
-
-class SparkBackend:
+class SparkBackend(Backend):
     name = "spark"
 
     def __init__(self, np: int, session=None, data=None, on_stage: Callable[[Stage], None] = lambda stage: None,
@@ -239,7 +84,7 @@ class SparkBackend:
         self.data = data
         self.on_stage = on_stage
         self.notes: list[str] = []  # for the run's record, e.g. that a broken embedded session was replaced
-        if _starting.is_set():  # a stopped cell's session is still starting: this cell waits for it
+        if spark_session.embedded_starting():  # a stopped cell's session is still starting: this cell waits for it
             on_stage(Stage.SPARK_STARTING)
         self.session = session or (data.sparkSession if data is not None else None)
         if self.session is None:

@@ -1,8 +1,18 @@
-"""Runs in a rank process: ``python -m hvdmagic.rank`` (``__main__``), started by its task.
+"""Runs in a rank process: ``python -m hvdmagic.rank``, started by its task's supervisor.
 
-What user code calls inside a rank lives here too: ``report`` (progress,
-log_metrics, track), ``training`` (checkpoints, scale_lr) and ``shards``
-(``hvdmagic.shard()``). Modules here import only the standard library,
-``hvdmagic.protocol`` and ``hvdmagic.metric_rows`` at import time, never
-IPython, Spark or widgets, so that a rank starts fast.
+- ``__main__``: the rank's entry point: reads its Boot and payload, runs the cell once.
+- ``cell_loop``: a session's rank: runs each cell's payload as it comes, in one namespace.
+- ``cell``: ``CellFunction``, a notebook cell as a rank runs it, and the notebook sources
+  that make its tracebacks name cells as IPython does.
+- ``outcome``: the cell's result or error, as the events the driver reads.
+- ``telemetry``: what user code calls to report (``progress``, ``log_metrics``, ``track``),
+  batched onto the rank's event pipe with its stages and heartbeats.
+- ``training``: checkpoints and ``scale_lr``; ``shards``: ``hvdmagic.shard()`` (``--data``).
+- ``elastic``: Horovod elastic's hooks, so resets and worker addresses reach the driver.
+- ``mpi_shim``: under ``--controller mpi``, hands the process mpirun started to its task.
+- ``scripts``: runs a script as ``__main__`` (the TorchDistributor drop-in's scripts).
+
+Modules here import only the standard library, ``hvdmagic.protocol`` and
+``hvdmagic.metric_rows`` at import time (cloudpickle, ``hvdmagic.pickling`` and the
+frameworks lazily), never IPython, Spark or widgets, so that a rank starts fast.
 """

@@ -79,6 +79,9 @@ class CellFunction:
     # before these fields existed has neither.
     sources: Sources = field(default_factory=dict)
     display_name: str = ""
+    # The cell as the kernel parsed it (once, for the capture and its checks): its statements,
+    # and the trailing expression whose value is the cell's result. None from an older kernel.
+    code: tuple[ast.Module, ast.Expression | None] | None = None
 
     def __call__(self, namespace: dict | None = None, filename: str | None = None):
         """Run the cell in a fresh module namespace, or in ``namespace`` (a session rank's own,
@@ -92,7 +95,7 @@ class CellFunction:
         # Registered so that tracebacks show the cell's own lines (the kernel checked the syntax).
         lines = self.source.splitlines(keepends=True)
         register_sources({filename: (getattr(self, "display_name", ""), lines)})
-        body, last = split_last_expression(ast.parse(self.source, filename))
+        body, last = getattr(self, "code", None) or split_last_expression(ast.parse(self.source, filename))
         if namespace is None:
             namespace = {}
         namespace.setdefault("__name__", "__main__")

@@ -15,13 +15,12 @@ rank and size and the commit it went back to, which the dashboard shows as
 
 from __future__ import annotations
 
-import base64
 import os
 import socket
 import sys
 
-from hvdmagic.protocol import Event
-from hvdmagic.rank import report
+from hvdmagic import protocol
+from hvdmagic.rank import telemetry
 
 
 def install() -> None:
@@ -39,15 +38,15 @@ def install() -> None:
 
     def on_reset(state) -> None:
         restore_and_reset(state)
-        report.flush()  # the metrics from before the reset reach the driver before it hears of the reset
-        report.emit({"type": Event.RESET, **world(), "commit": committed(state)})
+        telemetry.flush()  # the metrics from before the reset reach the driver before it hears of the reset
+        telemetry.emit(protocol.reset(committed(state), **world()))
 
     elastic.State.on_reset = on_reset
 
 
 def world() -> dict:
     """This rank's Horovod rank and size now, from whichever framework binding started it."""
-    for name in report.HOROVOD_MODULES:
+    for name in telemetry.HOROVOD_MODULES:
         hvd = sys.modules.get(name)
         if hvd is not None and hvd.is_initialized():
             return {"world_rank": hvd.rank(), "size": hvd.size()}
@@ -75,6 +74,4 @@ def _listen_on(make_server, address: str):
 
 def _register_over_channel(_addr, _port, _scope, key: str, value) -> None:
     addresses, secret = value
-    report.emit({"type": Event.WORKER, "key": key, "secret": base64.b64encode(secret).decode("ascii"),
-                 "addresses": {nic: [list(address) for address in listed] for nic, listed in addresses.items()},
-                 **world()})
+    telemetry.emit(protocol.worker(key, secret, addresses, **world()))

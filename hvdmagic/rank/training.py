@@ -12,8 +12,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from hvdmagic.protocol import Event
-from hvdmagic.rank.report import emit
+from hvdmagic import protocol
+from hvdmagic.rank.telemetry import emit
 
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)\.pt$")
 
@@ -161,5 +161,5 @@ def scale_lr(base_lr: float, batch_size: int | None = None) -> float:
     if rank == 0 and size > 1:
         effective = f"; effective batch size {batch_size * size} ({batch_size} per rank)" if batch_size else ""
         text = f"learning rate scaled {base_lr:g} -> {scaled:g} for {size} ranks{effective}"
-        emit({"type": Event.NOTE, "text": text})
+        emit(protocol.note(text))
     return scaled

@@ -1,9 +1,16 @@
-"""Runs in a Spark barrier task (or, in local mode, a thread on the driver): one rank's supervisor.
+"""Runs in a Spark task (or, in local mode, a thread on the driver): one rank's supervisor.
 
-``barrier`` holds the functions Spark runs in the task, ``supervisor`` starts the
-rank and relays what it says (``lines`` splits its output), ``environment`` and
-``network`` give the rank its variables and interface, ``shards`` writes its
-``--data`` shard, and ``mpi`` adopts a rank that mpirun started. Modules here may
-import ``hvdmagic.protocol``, ``hvdmagic.channel`` and ``hvdmagic.rank``; pyspark
-only inside the task functions; never IPython or widgets.
+- ``barrier``: the functions Spark runs in the task (one-shot, elastic, ``--data``).
+- ``supervisor``: connects to the driver's channel, says hello, waits for its go, and
+  runs its rank in the job's mode (one-shot, session, elastic, ``--controller mpi``).
+- ``rank_process``: ``RankProcess``, one rank's process: start, feed, relay, signal, reap.
+- ``lines``: splits a rank's output into lines and ``\r`` updates; relays its event lines.
+- ``environment`` and ``network``: the rank's variables, and the interface it uses.
+- ``shards``: writes and pads the task's ``--data`` shard.
+- ``mpi``: adopts a rank that mpirun started (``--controller mpi``).
+
+Modules here may import ``hvdmagic.protocol``, ``hvdmagic.channel`` and ``hvdmagic.rank``
+(``shards`` reads a shard as its rank will), and pyspark only inside the task
+functions; never ``hvdmagic.launch``, ``hvdmagic.kernel``, IPython or widgets. The rank
+itself is another process (``hvdmagic.rank``).
 """

@@ -13,12 +13,12 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 
 import psutil
+from helpers import wait_until
 
 CHROMIUM = os.environ.get("HVDMAGIC_CHROMIUM", "/usr/bin/chromium")
 # Background traffic must stay off: the test machines have no internet.
@@ -98,18 +98,16 @@ class JupyterLab:
         self.stop()
 
     def _wait_ready(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+        def ready() -> bool:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"jupyter lab exited with {self.proc.returncode}:\n{self.log_tail()}")
             try:
                 with urllib.request.urlopen(f"{self.url}/api/status", timeout=2) as r:
-                    if r.status == 200:
-                        return
+                    return r.status == 200
             except (urllib.error.URLError, OSError):
-                pass
-            time.sleep(0.2)  # polling interval, bounded by the deadline
-        raise TimeoutError(f"jupyter lab not ready after {timeout:.0f} s:\n{self.log_tail()}")
+                return False
+
+        wait_until(ready, timeout, lambda: f"jupyter lab not ready:\n{self.log_tail()}", interval=0.2)
 
     def log_tail(self, n: int = 40) -> str:
         with contextlib.suppress(OSError):

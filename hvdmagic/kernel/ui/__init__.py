@@ -2,8 +2,22 @@
 
 The dashboard is made of widgets while the run is live and becomes a static snapshot
 (``snapshot.Snapshot``: HTML and text) when it ends; the text view prints rank output
-and ends with the same snapshot's text. Both read the run's ``RunRecord``;
-``format`` holds the progress text they share.
+and ends with the same snapshot's text. Both read the run's ``RunRecord``.
+``make_view`` (here) picks one of the two for a run.
+
+- ``dashboard``: ``Dashboard``, the live ipywidgets view, redrawn from the record by a thread;
+- ``text``: ``TextView``, rank output and epoch lines as plain text, for terminals and plain Python;
+- ``snapshot``: ``Snapshot``, a finished run as static HTML and deterministic text, and its ``summary``;
+- ``progress_text``: progress as text (rows, stages, overall progress, rates), shared by all three;
+- ``charts``: inline SVG charts of metric series, for the dashboard and the snapshot.
+
+Runs in the notebook kernel. Within ``ui`` the arrows go one way: ``dashboard`` and
+``text`` → ``snapshot``; all three → ``progress_text``; ``dashboard`` and ``snapshot`` →
+``charts``, which imports only the standard library. Besides each other these modules may
+import ``kernel.record``, ``kernel.timeline``, ``kernel.noise``, ``protocol`` and
+``metric_rows``. Only ``dashboard`` imports ipywidgets (and numpy, when it draws);
+IPython only to display or to ask whether a kernel is there. Nothing here imports
+``launch`` or the rest of ``kernel``.
 """
 
 from __future__ import annotations

@@ -450,11 +450,6 @@ def constant_row(name: str, value: float, count: int) -> str:
             f'<span style="color:{_MUTED}">(constant over {count} steps)</span></div>')
 
 
-def constant_rows(series: dict[str, list[Series]]) -> str:
-    """The compact rows of every metric in ``series`` that is constant."""
-    return "".join(constant_row(name, value, count) for name, (value, count) in sorted(_constants(series).items()))
-
-
 def _constants(series: dict[str, list[Series]]) -> dict[str, tuple[float, int]]:
     """name -> (value, values logged) of each constant metric."""
     out = {}

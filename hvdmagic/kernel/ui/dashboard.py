@@ -2,7 +2,7 @@
 
 Layout, top to bottom: a one-line header (state, the start-up stage and its time while the
 ranks start, elapsed time, np, the Spark job group); the run's overall bar with its ETA,
-when the ranks' bars say how far the run is; a row per rank (``format.row_parts``: epoch,
+when the ranks' bars say how far the run is; a row per rank (``progress_text.row_parts``: epoch,
 bar, steps, rate, ETA, state, last line; the rank's own stage until it trains); the newest
 lines of every rank; rank 0's metric charts with their controls (scale, smoothing, every
 rank overlaid); notes; and the full per-rank logs, collapsed.
@@ -35,14 +35,14 @@ from IPython.display import display
 
 from hvdmagic.kernel.record import RankRecord, RunRecord
 from hvdmagic.kernel.timeline import describe
-from hvdmagic.kernel.ui import charts, format
+from hvdmagic.kernel.ui import charts, progress_text
 from hvdmagic.metric_rows import GAP_BITS
 
 MAX_FPS = 10
 CHART_POINTS = charts.CHART_POINTS  # per series on screen; the record keeps the full history
 LOG_LINES = 200  # per pane of the collapsed logs
 RECENT_LINES = 10  # the newest lines of every rank, always visible
-_STATE_COLOURS = format.STATE_COLOURS
+_STATE_COLOURS = progress_text.STATE_COLOURS
 _MONO = "SFMono-Regular,Menlo,Consolas,'DejaVu Sans Mono',monospace"
 _ONE_LINE = "white-space:pre;overflow:hidden;text-overflow:ellipsis;line-height:20px"
 _ANSI = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b[@-Z\\-_]")
@@ -70,17 +70,17 @@ class _RankRow:
                                 layout=widgets.Layout(height="30px", flex_flow="row nowrap", align_items="center",
                                                       overflow="hidden"),
                                 _dom_classes=["hvdmagic-rank"])
-        self.meter = format.Meter()
+        self.meter = progress_text.Meter()
         self._bar_key: tuple | None = None
 
     def draw(self, run: RunRecord, record: RankRecord, epochs: bool, now: float) -> None:
         host = f" <small>@ {html.escape(record.host)}</small>" if record.host else ""
-        name = format.row_name(run, record.rank)
+        name = progress_text.row_name(run, record.rank)
         if run.elastic and record.world_rank is not None:
             name += f" · rank {record.world_rank}"
         grey = ";color:#999" if record.state in ("lost", "unused") else ""
         self.label.value = f'<div style="{_ONE_LINE}{grey}"><b>{name}</b>{host}</div>'
-        _, inner = format.pick_bars(dict(record.bars))
+        _, inner = progress_text.pick_bars(dict(record.bars))
         rate = None
         if inner is not None:
             desc, bar = inner
@@ -89,7 +89,7 @@ class _RankRow:
                 self._bar_key = key
                 self.meter.anchor(bar.step, bar.time)
             rate = self.meter.update(bar.step, bar.time)
-        left, _, right = format.row_parts(record, rate=rate, epochs=epochs, now=now)
+        left, _, right = progress_text.row_parts(record, rate=rate, epochs=epochs, now=now)
         self.left.value = _mono(left, grey[7:])
         self.right.value = _mono(right, grey[7:])
         with self.bar.hold_sync():
@@ -235,7 +235,7 @@ class Dashboard:
         self._controls_version = 0
         self._route: _ControlRoute | None = None
         self._controls_work = True  # False in a kernel whose busy shell would hold the controls' messages
-        self._overall = format.Meter(smoothing=0.1)
+        self._overall = progress_text.Meter(smoothing=0.1)
         self._all_ranks = _AllRanks()
 
         self.header = widgets.HTML(layout=widgets.Layout(overflow="hidden"))
@@ -265,7 +265,7 @@ class Dashboard:
         self.charts = widgets.HTML()
         self.notes = widgets.HTML()
         self.panes = [widgets.HTML() for _ in range(record.np + 1)]  # "all ranks" first
-        titles = ["all ranks"] + [format.row_name(record, r) for r in range(record.np)]
+        titles = ["all ranks"] + [progress_text.row_name(record, r) for r in range(record.np)]
         self.logs = widgets.Tab(children=self.panes, titles=titles)
         self.box = widgets.VBox([
             self.header, self.overall, *[row.box for row in self.rows], self.recent,
@@ -312,7 +312,7 @@ class Dashboard:
     def fallback_text(self) -> str:
         """The live display's text/plain, for a front end that does not render widgets."""
         record = self.record
-        return (f"{record.command} {format.size_text(record)}: live dashboard (widgets); "
+        return (f"{record.command} {progress_text.size_text(record)}: live dashboard (widgets); "
                 "the run's final state replaces this output when it ends")
 
     # -- drawing ----------------------------------------------------------------
@@ -334,7 +334,7 @@ class Dashboard:
         epochs = False
         if force or version != self._drawn_version or record.state in ("launching", "running"):
             bars = [dict(rank.bars) for rank in record.ranks]
-            epochs = any(format.pick_bars(b)[0] is not None for b in bars)
+            epochs = any(progress_text.pick_bars(b)[0] is not None for b in bars)
             for row, rank in zip(self.rows, record.ranks):
                 row.draw(record, rank, epochs, now)
             self._draw_overall(now)
@@ -353,17 +353,17 @@ class Dashboard:
         if record.state == "failed":
             state += f'<span style="color:{colour}">: see the error below</span>'
         items = [f"<b>{html.escape(record.command)}</b>", state]
-        stage = format.run_stage(record, now)
+        stage = progress_text.run_stage(record, now)
         if stage is not None:
             items.append(f'<span class="hvdmagic-stage">{html.escape(stage)}</span>')
-        items.append(format.duration((record.ended or now) - record.started))
-        items.append(format.size_text(record))
+        items.append(progress_text.duration((record.ended or now) - record.started))
+        items.append(progress_text.size_text(record))
         if record.job_group:
             items.append(f"Spark job group <code>{html.escape(record.job_group)}</code>")
         self.header.value = f'<div style="{_ONE_LINE}">' + " · ".join(items) + "</div>"
 
     def _draw_overall(self, now: float) -> None:
-        found = format.run_fraction(self.record)
+        found = progress_text.run_fraction(self.record)
         if found is None:
             return
         done, outer = found
@@ -378,7 +378,7 @@ class Dashboard:
                 self.overall_bar.bar_style = "success"
             elif self.record.state == "failed":
                 self.overall_bar.bar_style = "danger"
-        self.overall_text.value = _mono(format.overall_text(done, outer, eta))
+        self.overall_text.value = _mono(progress_text.overall_text(done, outer, eta))
         self.overall.layout.display = None
 
     def _draw_recent(self) -> None:

@@ -16,26 +16,45 @@ import html
 import re
 
 from hvdmagic.kernel.record import RankRecord, RunRecord
-from hvdmagic.kernel.ui import charts
-from hvdmagic.kernel.ui import format as progress
-from hvdmagic.kernel.ui.text import summary
+from hvdmagic.kernel.ui import charts, progress_text
 from hvdmagic.protocol import Stage
 
 TAIL_LINES = 20  # per rank, always visible
 LOG_LINES = 200  # per rank, in its collapsed section
-STATE_COLOURS = progress.STATE_COLOURS
+STATE_COLOURS = progress_text.STATE_COLOURS
 _FONT = "-apple-system,BlinkMacSystemFont,'Segoe UI',Helvetica,Arial,sans-serif"
 _MONO = "SFMono-Regular,Menlo,Consolas,'DejaVu Sans Mono',monospace"
 _ANSI = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b[@-Z\\-_]")
 
 
 def _seconds(seconds: float) -> str:
-    return f"{seconds:.1f} s" if seconds < 60 else progress.duration(seconds)
+    return f"{seconds:.1f} s" if seconds < 60 else progress_text.duration(seconds)
 
 
 def _fraction(rank: RankRecord) -> float | None:
-    value = progress.fraction(*progress.pick_bars(dict(rank.bars)))
+    value = progress_text.fraction(*progress_text.pick_bars(dict(rank.bars)))
     return 1.0 if value is None and rank.state == "finished" else value
+
+
+def summary(record: RunRecord) -> str:
+    """Deterministic: each rank's final progress and state, the notes, rank 0's latest metrics."""
+    lines = []
+    for rank in record.ranks:
+        progress = progress_text.progress_summary(rank)
+        stage = rank.stage is not None and rank.stage is not Stage.TRAINING and rank.state != "finished"
+        state = f"{rank.state} at {rank.stage}" if stage else progress_text.row_state(rank)
+        name = progress_text.row_name(record, rank.rank)
+        if progress:
+            lines.append(f"{name}: {progress} [{state}]")
+        elif rank.state != "finished":
+            lines.append(f"{name}: [{state}]")
+    lines.extend(record.notes)
+    latest = record.latest_metrics()
+    if latest:
+        step = max(step for step, _ in latest.values())
+        values = "  ".join(f"{name}={value:.4g}" for name, (_, value) in sorted(latest.items()))
+        lines.append(f"rank 0 metrics at step {step}: {values}")
+    return "".join(line + "\n" for line in lines)
 
 
 class Snapshot:
@@ -47,8 +66,8 @@ class Snapshot:
     # -- text ---------------------------------------------------------------
     def headline(self) -> str:
         record = self.record
-        state = "failed (see the error below)" if record.state == "failed" else progress.state_text(record.state)
-        return f"{record.command} {progress.size_text(record)}: {state}"
+        state = "failed (see the error below)" if record.state == "failed" else progress_text.state_text(record.state)
+        return f"{record.command} {progress_text.size_text(record)}: {state}"
 
     def text(self) -> str:
         """Deterministic (no timings, rates or hosts), so nbval and nbclient outputs are stable:
@@ -88,11 +107,11 @@ class Snapshot:
         record = self.record
         colour = STATE_COLOURS.get(record.state, "#888")
         state = (f'<span class="hvdmagic-state" style="color:{colour};font-weight:600">'
-                 f"{html.escape(progress.state_text(record.state).split(':')[0])}</span>")
+                 f"{html.escape(progress_text.state_text(record.state).split(':')[0])}</span>")
         if record.state == "failed":
             state += f'<span style="color:{colour}">: see the error below</span>'
         items = [f"<b>{html.escape(record.command)}</b>", state]
-        items += [progress.duration(record.elapsed), html.escape(progress.size_text(record))]
+        items += [progress_text.duration(record.elapsed), html.escape(progress_text.size_text(record))]
         if record.job_group:
             items.append(f"Spark job group <code>{html.escape(record.job_group)}</code>")
         header = ('<div class="hvdmagic-snapshot-header" style="font-size:14px;margin-bottom:4px">'
@@ -116,14 +135,14 @@ class Snapshot:
                 bar = (f'<div style="width:120px;height:6px;background-color:#eee;border-radius:3px">'
                        f'<div style="width:{fraction * 100:.1f}%;height:6px;background-color:{colour};'
                        f'border-radius:3px"></div></div>')
-            state = html.escape(progress.row_state(rank))
+            state = html.escape(progress_text.row_state(rank))
             if rank.stage is not None and rank.stage is not Stage.TRAINING and rank.state != "finished":
                 state += f' <span style="color:#888">at {html.escape(str(rank.stage))}</span>'
             exit_code = "" if rank.exit_code is None else str(rank.exit_code)
-            done = html.escape(progress.progress_summary(rank))
+            done = html.escape(progress_text.progress_summary(rank))
             rows.append(
                 f'<tr class="hvdmagic-rank" data-rank="{rank.rank}">'
-                f'<td style="{cell}"><b>{progress.row_name(self.record, rank.rank)}</b></td>'
+                f'<td style="{cell}"><b>{progress_text.row_name(self.record, rank.rank)}</b></td>'
                 f'<td style="{cell}">{html.escape(rank.host)}</td>'
                 f'<td style="{cell};font-variant-numeric:tabular-nums">{done}</td>'
                 f'<td style="{cell}">{bar}</td>'
@@ -154,7 +173,7 @@ class Snapshot:
             count = len(rank.logs)
             where = f"hvdmagic.last_run().logs[{rank.rank}]"
             host = f" @ {html.escape(rank.host)}" if rank.host else ""
-            name = progress.row_name(self.record, rank.rank)
+            name = progress_text.row_name(self.record, rank.rank)
             if not count:
                 blocks.append(f'<div class="hvdmagic-log" data-rank="{rank.rank}" style="margin:4px 0">'
                               f'<span style="font-size:12px"><b>{name}</b>{host}</span> '

@@ -16,7 +16,8 @@ import sys
 from hvdmagic.kernel.noise import is_startup_noise
 from hvdmagic.kernel.record import RankRecord, RunRecord
 from hvdmagic.kernel.timeline import describe
-from hvdmagic.kernel.ui import format
+from hvdmagic.kernel.ui import progress_text
+from hvdmagic.kernel.ui.snapshot import Snapshot
 from hvdmagic.protocol import Event, Stage
 
 MAX_LIVE_LINES = 1000  # per rank; the record keeps every line
@@ -44,7 +45,7 @@ class TextView:
         elif kind == Event.REPORT and event.get("rank") == 0 and event.get("progress"):
             self._epoch_line(self.record.ranks[0])
         elif kind == Event.LOST:
-            self._write(f"hvdmagic: {format.row_name(self.record, event['rank'])}'s rank was lost "
+            self._write(f"hvdmagic: {progress_text.row_name(self.record, event['rank'])}'s rank was lost "
                         f"({event.get('reason')}); the others go on\n")
         elif kind == Event.RESUMED:
             self._write(f"hvdmagic: {event['reset'].describe()}\n")
@@ -67,7 +68,7 @@ class TextView:
 
     def _epoch_line(self, rank: RankRecord) -> None:
         """When rank 0's outer bar moves on, a line for the epoch it finished."""
-        outer, inner = format.pick_bars(dict(rank.bars))
+        outer, inner = progress_text.pick_bars(dict(rank.bars))
         # The inner bar is the finished epoch's until it restarts after the outer bar moved.
         stale = inner is not None and outer is not None and inner[1].first_time < outer[1].time
         if outer is not None:
@@ -75,7 +76,7 @@ class TextView:
             done = int(min(bar.step, bar.total))
             if done > self._epochs_done:
                 self._epochs_done = done
-                parts = [f"{desc.strip() or 'epoch'} {format.count(done)}/{format.count(bar.total)}"]
+                parts = [f"{desc.strip() or 'epoch'} {progress_text.count(done)}/{progress_text.count(bar.total)}"]
                 finished = _inner_text(*inner) if stale else self._inner
                 if finished:
                     parts.append(finished)
@@ -92,8 +93,6 @@ class TextView:
         stream.flush()
 
     def close(self) -> None:
-        from hvdmagic.kernel.ui.snapshot import Snapshot  # it reads summary() from here
-
         text = Snapshot(self.record).text()
         if self.record.timeline:
             text += describe(self.record.timeline) + "\n"
@@ -101,30 +100,10 @@ class TextView:
 
 
 def _inner_text(desc: str, bar) -> str:
-    total = f"/{format.count(bar.total)}" if bar.total is not None else ""
-    parts = [f"{desc} {format.count(bar.step)}{total}".strip()]
+    total = f"/{progress_text.count(bar.total)}" if bar.total is not None else ""
+    parts = [f"{desc} {progress_text.count(bar.step)}{total}".strip()]
     if bar.rate:
-        parts.append(format.rate_text(bar.rate))
-    parts.append(format.duration(bar.time - bar.first_time))
+        parts.append(progress_text.rate_text(bar.rate))
+    parts.append(progress_text.duration(bar.time - bar.first_time))
     return " · ".join(parts)
 
-
-def summary(record: RunRecord) -> str:
-    """Deterministic: each rank's final progress and state, the notes, rank 0's latest metrics."""
-    lines = []
-    for rank in record.ranks:
-        progress = format.progress_summary(rank)
-        stage = rank.stage is not None and rank.stage is not Stage.TRAINING and rank.state != "finished"
-        state = f"{rank.state} at {rank.stage}" if stage else format.row_state(rank)
-        name = format.row_name(record, rank.rank)
-        if progress:
-            lines.append(f"{name}: {progress} [{state}]")
-        elif rank.state != "finished":
-            lines.append(f"{name}: [{state}]")
-    lines.extend(record.notes)
-    latest = record.latest_metrics()
-    if latest:
-        step = max(step for step, _ in latest.values())
-        values = "  ".join(f"{name}={value:.4g}" for name, (_, value) in sorted(latest.items()))
-        lines.append(f"rank 0 metrics at step {step}: {values}")
-    return "".join(line + "\n" for line in lines)

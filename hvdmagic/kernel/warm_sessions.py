@@ -1,7 +1,7 @@
 """The kernel's warm-rank sessions: ``%horovod start|stop|status`` and ``hvdmagic.session``.
 
 One session per magic (``%horovod``, ``%torchrun``) per kernel; a cell of that magic
-without ``--np`` runs on it. The ranks themselves are ``hvdmagic.launch.session``'s.
+without ``--np`` runs on it. The ranks themselves are ``hvdmagic.launch.warm_ranks``'s.
 """
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ import time
 from IPython.core.error import UsageError
 
 from hvdmagic.errors import LaunchError
-from hvdmagic.launch.session import Session
+from hvdmagic.launch.placement import Placement
+from hvdmagic.launch.warm_ranks import Session
 from hvdmagic.protocol import Framework
 
 _sessions: dict[Framework, Session] = {}
@@ -45,7 +46,7 @@ def session(np: int, *, backend: str = "horovod", controller: str = "gloo", time
     from hvdmagic.kernel.record import RunRecord
     from hvdmagic.kernel.ui import make_view
 
-    warm = Session(np, framework=Framework(backend), controller=controller, start_timeout=timeout,
+    warm = Session(Placement.of(np, framework=Framework(backend), controller=controller), start_timeout=timeout,
                    idle_timeout=idle_timeout)
     _start(warm, make_view, RunRecord)
     atexit.register(warm.stop)
@@ -59,7 +60,7 @@ def for_cell(magic: str, framework: Framework) -> Session:
         raise UsageError(f"{magic} needs --np N, or a session: start one with {magic[1:]} start --np N.")
     if not warm.running:
         raise UsageError(f"the {magic[1:]} session is not running ({warm.ended}): start it again with "
-                         f"{magic[1:]} start --np {warm.np}, or give the cell --np N.")
+                         f"{magic[1:]} start --np {warm.placement.signed_np}, or give the cell --np N.")
     return warm
 
 
@@ -99,19 +100,17 @@ def line_magic(magic: str, line: str, framework: Framework):
     if args.command == "status":
         print(describe(magic, warm))
         return None
-    if args.np == 0:
-        raise UsageError("--np must be a positive number of Spark ranks, or negative for local mode.")
     for flag, seconds in (("--timeout", args.timeout), ("--idle-timeout", args.idle_timeout)):
         if seconds is not None and seconds <= 0:
             raise UsageError(f"{flag} must be a positive number of seconds.")
     if warm is not None and warm.running:
         if not args.restart:
-            raise UsageError(f"a {magic} session of {warm.np} ranks is running: stop it with {magic} stop, "
+            raise UsageError(f"a {magic} session of {warm.size} ranks is running: stop it with {magic} stop, "
                              f"or start over with {magic} start --np N --restart.")
         warm.stop()
     try:
-        warm = Session(args.np, framework=framework, controller=args.controller, start_timeout=args.timeout,
-                       idle_timeout=args.idle_timeout)
+        warm = Session(Placement.of(args.np, framework=framework, controller=args.controller),
+                       start_timeout=args.timeout, idle_timeout=args.idle_timeout)
     except LaunchError as exc:
         raise UsageError(str(exc)) from None
     from hvdmagic.kernel.record import RunRecord
@@ -119,14 +118,14 @@ def line_magic(magic: str, line: str, framework: Framework):
 
     _start(warm, make_view, RunRecord)
     _sessions[framework] = warm
-    print(f"hvdmagic: {magic} session of {warm.size} ranks ready ({'local' if warm.np < 0 else 'spark'}); "
+    print(f"hvdmagic: {magic} session of {warm.size} ranks ready ({warm.placement.where}); "
           f"cells without --np run on it.")
     return None
 
 
 def _start(warm: Session, make_view, record_type) -> None:
     """Start the ranks under a dashboard of their own, so their start-up stages show as a cell's do."""
-    record = record_type(warm.np, f"%{'torchrun' if warm.framework == Framework.TORCH else 'horovod'} start")
+    record = record_type(warm.placement, f"%{'torchrun' if warm.framework == Framework.TORCH else 'horovod'} start")
     view = make_view(record)
 
     def on_event(event: dict) -> None:
@@ -151,7 +150,7 @@ def describe(magic: str, warm: Session | None) -> str:
     if not warm.running:
         return f"{magic} session: not running ({warm.ended})"
     now = time.monotonic()
-    lines = [f"{magic} session: {warm.size} ranks ({'local' if warm.np < 0 else 'spark'}), "
+    lines = [f"{magic} session: {warm.size} ranks ({warm.placement.where}), "
              f"{'busy' if warm.busy else 'idle'}",
              f"{'rank':>4}  {'host':<16} {'state':<5} {'memory':>9}  idle"]
     for row in warm.status():

@@ -18,6 +18,7 @@ import time
 from collections.abc import Iterable, Iterator
 from typing import TypeVar
 
+from hvdmagic import protocol
 from hvdmagic.metric_rows import GAP_ROW, MetricRows, pad
 from hvdmagic.protocol import EVENT_FD_ENV, LEGACY_KERAS_SET_ENV, Event, Stage
 
@@ -196,8 +197,7 @@ def _take_rows() -> MetricRows:
 
 def report_line(bars: dict, rows: MetricRows) -> str:
     """The event line of one flush: the progress bars that changed and the rows taken."""
-    metrics = f',"metrics":{rows.to_json()}' if rows else ""
-    return f'{{"type":"{Event.REPORT}","progress":{json.dumps(bars, separators=(",", ":"))}{metrics}}}\n'
+    return protocol.report_line(json.dumps(bars, separators=(",", ":")), rows.to_json() if rows else None)
 
 
 def flush() -> None:
@@ -254,13 +254,13 @@ def _flush_loop() -> None:
         try:
             if stage is not Stage.FIRST_STEP and (now := _horovod_stage()) is not None and now != stage:
                 stage = now
-                emit({"type": Event.STAGE, "stage": stage})
+                emit(protocol.stage_reached(stage))
             if not keras_noted and _keras_note_due():
                 keras_noted = True
-                emit({"type": Event.NOTE, "text": _KERAS_NOTE, "once": "keras"})
+                emit(protocol.note(_KERAS_NOTE, once="keras"))
             flush()
             if time.monotonic() >= next_beat:
-                emit({"type": Event.HEARTBEAT})
+                emit(protocol.bare(Event.HEARTBEAT))
                 next_beat = time.monotonic() + HEARTBEAT_INTERVAL
         except (OSError, ValueError):
             # The pipe is gone, so is the supervisor that read it (a killed kernel, a lost task):

@@ -4,7 +4,7 @@ horovod records the frameworks it was built for, and their versions, in its
 ``metadata.json``; reading it, and the installed versions, costs no import of
 TensorFlow or torch. A cell that needs what the build lacks fails here in one
 paragraph that names the rebuild command, not in every rank with a linker error.
-The executors' own horovod is checked by the ranks (``rank.__main__``).
+The executors' own horovod is checked by the ranks (``rank.outcome``).
 """
 
 from __future__ import annotations
@@ -29,11 +29,7 @@ MXNET = ("Apache retired MXNet in 2023 (it moved to the Apache Attic), and hvdma
          "port the model to PyTorch (%%horovod or %%torchrun) or TensorFlow/Keras (docs/frameworks.md).")
 
 
-def imported_modules(source: str) -> set[str]:
-    try:
-        tree = ast.parse(source)
-    except SyntaxError:
-        return set()  # the capture reports it, with the line
+def imported_modules(tree: ast.Module) -> set[str]:
     names = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
@@ -44,9 +40,10 @@ def imported_modules(source: str) -> set[str]:
     return names
 
 
-def check_cell(source: str) -> None:
-    """Raise a LaunchError when the cell imports a framework this kernel's horovod cannot run."""
-    modules = imported_modules(source)
+def check_cell(tree: ast.Module) -> None:
+    """Raise a LaunchError when the cell (``capture.parse_cell``'s tree) imports a framework this
+    kernel's horovod cannot run."""
+    modules = imported_modules(tree)
     if any(m == "mxnet" or m.split(".")[:2] == ["horovod", "mxnet"] for m in modules):
         raise LaunchError(MXNET)
     needed = {key: dists for prefix, (key, dists) in _FRAMEWORKS.items()

@@ -18,12 +18,14 @@ import os
 import re
 from numbers import Real
 
+from hvdmagic.kernel.record import last_run
+
 try:
     from mlflow import MlflowClient
     from mlflow.entities import Metric, Param
 except ImportError as exc:
     raise ImportError(
-        "hvdmagic.callbacks.mlflow needs MLflow on the driver (the ranks do not): pip install mlflow-skinny "
+        "hvdmagic.kernel.mlflow_export needs MLflow on the driver (the ranks do not): pip install mlflow-skinny "
         "(the client only, enough for a tracking server or a local folder) or mlflow."
     ) from exc
 
@@ -45,8 +47,6 @@ def log_run(record=None, experiment: str | None = None, run_name: str | None = N
     run's state, notes (e.g. the scaled learning rate) and timeline path.
     """
     if record is None:
-        from hvdmagic.kernel.record import last_run
-
         record = last_run()
         if record is None:
             raise ValueError("log_run() has no run to log: run a %%horovod cell or hvdmagic.run(...) first, "

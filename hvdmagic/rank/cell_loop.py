@@ -1,7 +1,7 @@
 """A session's rank (``%horovod start``): one namespace for the session's life, cells as they come.
 
-The supervisor writes each cell to our stdin as a length-prefixed pickle (its payload
-came over the job's authenticated channel); EOF means the session, or the
+The supervisor writes each cell's payload to our stdin (``protocol.write_payload``;
+it came over the job's authenticated channel); EOF means the session, or the
 supervisor, ended. Stop (the kernel's interrupt) arrives as SIGINT and raises
 KeyboardInterrupt in the cell's code only: between cells it is ignored, so an
 interrupt that comes late cannot break the loop or a report.
@@ -14,18 +14,17 @@ import signal
 import sys
 import threading
 
-from hvdmagic.protocol import Event
-from hvdmagic.rank import report
+from hvdmagic import protocol
+from hvdmagic.rank import telemetry
 from hvdmagic.rank.cell import CellFunction
+from hvdmagic.rank.outcome import error_event, report_result
 
 # Errors after which the ranks' collectives cannot be trusted: the session restarts its ranks.
 _BROKEN_COLLECTIVES = ("HorovodInternalError", "DistBackendError", "DistNetworkError")
 
 
-def serve(rank: int, policy: str) -> int:
+def serve(rank: int, policy: str, stdin) -> int:
     import cloudpickle
-
-    from hvdmagic.rank.__main__ import error_event, report_result
 
     in_cell = threading.Event()
 
@@ -35,11 +34,11 @@ def serve(rank: int, policy: str) -> int:
 
     signal.signal(signal.SIGINT, on_interrupt)
     namespace: dict = {}
-    report.emit({"type": Event.IDLE, "cell": None, "rss": _rss()})
-    while (request := _next_cell(sys.stdin.buffer)) is not None:
-        cell = request["id"]
+    telemetry.emit(protocol.idle(None, _rss()))
+    while (request := protocol.read_payload(stdin)) is not None:
+        cell, payload = request
         try:
-            fn, args, kwargs = cloudpickle.loads(request["payload"])
+            fn, args, kwargs = cloudpickle.loads(payload)
             in_cell.set()
             try:
                 if isinstance(fn, CellFunction):
@@ -51,32 +50,12 @@ def serve(rank: int, policy: str) -> int:
             report_result(value, rank, policy, cell=cell)
         except BaseException as exc:  # KeyboardInterrupt and SystemExit too: the session goes on
             in_cell.clear()
-            report.flush()
-            report.emit(error_event(exc, cell=cell, broken=_breaks_collectives(exc)))
+            telemetry.flush()
+            telemetry.emit(error_event(exc, cell=cell, broken=_breaks_collectives(exc)))
         sys.stdout.flush()
         sys.stderr.flush()
-        report.emit({"type": Event.IDLE, "cell": cell, "rss": _rss()})
+        telemetry.emit(protocol.idle(cell, _rss()))
     return 0
-
-
-def _next_cell(stdin) -> dict | None:
-    import pickle
-
-    header = _read(stdin, 4)
-    if header is None:
-        return None
-    body = _read(stdin, int.from_bytes(header, "big"))
-    return None if body is None else pickle.loads(body)
-
-
-def _read(stdin, size: int) -> bytes | None:
-    data = b""
-    while len(data) < size:
-        chunk = stdin.read(size - len(data))
-        if not chunk:
-            return None
-        data += chunk
-    return data
 
 
 def _breaks_collectives(exc: BaseException) -> bool:

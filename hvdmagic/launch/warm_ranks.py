@@ -1,7 +1,7 @@
 """Warm ranks: one job whose ranks stay up between cells, each keeping its own namespace.
 
 ``%horovod start`` (or ``hvdmagic.session``) starts a Job in session mode on a
-thread of the kernel: its ranks run ``hvdmagic.rank.session`` and wait. A cell is
+thread of the kernel: its ranks run ``hvdmagic.rank.cell_loop`` and wait. A cell is
 one ``cell`` message over the job's authenticated channel, relayed by every
 task's supervisor to its rank's stdin; the ranks answer with the usual events,
 tagged with the cell's id, and ``idle`` when done. No Spark stage, no process
@@ -16,22 +16,24 @@ that dies ends the job; the session restarts its ranks the same way.
 
 from __future__ import annotations
 
-import base64
 import queue
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from hvdmagic import protocol
 from hvdmagic.errors import JobFailed, JobInterrupted, JobTimeout, LaunchError, RankFailure
 from hvdmagic.launch import make_backend, preflight
 from hvdmagic.launch.interrupts import interruptible
 from hvdmagic.launch.job import Job, result_value
-from hvdmagic.protocol import Event, Framework, ResultPolicy
+from hvdmagic.launch.placement import Placement, PlacementError
+from hvdmagic.protocol import Event, ResultPolicy
 
 INTERRUPT_GRACE = 5.0  # seconds the ranks get to leave a cell after Stop, before they are restarted
 FAILURE_GRACE = 5.0  # seconds the other ranks get to finish a cell after one rank's error
 POLL = 0.05
+_JOB_ENDED: dict = {}  # put in the inbox, after the last event, when the job has ended
 LOST_STATE = "the session's ranks were restarted, and what they held (models, data, variables) is lost"
 
 
@@ -48,20 +50,21 @@ class Session:
     """Ranks that stay up between cells. See the module doc; ``hvdmagic.session`` is the Python API.
 
     Args:
-        np: ranks as a Spark barrier stage (> 0) or processes on the driver (< 0).
-        framework: Horovod's environment, or torch.distributed's.
-        controller: "gloo" or "mpi" (Horovod only).
+        placement: the ranks (``Placement.of``): a Spark barrier stage or processes on the
+            driver, Horovod's or torch.distributed's, under Gloo or mpirun; not elastic.
         start_timeout: seconds the ranks get to come up.
         idle_timeout: stop the session, freeing its slots and GPUs, after this many idle seconds.
     """
 
-    def __init__(self, np: int, *, framework: Framework = Framework.HOROVOD, controller: str = "gloo",
-                 start_timeout: float | None = None, idle_timeout: float | None = None, spark=None):
-        preflight(np, framework, controller)
-        self.np = np
-        self.size = abs(np)
-        self.framework = framework
-        self.controller = controller
+    def __init__(self, placement: Placement, *, start_timeout: float | None = None,
+                 idle_timeout: float | None = None, spark=None):
+        if placement.elastic is not None:
+            raise PlacementError("a session runs a fixed number of ranks; elastic training runs in a cell "
+                                 "of its own (give it --np N with --min-np/--max-np).")
+        preflight(placement)
+        self.placement = placement
+        self.size = placement.np
+        self.framework = placement.framework
         self.start_timeout = start_timeout
         self.idle_timeout = idle_timeout
         self.spark = spark
@@ -86,15 +89,15 @@ class Session:
     def start(self, on_event: Callable[[dict], None] | None = None) -> None:
         """Bring the ranks up and wait until every one is idle in its namespace."""
         on_event = on_event or (lambda event: None)
-        backend = make_backend(self.np, on_event, spark=self.spark)
-        if self.np > 0:
+        backend = make_backend(self.placement, on_event, spark=self.spark)
+        if not self.placement.local:
             from hvdmagic.launch import spark
 
             spark.held_slots[self] = self.size  # a one-shot cell beside this session must not wait for them
         self._inbox = queue.Queue()
         self._job_error = None
-        self._job = Job(backend, b"", controller=self.controller, framework=self.framework, session=True,
-                        results=ResultPolicy.ALL_OR_REPR, on_event=self._inbox.put)
+        self._job = Job(backend, b"", self.placement, session=True, results=ResultPolicy.ALL_OR_REPR,
+                        on_event=self._inbox.put)
         self._thread = threading.Thread(target=self._run_job, name="hvdmagic-session", daemon=True)
         self._thread.start()
         self.ended = None
@@ -126,11 +129,11 @@ class Session:
             self.ended = reason  # first: the job thread's own "its ranks exited" must not replace it
         job, thread = self._job, self._thread
         if job is not None:
-            job.send({"type": Event.ABORT})
+            job.send(protocol.bare(Event.ABORT))
         if thread is not None:
             thread.join(timeout=60)
         self._job = self._thread = None
-        if self.np > 0:
+        if not self.placement.local:
             from hvdmagic.launch import spark
 
             spark.held_slots.pop(self, None)
@@ -178,8 +181,8 @@ class Session:
         cell = self._cells
         self._busy = True
         for rank in range(self.size):
-            on_event({"type": Event.PLACED, "rank": rank, "host": self._hosts.get(rank, "")})
-        self._job.send({"type": Event.CELL, "id": cell, "payload": base64.b64encode(payload).decode("ascii")})
+            on_event(protocol.placed(rank, self._hosts.get(rank, "")))
+        self._job.send(protocol.cell(cell, payload))
         started = time.monotonic()
         pending = set(range(self.size))
         values: dict[int, object] = {}
@@ -239,7 +242,7 @@ class Session:
 
     def _interrupt(self, pending: set[int], on_event) -> list[int]:
         """Stop (SIGINT) the ranks still in the cell; the ranks that did not get back to idle."""
-        self._job.send({"type": Event.INTERRUPT})
+        self._job.send(protocol.bare(Event.INTERRUPT))
         deadline = time.monotonic() + INTERRUPT_GRACE
         while pending and time.monotonic() < deadline:
             try:
@@ -258,7 +261,7 @@ class Session:
         return sorted(pending)
 
     def _restart_after(self, on_event) -> None:
-        on_event({"type": Event.NOTE, "text": f"hvdmagic: {LOST_STATE}"})
+        on_event(protocol.note(f"hvdmagic: {LOST_STATE}"))
         self.restart(on_event)
 
     @staticmethod
@@ -281,7 +284,7 @@ class Session:
         finally:
             if self.ended is None:
                 self.ended = "its ranks exited"
-            self._inbox.put({"type": "job_ended"})
+            self._inbox.put(_JOB_ENDED)
 
     def _next_event(self, deadline: float | None, during: str, wait: float = POLL) -> dict | None:
         """The next event from the job; raises once the job has ended (a rank died)."""
@@ -292,7 +295,7 @@ class Session:
             event = self._inbox.get(timeout=wait)
         except queue.Empty:
             return None
-        if event.get("type") != "job_ended":
+        if event is not _JOB_ENDED:
             return event
         error = self._job_error
         if isinstance(error, JobFailed):

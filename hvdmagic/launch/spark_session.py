@@ -1,0 +1,218 @@
+"""The kernel's SparkSession: find the active one, start an embedded local one, replace one that broke.
+
+Runs in the kernel, for the Spark backend (``launch.spark``), which asks it for a
+session and then checks that session's slots. Here live what only a classic
+session with a JVM behind it needs: the Java check, the JVM's own output kept out
+of the cells (``jvm_log``), Spark's error reduced to one line (``first_line``) and
+the one thread that talks to the JVM. A Spark Connect session has no JVM in the
+kernel and needs none of it. Imports pyspark lazily, ``hvdmagic.errors`` and
+``hvdmagic.protocol``; nothing else of hvdmagic.
+
+Every call into the JVM that hvdmagic makes for the kernel runs on one thread of
+its own (``on_spark_thread``), never on the kernel's main thread. Ctrl-C (the
+notebook's Stop) raises KeyboardInterrupt in the main thread; had it landed inside
+a Py4J call there, the call's half-read answer would be left on its connection, and
+pyspark's own SIGINT handler would make a second, reentrant call on it
+(``cancelAllJobs``): the gateway, and sometimes the JVM, broke for the rest of the
+kernel's life. On its own thread a call always finishes; the main thread only
+waits for it, and an interrupted wait leaves it to finish in the background. One
+thread, not one per call, because in pinned-thread mode every Python thread that
+calls the JVM holds a connection of its own. The functions below that call the JVM
+expect to run on it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import sys
+import tempfile
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from hvdmagic.errors import LaunchError
+from hvdmagic.protocol import Stage
+
+_LOG4J = Path(__file__).with_name("log4j2.properties")
+_embedded = None  # the session hvdmagic started itself, which it may resize or replace
+_spark_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hvdmagic-spark")
+_starting = threading.Event()  # the Spark thread is starting an embedded session (maybe for a cell that was stopped)
+
+
+def on_spark_thread(fn: Callable, *args):
+    """``fn(*args)`` on hvdmagic's Spark thread; the main thread only waits (see the module doc)."""
+    return _spark_thread.submit(fn, *args).result()
+
+
+def embedded_starting() -> bool:
+    """Whether the Spark thread is starting an embedded session, maybe for a cell that was stopped."""
+    return _starting.is_set()
+
+
+def jvm_log() -> Path:
+    """Where the embedded Spark's JVM writes its own output: never into a cell."""
+    return Path(tempfile.gettempdir()) / f"hvdmagic-spark-{os.getpid()}.log"
+
+
+@contextlib.contextmanager
+def _jvm_output_to_log():
+    """Point this process's stdout and stderr at jvm_log() while the JVM is started.
+
+    The JVM inherits them, so its start-up notices ("Using incubator modules",
+    "Setting default log level") and its later chatter stay out of the notebook,
+    where the kernel would show them as a red block. Python's own sys.stdout is
+    the kernel's stream, not fd 1, so prints are unaffected.
+    """
+    saved = [os.dup(1), os.dup(2)]
+    log = os.open(jvm_log(), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    try:
+        os.dup2(log, 1)
+        os.dup2(log, 2)
+        yield
+    finally:
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+        for fd in (log, *saved):
+            os.close(fd)
+
+
+def _java_check() -> None:
+    from shutil import which
+
+    if not (os.environ.get("JAVA_HOME") or which("java")):
+        raise LaunchError(
+            "Spark needs Java 17 or newer, and no 'java' was found on PATH (JAVA_HOME is not set either). "
+            "Install it, e.g. 'apt-get install -y openjdk-17-jre-headless', or run the set-up command "
+            "from the README; or use local mode (--np -N), which needs no Spark."
+        )
+
+
+def _start_embedded(slots: int):
+    from pyspark.sql import SparkSession
+
+    _java_check()
+    # Spark binds to the machine's external-looking address unless told otherwise;
+    # an embedded session serves only this kernel, so loopback is the right place.
+    os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    _starting.set()
+    try:
+        with _jvm_output_to_log():
+            session = (
+                SparkSession.builder.master(f"local[{slots}]")
+                .appName("hvdmagic")
+                .config("spark.driver.host", "127.0.0.1")
+                .config("spark.driver.bindAddress", "127.0.0.1")
+                .config("spark.ui.showConsoleProgress", "false")
+                .config("spark.driver.extraJavaOptions", f"-Dlog4j2.configurationFile={_LOG4J}")
+                .getOrCreate()
+            )
+    except Exception as exc:
+        raise LaunchError(f"could not start an embedded local Spark session: {first_line(exc)} "
+                          f"(the JVM's own output is in {jvm_log()})", details=str(exc)) from None
+    finally:
+        _starting.clear()
+    session.sparkContext.setLogLevel("ERROR")
+    return session
+
+
+def _unusable(session) -> str | None:
+    """Why ``session`` cannot run a job (its context stopped, its JVM gone), or None."""
+    try:
+        if session.sparkContext._jsc.sc().isStopped():
+            return "its SparkContext was stopped"
+    except Exception as exc:  # Py4JError, ConnectionRefusedError: the gateway or the JVM is gone
+        return first_line(exc)
+    return None
+
+
+def _forget_embedded() -> None:
+    """Drop a broken embedded session so that a new one can start in this kernel."""
+    global _embedded
+    from pyspark import SparkContext
+    from pyspark.sql import SparkSession
+
+    gateway = SparkContext._gateway
+    with contextlib.suppress(Exception):
+        _embedded.stop()
+    with contextlib.suppress(Exception):
+        gateway.shutdown()
+    proc = getattr(gateway, "proc", None)
+    if proc is not None and proc.poll() is None:
+        proc.kill()
+    SparkContext._active_spark_context = SparkContext._gateway = SparkContext._jvm = None
+    SparkSession._instantiatedSession = SparkSession._activeSession = None
+    _embedded = None
+
+
+def find_or_start(slots: int, on_stage: Callable[[Stage], None] = lambda stage: None,
+                  notes: list[str] | None = None) -> tuple[object, bool]:
+    """The active SparkSession, or a new embedded local one with at least ``slots`` slots
+    (one per core at the least); and whether it is the new one.
+
+    An embedded session that broke (its JVM died) is replaced by a new one, and
+    ``notes`` says so; a broken session of the user's own is an error, since it may
+    hold their state.
+    """
+    global _embedded
+    from pyspark import SparkContext
+    from pyspark.sql import SparkSession
+
+    session = SparkSession.getActiveSession()
+    if session is None and SparkContext._active_spark_context is not None:
+        session = SparkSession.builder.getOrCreate()
+    if session is not None and (problem := _unusable(session)):
+        if session is not _embedded:
+            raise LaunchError(f"the active SparkSession cannot run a job ({problem}). Stop it with spark.stop() "
+                              "and create a new one, or restart the kernel; or use local mode (--np -N).")
+        _forget_embedded()
+        session = None
+        if notes is not None:
+            notes.append(f"the embedded Spark session was unusable ({problem}); hvdmagic started a new one")
+    if session is None:
+        on_stage(Stage.SPARK_STARTING)
+        _embedded = _start_embedded(max(slots, os.cpu_count() or 1))
+        return _embedded, True
+    return session, False
+
+
+def is_embedded(session) -> bool:
+    """Whether hvdmagic started ``session`` itself, and so may replace it; a user's session it never stops."""
+    return session is _embedded
+
+
+def restart_embedded(slots: int, on_stage: Callable[[Stage], None] = lambda stage: None):
+    """Stop the embedded session and start one with ``slots`` slots in its place."""
+    global _embedded
+    on_stage(Stage.SPARK_STARTING)
+    _embedded.stop()
+    _embedded = _start_embedded(slots)
+    return _embedded
+
+
+_EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt)\b(:.*)?$")
+
+
+def first_line(exc: BaseException) -> str:
+    """The useful line of a Spark/Py4J error, without the Java stack."""
+    text = str(exc)
+    python_tb = text.rfind("Traceback (most recent call last)")
+    if python_tb >= 0:
+        tail = text[python_tb:].split("\n\tat ")[0]
+        lines = [line.strip() for line in tail.splitlines() if line.strip()]
+        errors = [line for line in lines if _EXCEPTION_LINE.match(line)]
+        if errors or lines:
+            line = (errors or lines)[-1]
+            if re.search(r"No module named '(hvdmagic|horovod|torch|pyarrow)\b", line):
+                line += (f" on the executors: their Python ({os.environ.get('PYSPARK_PYTHON', 'python3')}, "
+                         "set by PYSPARK_PYTHON before the session starts) needs hvdmagic, horovod, torch and "
+                         "pyarrow installed; on one machine, set PYSPARK_PYTHON to this kernel's Python "
+                         f"({sys.executable}); see docs/clusters.md")
+            return line
+    for line in text.splitlines():
+        if line.strip():
+            return line.strip()[:500]
+    return type(exc).__name__

@@ -1,0 +1,154 @@
+"""One rank's process, as its supervisor holds it: start, feed, relay, signal, reap.
+
+Every mode of a task (one-shot, session, elastic, ``--controller mpi``) runs its
+ranks through this one object. The rank is a fresh interpreter in its own process
+group (``python -m hvdmagic.rank``), or, under mpirun, a process that mpirun
+started and the task adopted (``task.mpi``). Its stdin carries its Boot and then
+its payloads (``protocol.write_boot``/``write_payload``) and stays open: EOF tells
+the rank that its supervisor is gone. Its stdout and stderr are relayed as OUTPUT
+events, and its own events (one JSON line each, on the pipe named by
+``HVDMAGIC_EVENT_FD``) as they are, tagged with its row.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+
+from hvdmagic import protocol
+from hvdmagic.protocol import EVENT_FD_ENV, Boot
+from hvdmagic.task.lines import LineSplitter, relayed
+
+KILL_GRACE = 3.0
+
+# Starts the rank's process with this environment, its event pipe's write end passed on;
+# returns None when the start was abandoned (an abort while mpirun had not started it yet).
+Starter = Callable[[dict[str, str], int], "subprocess.Popen | None"]
+
+
+def spawn(env: dict[str, str], events_w: int) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "hvdmagic.rank"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        pass_fds=(events_w,), env=env,
+        start_new_session=True,  # its own process group, so cleanup takes the whole tree
+    )
+
+
+class RankProcess:
+    """``send`` delivers an event to the driver (and stops the rank if the driver is gone);
+    ``send_raw`` an already encoded one; ``row`` tags every event the rank sends."""
+
+    def __init__(self, row: int, send: Callable[[dict], None], send_raw: Callable[[bytes], None]):
+        self.row = row
+        self._send = send
+        self._send_raw = send_raw
+        self.proc: subprocess.Popen | None = None
+        self._relays: list[threading.Thread] = []
+        self._sent: set[int] = set()  # the signals kill() delivered while the rank was alive
+        self._stdin_lock = threading.Lock()
+
+    def start(self, env: dict[str, str], boot: Boot, start: Starter = spawn) -> bool:
+        """Start the rank and hand it its Boot; False when ``start`` gave up."""
+        events_r, events_w = os.pipe()
+        env = {**env, EVENT_FD_ENV: str(events_w)}
+        try:
+            self.proc = start(env, events_w)
+        finally:
+            os.close(events_w)
+        if self.proc is None:
+            os.close(events_r)
+            return False
+        self._relays = [
+            threading.Thread(target=self._relay_stream, args=(self.proc.stdout, "stdout"), daemon=True),
+            threading.Thread(target=self._relay_stream, args=(self.proc.stderr, "stderr"), daemon=True),
+            threading.Thread(target=self._relay_events, args=(os.fdopen(events_r, "rb"),), daemon=True),
+        ]
+        for thread in self._relays:
+            thread.start()
+        self._write(protocol.write_boot, boot)
+        return True
+
+    def feed(self, payload: bytes, cell_id: int | None = None) -> None:
+        """A payload for the rank to run: the one-shot cell, or a session's next cell."""
+        self._write(protocol.write_payload, payload, cell_id)
+
+    def _write(self, write, *args) -> None:
+        proc = self.proc
+        try:
+            with self._stdin_lock:
+                write(proc.stdin, *args)
+        except (AttributeError, OSError, ValueError):
+            pass  # the rank is gone (or died before reading); its exit code tells why
+
+    def wait(self) -> int:
+        """Relay until the rank exits, report its exit, and return its code."""
+        code = self.proc.wait()
+        for thread in self._relays:
+            thread.join(timeout=10)
+        try:
+            self.proc.stdin.close()
+        except OSError:
+            pass
+        # "aborted" only when our own signal ended the rank: a rank that died of its
+        # own SIGKILL (the OOM killer) or exit code while an abort was under way
+        # is still a failure the user must see.
+        self._send(protocol.exit_(self.row, code, aborted=code < 0 and -code in self._sent))
+        return code
+
+    def signal(self, sig: int) -> None:
+        """``sig`` to the rank's process group, as a terminal's Ctrl-C reaches a foreground job."""
+        proc = self.proc
+        if proc is not None and proc.poll() is None:
+            try:
+                os.killpg(proc.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def kill(self) -> None:
+        """Stop the rank's whole process group: TERM, then KILL after a grace period."""
+        proc = self.proc
+        for sig, wait in ((signal.SIGTERM, KILL_GRACE), (signal.SIGKILL, None)):
+            if proc is None or proc.poll() is not None:
+                return
+            try:
+                os.killpg(proc.pid, sig)
+            except ProcessLookupError:
+                return
+            self._sent.add(int(sig))
+            try:
+                proc.wait(timeout=wait)
+                return
+            except subprocess.TimeoutExpired:
+                continue
+
+    # Each relay closes its pipe at EOF: a session restarts its ranks many times in one
+    # kernel, and the supervisor and this object refer to each other, so nothing else would
+    # close them before the garbage collector ran.
+    def _relay_stream(self, pipe, stream: str) -> None:
+        splitter = LineSplitter()
+        with pipe:
+            while chunk := pipe.read1(65536):
+                lines, transient = splitter.feed(chunk.decode("utf-8", "replace"), time.monotonic())
+                if lines or transient is not None:
+                    self._send(protocol.output(self.row, stream, lines, transient))
+        if tail := splitter.finish():
+            self._send(protocol.output(self.row, stream, tail))
+
+    def _relay_events(self, events) -> None:
+        tail = b',"rank":%d}' % self.row
+        with events:
+            for line in events:
+                frame = relayed(line, tail)
+                if frame is None:
+                    continue
+                try:
+                    self._send_raw(frame)
+                except ValueError as exc:  # over the frame limit: fail the rank, never drop silently
+                    self._send(protocol.error("ValueError", str(exc), "", time.time(), rank=self.row))
+
