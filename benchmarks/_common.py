@@ -1,12 +1,15 @@
 """What the benchmarks share (scripts/soak.py uses it too), each written once.
 
 - statistics: ``percentile``, ``describe``, ``paired_ratios``, ``ratio_of_totals``, ``bootstrap_median_ci``,
-  ``num``;
-- the machine and the code under test: ``machine``, ``versions``, ``code_under_test``;
+  ``paired``, ``num``, and ``rotated`` (each round's order of the systems that take turns);
+- the machine and the code under test: ``machine``, ``versions``, ``code_under_test``, ``environment``;
 - /proc and processes: ``proc_start_time``, ``thread_cpu``, ``process_tree``, ``process_role``,
-  and ``GcPauses`` for this process's garbage collections;
+  ``GcPauses`` for this process's garbage collections, and ``LoadMonitor`` for the other work
+  on the machine;
+- the command line: ``add_counts`` and ``counts`` (options with a full-run and a ``--quick`` default);
 - output: ``Log`` (progress lines on stderr), ``captured``, ``write_json``, ``command_line``;
-- IPython: ``ipython_shell`` and ``run_cell`` (one cell, its output kept out of the terminal).
+- hvdmagic: ``start_spark``, ``ipython_shell``, ``run_cell`` (one cell, its output kept out of the
+  terminal) and ``checked_cell`` (the same, raising when the cell fails).
 
 Importing this module needs the standard library only: bench_data.py also runs under a
 separate Petastorm interpreter. ``proc_start_time``, ``thread_cpu`` and ``GcPauses`` run
@@ -26,6 +29,7 @@ import random
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -85,6 +89,25 @@ def bootstrap_median_ci(values: list, resamples: int = 4000, seed: int = 1) -> t
     return medians[int(0.025 * resamples)], medians[int(0.975 * resamples) - 1]
 
 
+def paired(a: list, b: list, totals: bool = False, **percentiles: float) -> dict:
+    """a[i]/b[i] per round: ``describe`` of the ratios (with ``percentiles``), the ratio of the
+    totals if ``totals``, and the 95 % bootstrap interval of their median from 3 rounds on."""
+    ratios = paired_ratios(a, b)
+    out = describe(ratios, **percentiles)
+    if totals:
+        out["ratio_of_totals"] = ratio_of_totals(a, b)
+    if len(ratios) >= 3:
+        out["median_ci95"] = list(bootstrap_median_ci(ratios))
+    return out
+
+
+def rotated(items: list, r: int) -> list:
+    """Round r's order: ``items`` starting r places in, so that none always runs first (or after
+    the same one) on a machine whose load changes."""
+    k = r % len(items) if items else 0
+    return items[k:] + items[:k]
+
+
 def num(value) -> str:
     """A figure for a table: two decimals, "-" for None."""
     return "-" if value is None else f"{value:.2f}"
@@ -135,6 +158,11 @@ def code_under_test() -> dict:
     except (OSError, subprocess.CalledProcessError):
         pass
     return info
+
+
+def environment(*modules: str, **extra) -> dict:
+    """What a benchmark's JSON records of the machine, the ``modules``' versions and the code, with ``extra``."""
+    return {**machine(), **versions(*modules), "code": code_under_test(), "load_at_start": os.getloadavg(), **extra}
 
 
 # ---------------------------------------------------------------------------
@@ -242,6 +270,129 @@ class GcPauses:
         return [sum(d for _, d, g in self.pauses if g == gen) * 1e3 for gen in range(3)]
 
 
+class LoadMonitor:
+    """The CPU that other processes use while a benchmark runs, in cores: the machine's busy
+    time minus this process tree's (reaped children included, so that short-lived ranks count
+    as ours and short-lived other processes as others'), and load1.
+
+    ``sample()`` gives the figures since the previous sample (bench_session takes one per
+    block). ``with LoadMonitor() as monitor:`` also samples every ``interval`` s in a thread,
+    into ``samples``, with the other commands that used the most CPU, and ``summary(start, end)``
+    adds a stretch of those samples up (bench_launch).
+    """
+
+    def __init__(self, interval: float = 2.0):
+        self.interval = interval
+        self.samples: list[dict] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="bench-load", daemon=True)
+        self._cpu_by_pid: dict[int, float] = {}
+        self._last = self._read()
+
+    @staticmethod
+    def _read(tree=None) -> tuple[float, float, float]:
+        """(monotonic time, the machine's busy CPU seconds, this process tree's CPU seconds)."""
+        import psutil
+
+        t = psutil.cpu_times()
+        busy = t.user + t.nice + t.system + getattr(t, "irq", 0) + getattr(t, "softirq", 0) + getattr(t, "steal", 0)
+        ours = 0.0
+        for proc in tree or process_tree():
+            try:
+                c = proc.cpu_times()
+                ours += c.user + c.system + c.children_user + c.children_system
+            except psutil.Error:
+                pass
+        return time.monotonic(), busy, ours
+
+    def _since_last(self, tree=None) -> tuple[float, float, float]:
+        """(seconds, other processes' CPU seconds, ours) since the previous call."""
+        (t0, busy0, ours0), self._last = self._last, self._read(tree)
+        t1, busy1, ours1 = self._last
+        ours = ours1 - ours0
+        return max(t1 - t0, 1e-6), max(busy1 - busy0 - ours, 0.0), ours
+
+    def sample(self) -> dict:
+        """Since the previous sample: cores used by others and by us, and the 1-minute load average."""
+        span, others, ours = self._since_last()
+        return {"seconds": span, "others_cores": others / span, "ours_cores": ours / span,
+                "load1": os.getloadavg()[0]}
+
+    def _others_by_command(self, tree) -> dict[str, float]:
+        """CPU seconds per command line of the other processes since the previous call (none for a
+        process seen for the first time)."""
+        import psutil
+
+        ours = {proc.pid for proc in tree}
+        current, by_command = {}, {}
+        for proc in psutil.process_iter(["name", "cmdline", "cpu_times"]):
+            t = proc.info["cpu_times"]
+            if t is None or proc.pid in ours:
+                continue
+            current[proc.pid] = cpu = t.user + t.system
+            delta = cpu - self._cpu_by_pid.get(proc.pid, cpu)
+            if delta > 0:
+                command = " ".join((proc.info["cmdline"] or [proc.info["name"] or "?"])[:3])[:80]
+                by_command[command] = by_command.get(command, 0.0) + delta
+        self._cpu_by_pid = current
+        return by_command
+
+    def __enter__(self) -> LoadMonitor:
+        tree = process_tree()
+        self._others_by_command(tree)
+        self._last = self._read(tree)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                now, tree = time.time(), process_tree()
+                _, others, ours = self._since_last(tree)
+                self.samples.append({"time": now, "ours_cpu_s": ours, "others_cpu_s": others,
+                                     "load1": os.getloadavg()[0], "others_top": self._others_by_command(tree)})
+            except Exception:  # a process vanishing mid-scan; the next sample catches up
+                pass
+
+    def summary(self, start: float | None = None, end: float | None = None) -> dict:
+        """The thread's samples between wall times start and end: cores used by us and by others,
+        load1, and the six other commands that used the most CPU (seconds); {} for fewer than 2."""
+        rows = [s for s in self.samples if (start is None or s["time"] >= start) and (end is None or s["time"] <= end)]
+        if len(rows) < 2:
+            return {}
+        span = rows[-1]["time"] - rows[0]["time"] + self.interval
+        top: dict[str, float] = {}
+        for s in rows:
+            for command, cpu in s["others_top"].items():
+                top[command] = top.get(command, 0.0) + cpu
+        return {"seconds": span, "ours_cores": sum(s["ours_cpu_s"] for s in rows) / span,
+                "others_cores": sum(s["others_cpu_s"] for s in rows) / span,
+                "load1": describe([s["load1"] for s in rows], q1=25, q3=75),
+                "others_top": dict(sorted(top.items(), key=lambda kv: -kv[1])[:6])}
+
+
+# ---------------------------------------------------------------------------
+# The command line
+# ---------------------------------------------------------------------------
+
+def add_counts(parser, options: dict) -> None:
+    """One integer option per ``name: (full-run default, --quick default, help)``; ``{}`` in the help
+    says where its defaults go. Not given, it is None: ``counts`` fills the default in."""
+    for name, (full, quick, text) in options.items():
+        parser.add_argument("--" + name.replace("_", "-"), type=int, default=None,
+                            help=text.format(f"(default {full}, quick {quick})"))
+
+
+def counts(args, options: dict) -> dict:
+    """Each of ``add_counts``' options: the value given, or its default for this run (``args.quick``)."""
+    return {name: (quick if args.quick else full) if getattr(args, name) is None else getattr(args, name)
+            for name, (full, quick, _) in options.items()}
+
+
 # ---------------------------------------------------------------------------
 # Output
 # ---------------------------------------------------------------------------
@@ -282,8 +433,16 @@ def command_line() -> str:
 
 
 # ---------------------------------------------------------------------------
-# IPython
+# hvdmagic: Spark and IPython
 # ---------------------------------------------------------------------------
+
+def start_spark(slots: int = 4):
+    """The warm session every Spark-based system shares: hvdmagic's own embedded one, which
+    hvdmagic then treats as the user's session (it is not resized)."""
+    from hvdmagic.launch.spark_session import _start_embedded
+
+    return _start_embedded(slots)
+
 
 def ipython_shell():
     """A real IPython shell (IPython's own test shell, as tests/conftest.py uses) with hvdmagic loaded."""
@@ -301,3 +460,13 @@ def run_cell(ip, source: str):
         outcome = ip.run_cell(source)
         ended = time.time()
     return outcome, buffer.getvalue(), started, ended
+
+
+def checked_cell(ip, source: str):
+    """``run_cell``, raising RuntimeError with the end of the output when the cell fails:
+    (the cell's value, started, ended)."""
+    outcome, output, started, ended = run_cell(ip, source)
+    if not outcome.success:
+        raise RuntimeError(f"{source.splitlines()[0]} failed: {outcome.error_in_exec or outcome.error_before_exec!r}\n"
+                           f"{output[-3000:]}")
+    return outcome.result, started, ended

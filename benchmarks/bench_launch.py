@@ -72,8 +72,6 @@ os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
 os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
 _USER_OMP = os.environ.get("OMP_NUM_THREADS")
 
-import psutil  # noqa: E402
-
 from benchmarks import _common, workloads  # noqa: E402
 from benchmarks._common import paired_ratios  # noqa: E402
 
@@ -103,93 +101,21 @@ def fmt(s: dict, unit: str = "s", digits: int = 2) -> str:
 
 
 # ---------------------------------------------------------------------------
-# The machine: load from other work during the run
-# ---------------------------------------------------------------------------
-
-class LoadMonitor:
-    """Samples, every ``interval`` s, the CPU used by this benchmark's process tree and by
-    every other process, so the report can say whether other work was running."""
-
-    def __init__(self, interval: float = 2.0):
-        self.interval = interval
-        self.samples: list[dict] = []
-        self._stop = threading.Event()
-        self._prev: dict[int, tuple[float, str, bool]] = {}
-        self._thread = threading.Thread(target=self._run, name="bench-load", daemon=True)
-
-    def __enter__(self):
-        self._sample(first=True)
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join()
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval):
-            try:
-                self._sample()
-            except Exception:  # a process vanishing mid-scan; the next sample catches up
-                pass
-
-    def _sample(self, first: bool = False) -> None:
-        ours = {proc.pid for proc in _common.process_tree()}
-        now = time.time()
-        current: dict[int, tuple[float, str, bool]] = {}
-        others = mine = 0.0
-        other_names: dict[str, float] = {}
-        for proc in psutil.process_iter(["name", "cmdline", "cpu_times"]):
-            try:
-                t = proc.info["cpu_times"]
-                if t is None:
-                    continue
-                cpu = t.user + t.system
-                cmd = " ".join((proc.info["cmdline"] or [proc.info["name"] or "?"])[:3])[:80]
-            except psutil.Error:
-                continue
-            current[proc.pid] = (cpu, cmd, proc.pid in ours)
-            prev = self._prev.get(proc.pid)
-            delta = cpu - prev[0] if prev else 0.0
-            if proc.pid in ours:
-                mine += delta
-            else:
-                others += delta
-                if delta > 0:
-                    other_names[cmd] = other_names.get(cmd, 0.0) + delta
-        self._prev = current
-        if not first:
-            self.samples.append({"time": now, "ours_cpu_s": mine, "others_cpu_s": others,
-                                 "load1": os.getloadavg()[0], "others_top": other_names})
-
-    def summary(self, start: float | None = None, end: float | None = None) -> dict:
-        rows = [s for s in self.samples if (start is None or s["time"] >= start) and (end is None or s["time"] <= end)]
-        if len(rows) < 2:
-            return {}
-        span = rows[-1]["time"] - rows[0]["time"] + self.interval
-        top: dict[str, float] = {}
-        for s in rows:
-            for name, cpu in s["others_top"].items():
-                top[name] = top.get(name, 0.0) + cpu
-        return {
-            "seconds": span,
-            "ours_cores": sum(s["ours_cpu_s"] for s in rows) / span,
-            "others_cores": sum(s["others_cpu_s"] for s in rows) / span,
-            "load1": stats([s["load1"] for s in rows]),
-            "others_top": dict(sorted(top.items(), key=lambda kv: -kv[1])[:6]),
-        }
-
-
-# ---------------------------------------------------------------------------
 # The systems under test
 # ---------------------------------------------------------------------------
 
-def start_spark(slots: int = 4):
-    """The warm session every Spark-based system shares: hvdmagic's own embedded one, which
-    hvdmagic then treats as the user's session (it is not resized)."""
-    from hvdmagic.launch.spark import _start_embedded
+def timed_run(t0: float, t1: float, ranks) -> dict:
+    """One launch: its wall time, when it started and ended, and every rank's RESULT."""
+    return {"wall": t1 - t0, "start": t0, "end": t1, "ranks": list(ranks)}
 
-    return _start_embedded(slots)
+
+def quiet(call) -> tuple:
+    """``call()`` with its output captured: (its value, started, ended), wall clock."""
+    with _common.captured():
+        t0 = time.time()
+        out = call()
+        t1 = time.time()
+    return out, t0, t1
 
 
 class Systems:
@@ -206,75 +132,74 @@ class Systems:
         cloudpickle.register_pickle_by_value(workloads)
         pyspark.cloudpickle.register_pickle_by_value(workloads)
 
-    # -- %%horovod through IPython --------------------------------------------
+    # -- %%horovod and %%torchrun through IPython -----------------------------------
     def cell(self, np: int, body: str) -> dict:
         import hvdmagic
 
-        res, output, t0, t1 = _common.run_cell(self.ip, workloads.cell(np, body))
-        if not res.success:
-            raise RuntimeError(f"%%horovod --np {np} failed: {res.error_in_exec or res.error_before_exec!r}\n"
-                               f"{output[-3000:]}")
-        record = hvdmagic.last_run()
-        return {"wall": t1 - t0, "start": t0, "end": t1, "ranks": list(record.results)}
+        _, t0, t1 = _common.checked_cell(self.ip, workloads.cell(np, body))
+        return timed_run(t0, t1, hvdmagic.last_run().results)
 
-    # -- horovodrun --------------------------------------------------------------
-    def horovodrun(self, np: int, body: str, omp: str | None = "unset") -> dict:
-        """``omp``: "unset" leaves OMP_NUM_THREADS out of the environment (horovodrun's default)."""
-        self._count += 1
-        work = self.tmp / f"hr{self._count}"
-        work.mkdir()
-        script = work / "job.py"
-        script.write_text(workloads.script(body))
-        env = dict(os.environ)
-        env.pop("OMP_NUM_THREADS", None)
-        if omp != "unset":
-            env["OMP_NUM_THREADS"] = omp
-        cmd = [HOROVODRUN, "-np", str(np), "--gloo", "-H", f"localhost:{np}", PY, str(script), str(work)]
-        t0 = time.time()
-        proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, cwd=work,
-                              timeout=900)
-        t1 = time.time()
-        if proc.returncode != 0:
-            raise RuntimeError(f"horovodrun -np {np} failed ({proc.returncode}):\n{proc.stdout.decode()[-3000:]}")
-        ranks = [json.loads((work / f"rank{r}.json").read_text()) for r in range(np)]
-        shutil.rmtree(work, ignore_errors=True)
-        return {"wall": t1 - t0, "start": t0, "end": t1, "ranks": ranks}
-
-    # -- TorchDistributor ----------------------------------------------------------
-    def torch_distributor(self, np: int) -> dict:
-        from pyspark.ml.torch.distributor import TorchDistributor
-
-        with _common.captured():
-            t0 = time.time()
-            out = TorchDistributor(num_processes=np, local_mode=False, use_gpu=False).run(
-                workloads.torch_distributed_trivial)
-            t1 = time.time()
-        if not out or out.get("value") != float(np):
-            raise RuntimeError(f"TorchDistributor returned {out!r}")
-        return {"wall": t1 - t0, "start": t0, "end": t1, "ranks": [out]}
-
-    # -- torch.distributed: %%torchrun, both TorchDistributors, torchrun -------------
     def torch_cell(self, np: int, body: str) -> dict:
         import hvdmagic
 
-        res, output, t0, t1 = _common.run_cell(self.ip, workloads.torch_cell(np, body))
-        if not res.success:
-            raise RuntimeError(f"%%torchrun --np {np} failed: {res.error_in_exec or res.error_before_exec!r}\n"
-                               f"{output[-3000:]}")
-        return {"wall": t1 - t0, "start": t0, "end": t1, "ranks": list(hvdmagic.last_run().result)}
+        _, t0, t1 = _common.checked_cell(self.ip, workloads.torch_cell(np, body))
+        return timed_run(t0, t1, hvdmagic.last_run().result)
+
+    # -- horovodrun and torchrun: a cold process on the same source as a script -----
+    def _script(self, name: str, command: list[str], script: str, omp: str | None, read) -> dict:
+        """``command job.py folder``, OMP_NUM_THREADS=``omp`` (None: unset); ``read(folder)``: the results."""
+        self._count += 1
+        work = self.tmp / f"job{self._count}"
+        work.mkdir()
+        (work / "job.py").write_text(script)
+        env = {key: value for key, value in os.environ.items() if key != "OMP_NUM_THREADS"}
+        if omp is not None:
+            env["OMP_NUM_THREADS"] = omp
+        t0 = time.time()
+        proc = subprocess.run([*command, str(work / "job.py"), str(work)], stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, env=env, cwd=work, timeout=900)
+        t1 = time.time()
+        if proc.returncode != 0:
+            raise RuntimeError(f"{name} failed ({proc.returncode}):\n{proc.stdout.decode()[-3000:]}")
+        run = timed_run(t0, t1, read(work))
+        shutil.rmtree(work, ignore_errors=True)
+        return run
+
+    def horovodrun(self, np: int, body: str, omp: str | None = None) -> dict:
+        """``omp``: None leaves OMP_NUM_THREADS out of the environment (horovodrun's default)."""
+        return self._script(f"horovodrun -np {np}", [HOROVODRUN, "-np", str(np), "--gloo", "-H", f"localhost:{np}", PY],
+                            workloads.script(body), omp,
+                            lambda work: [json.loads((work / f"rank{r}.json").read_text()) for r in range(np)])
+
+    def torchrun(self, np: int, body: str, omp: str = "1") -> dict:
+        """``torchrun --nproc-per-node N job.py``, a cold process as torchrun always is. ``omp``:
+        OMP_NUM_THREADS for the workers; "1" is torchrun's own default for N > 1 (set here so
+        it does not print its warning), and what Spark gives hvdmagic's ranks."""
+        return self._script(f"torchrun --nproc-per-node {np}", [TORCHRUN, "--nproc-per-node", str(np)],
+                            workloads.torch_script(body), omp,
+                            lambda work: json.loads((work / "results.json").read_text()))
+
+    # -- both TorchDistributors, on the same warm SparkSession -------------------------
+    def torch_distributor(self, np: int) -> dict:
+        """pyspark's, on a function (part 1)."""
+        from pyspark.ml.torch.distributor import TorchDistributor
+
+        out, t0, t1 = quiet(lambda: TorchDistributor(num_processes=np, local_mode=False, use_gpu=False).run(
+            workloads.torch_distributed_trivial))
+        if not out or out.get("value") != float(np):
+            raise RuntimeError(f"TorchDistributor returned {out!r}")
+        return timed_run(t0, t1, [out])
 
     def hvdmagic_td(self, np: int, body: str) -> dict:
-        """hvdmagic's drop-in, as a user would call pyspark's: on the same warm SparkSession."""
+        """hvdmagic's drop-in, as a user would call pyspark's."""
         from hvdmagic import TorchDistributor
 
-        with _common.captured():
-            t0 = time.time()
-            out = TorchDistributor(num_processes=np, local_mode=False, use_gpu=False).run(workloads.run_source, body)
-            t1 = time.time()
-        return {"wall": t1 - t0, "start": t0, "end": t1, "ranks": list(out)}
+        out, t0, t1 = quiet(lambda: TorchDistributor(num_processes=np, local_mode=False, use_gpu=False).run(
+            workloads.run_source, body))
+        return timed_run(t0, t1, out)
 
     def pyspark_td(self, np: int, body: str, timeout: float = 600) -> dict:
-        """pyspark's TorchDistributor, given ``timeout`` seconds: its torchrun agents can wait
+        """pyspark's, given ``timeout`` seconds: its torchrun agents can wait
         for a peer that never joins (seen once here: one task's agent waited alone for
         minutes), and it takes no timeout of its own. Past it, every Spark job is cancelled."""
         from pyspark.ml.torch.distributor import TorchDistributor
@@ -304,30 +229,7 @@ class Systems:
         out = box.get("out")
         if not out or len(out) != np:
             raise RuntimeError(f"pyspark's TorchDistributor returned {out!r}")
-        return {"wall": t1 - t0, "start": t0, "end": t1, "ranks": list(out)}
-
-    def torchrun(self, np: int, body: str, omp: str = "1") -> dict:
-        """``torchrun --nproc-per-node N job.py``, a cold process as torchrun always is. ``omp``:
-        OMP_NUM_THREADS for the workers; "1" is torchrun's own default for N > 1 (set here so
-        it does not print its warning), and what Spark gives hvdmagic's ranks."""
-        self._count += 1
-        work = self.tmp / f"tr{self._count}"
-        work.mkdir()
-        script = work / "job.py"
-        script.write_text(workloads.torch_script(body))
-        env = dict(os.environ)
-        env["OMP_NUM_THREADS"] = omp
-        cmd = [TORCHRUN, "--nproc-per-node", str(np), str(script), str(work)]
-        t0 = time.time()
-        proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, cwd=work,
-                              timeout=900)
-        t1 = time.time()
-        if proc.returncode != 0:
-            raise RuntimeError(f"torchrun --nproc-per-node {np} failed ({proc.returncode}):\n"
-                               f"{proc.stdout.decode()[-3000:]}")
-        ranks = json.loads((work / "results.json").read_text())
-        shutil.rmtree(work, ignore_errors=True)
-        return {"wall": t1 - t0, "start": t0, "end": t1, "ranks": ranks}
+        return timed_run(t0, t1, out)
 
     # -- floors --------------------------------------------------------------------
     @staticmethod
@@ -376,7 +278,7 @@ def launch_phases(run: dict) -> dict:
 
 
 def bench_launch(sysm: Systems, nps: list[int], rounds: int, td_rounds: int, warmup: bool = True) -> dict:
-    body = workloads.trivial()
+    body = workloads.TRIVIAL
     systems = {
         "hvdmagic_spark": lambda np: sysm.cell(np, body),
         "hvdmagic_local": lambda np: sysm.cell(-np, body),
@@ -404,10 +306,7 @@ def bench_launch(sysm: Systems, nps: list[int], rounds: int, td_rounds: int, war
         for name, fn in floors.items():
             samples[name].append(fn())
         splits.append(import_split())
-        # Rotate the start so no system always runs first in a round.
-        order = [(name, np) for np in nps for name in systems]
-        order = order[r % len(order):] + order[:r % len(order)]
-        for name, np in order:
+        for name, np in _common.rotated([(name, np) for np in nps for name in systems], r):
             if name == "torch_distributor" and r >= td_rounds:
                 continue
             run = systems[name](np)
@@ -451,12 +350,10 @@ def bench_training(sysm: Systems, rounds: int, steps: int, default_omp_steps: in
         "horovodrun_omp_matched": lambda: sysm.horovodrun(np, workloads.train(steps), omp=matched),
     }
     if default_omp_steps:
-        systems["horovodrun_omp_unset"] = lambda: sysm.horovodrun(np, workloads.train(default_omp_steps), omp="unset")
+        systems["horovodrun_omp_unset"] = lambda: sysm.horovodrun(np, workloads.train(default_omp_steps))
     runs: dict = {name: [] for name in systems}
     for r in range(rounds):
-        names = list(systems)
-        names = names[r % len(names):] + names[:r % len(names)]
-        for name in names:
+        for name in _common.rotated(list(systems), r):
             run = systems[name]()
             run["total_samples_per_s"] = total_throughput(run)
             runs[name].append(run)
@@ -491,8 +388,7 @@ def bench_scaling(sysm: Systems, rounds: int, steps: int, nps=(1, 2, 4), local_n
     series = [(str(np), np) for np in nps] + ([("local-1", -1)] if local_np1 else [])
     runs: dict = {key: [] for key, _ in series}
     for r in range(rounds):
-        order = series[r % len(series):] + series[:r % len(series)]
-        for key, np in order:
+        for key, np in _common.rotated(series, r):
             run = sysm.cell(np, workloads.train(steps))
             run["total_samples_per_s"] = total_throughput(run)
             runs[key].append(run)
@@ -539,27 +435,16 @@ def have_horovod() -> bool:
 
 
 def paired(a: dict, b: dict) -> dict:
-    """a/b for the rounds both ran (``{round: value}`` each): the stats of the per-round ratios,
-    the 95 % bootstrap interval of their median (n >= 3), and the ratio of the totals."""
+    """a/b for the rounds both ran (``{round: value}`` each), with the ratio of the totals."""
     rounds = sorted(set(a) & set(b))
-    xs, ys = [a[r] for r in rounds], [b[r] for r in rounds]
-    ratios = paired_ratios(xs, ys)
-    out = stats(ratios)
-    out["ratio_of_totals"] = _common.ratio_of_totals(xs, ys)
-    if len(ratios) >= 3:
-        out["median_ci95"] = list(_common.bootstrap_median_ci(ratios))
-    return out
-
-
-def _rotated(names: list, r: int) -> list:
-    return names[r % len(names):] + names[:r % len(names)] if names else names
+    return _common.paired([a[r] for r in rounds], [b[r] for r in rounds], totals=True, q1=25, q3=75)
 
 
 def bench_torch(sysm: Systems, np: int, rounds: int, td_rounds: int, train_rounds: int, train_td_rounds: int,
                 steps: int, warmup: bool = True) -> dict:
     """(a) launch latency of a trivial all_reduce job and (b) training throughput, every torch
     launcher on the same code (workloads.TORCH_*), the modes taking turns in rotating order."""
-    trivial = workloads.torch_trivial()
+    trivial = workloads.TORCH_TRIVIAL
     launch = {
         "torchrun_cell": lambda: sysm.torch_cell(np, trivial),
         "hvdmagic_td": lambda: sysm.hvdmagic_td(np, trivial),
@@ -569,7 +454,7 @@ def bench_torch(sysm: Systems, np: int, rounds: int, td_rounds: int, train_round
         "python_bare": lambda: sysm.python("pass"),
     }
     if have_horovod():
-        launch["horovod_cell"] = lambda: sysm.cell(np, workloads.trivial())
+        launch["horovod_cell"] = lambda: sysm.cell(np, workloads.TRIVIAL)
     body = workloads.torch_train(steps)
     train = {
         "torchrun_cell": lambda: sysm.torch_cell(np, body),
@@ -598,7 +483,7 @@ def bench_torch(sysm: Systems, np: int, rounds: int, td_rounds: int, train_round
     runs: dict = {name: {} for name in launch}  # name -> {round: run}
     for r in range(rounds):
         log(f"torch launch: round {r + 1}/{rounds}")
-        for name in _rotated([n for n in launch if n != "pyspark_td" or r < td_rounds], r):
+        for name in _common.rotated([n for n in launch if n != "pyspark_td" or r < td_rounds], r):
             run = attempt("launch", name, r, launch[name])
             if run is None:
                 continue
@@ -624,7 +509,7 @@ def bench_torch(sysm: Systems, np: int, rounds: int, td_rounds: int, train_round
 
     truns: dict = {name: {} for name in train}
     for r in range(train_rounds):
-        for name in _rotated([n for n in train if n != "pyspark_td" or r < train_td_rounds], r):
+        for name in _common.rotated([n for n in train if n != "pyspark_td" or r < train_td_rounds], r):
             run = attempt("training", name, r, train[name])
             if run is None:
                 continue
@@ -676,6 +561,13 @@ def torch_goal_lines(res: dict) -> list[str]:
             f"{line(b)} ({met(b, lambda v: v >= TRAIN_GOAL)})"]
 
 
+def phase_rows(title: str, names: tuple, phases: dict, indent: str, width: int) -> list[str]:
+    """A critical-path table: the title and the phases' names, then each system's medians."""
+    return [title + " | ".join(names)] + [
+        f"{indent}{system:{width}s} " + "  ".join(f"{ph[n].get('median', float('nan')):6.2f}" for n in names)
+        for system, ph in phases.items()]
+
+
 def print_torch(t: dict) -> list[str]:
     out = []
     la, tr = t["launch"], t["training"]
@@ -686,9 +578,7 @@ def print_torch(t: dict) -> list[str]:
             first = la["first_statement"].get(name)
             out.append(f"  {label:42s} {fmt(la['wall'][name]):>30s}"
                        + (f"   {fmt(first)}" if first else ""))
-    out.append("  critical path (median s): " + " | ".join(TORCH_PHASES))
-    for name, ph in la["phases"].items():
-        out.append(f"    {name:18s} " + "  ".join(f"{ph[n].get('median', float('nan')):6.2f}" for n in TORCH_PHASES))
+    out.extend(phase_rows("  critical path (median s): ", TORCH_PHASES, la["phases"], "    ", 18))
     out.append("  paired ratios: median [min-max] n; ratio of totals")
     for key, s in la["ratios"].items():
         out.append(f"    {key:36s} {fmt(s, unit='x', digits=3):>30s}; {s.get('ratio_of_totals') or float('nan'):.3f}x")
@@ -866,7 +756,7 @@ PHASES = [
 
 
 def profile_run(sysm: Systems, probe: Probe, np: int = 2) -> dict:
-    run = sysm.cell(np, workloads.trivial())
+    run = sysm.cell(np, workloads.TRIVIAL)
     t0, t1 = run["start"], run["end"]
     ranks = run["ranks"]
     points = {"t0": t0, "t1": t1}
@@ -878,16 +768,9 @@ def profile_run(sysm: Systems, probe: Probe, np: int = 2) -> dict:
     points["last_result"] = probe.last("event.result.", t0, t1)
     points["last_exit"] = probe.last("event.exit.", t0, t1)
     points["shutdown_end"] = probe.first("shutdown.end", t0, t1)
-    detail = {
-        "hellos": [t - t0 for n, t in probe.marks if n.startswith("event.hello.") and t0 <= t <= t1],
-        "results": [t - t0 for n, t in probe.marks if n.startswith("event.result.") and t0 <= t <= t1],
-        "exits": [t - t0 for n, t in probe.marks if n.startswith("event.exit.") and t0 <= t <= t1],
-        "rank_proc_start": [r["proc_start"] - t0 for r in ranks],
-        "rank_first": [r["first"] - t0 for r in ranks],
-        "rank_imported": [r["imported"] - t0 for r in ranks],
-        "rank_init": [r["init"] - t0 for r in ranks],
-        "rank_done": [r["done"] - t0 for r in ranks],
-    }
+    detail = {f"{kind}s": [t - t0 for n, t in probe.marks if n.startswith(f"event.{kind}.") and t0 <= t <= t1]
+              for kind in ("hello", "result", "exit")}
+    detail.update({f"rank_{stamp}": [r[stamp] - t0 for r in ranks] for stamp in workloads.STAMPS})
     for name in ("capture", "session_for", "backend_init", "make_view", "channel_start", "rendezvous_start",
                  "spark_job", "backend_join", "rendezvous_stop", "channel_close", "shutdown"):
         s, e = probe.first(f"{name}.start", t0, t1), probe.first(f"{name}.end", t0, t1)
@@ -912,7 +795,7 @@ def profile_run(sysm: Systems, probe: Probe, np: int = 2) -> dict:
 
 
 def horovodrun_profile(sysm: Systems, np: int = 2) -> dict:
-    run = sysm.horovodrun(np, workloads.trivial())
+    run = sysm.horovodrun(np, workloads.TRIVIAL)
     t0 = run["start"]
     last = last_stamps(run["ranks"])
     return {"wall": run["wall"], "phases": {
@@ -969,7 +852,7 @@ def py_spy_profile(sysm: Systems, out_dir: Path, cells: int) -> dict:
     walls = []
     try:
         for _ in range(cells):
-            walls.append(sysm.cell(2, workloads.trivial())["wall"])
+            walls.append(sysm.cell(2, workloads.TRIVIAL)["wall"])
     finally:
         spy.send_signal(signal.SIGINT)
         try:
@@ -991,7 +874,7 @@ _SPY_LABELS = [
     ("<module> (horovod/torch/__init__.py", "import horovod.torch"),
     ("<module> (torch/__init__.py", "import torch"),
     ("HorovodBasics.init (", "hvd.init"),
-    ("_report_result (", "pickle + send result"),
+    ("report_result (", "pickle + send result"),
     ("<module> (<horovod-cell>", "cell body (other)"),
     ("main (hvdmagic/rank/__main__.py", "rank: read + unpickle payload, other"),
     ("_get_module_details", "rank start-up imports"),
@@ -1006,10 +889,11 @@ _SPY_LABELS = [
     ("FinalizerWorker", "py4j"),
     ("java_gateway", "py4j"),
     ("run_cell (", "run_cell (other)"),
-    ("Supervisor._relay", "supervisor relays"),
+    ("RankProcess._relay", "supervisor relays"),
     ("Supervisor._listen", "supervisor abort listener"),
     ("allGather", "barrier allGather"),
     ("Supervisor", "supervisor (other)"),
+    ("RankProcess", "supervisor (other)"),
     ("worker (pyspark/daemon.py", "pyspark worker"),
     ("manager (pyspark/daemon.py", "pyspark daemon"),
 ]
@@ -1119,9 +1003,7 @@ def print_tables(res: dict) -> None:
         for name, label in LABELS.items():
             out.append(f"  {label:30s} " + "".join(f"{fmt(launch['first_statement'].get(f'{name}@{np}')):>34s}"
                                                 for np in res["config"]["nps"]))
-        out.append("critical path per system (median s): " + " | ".join(LAUNCH_PHASES))
-        for key, ph in launch["phases"].items():
-            out.append(f"  {key:24s} " + "  ".join(f"{ph[n].get('median', float('nan')):6.2f}" for n in LAUNCH_PHASES))
+        out.extend(phase_rows("critical path per system (median s): ", LAUNCH_PHASES, launch["phases"], "  ", 24))
         out.append("paired ratios (same round):")
         for key, s in launch["ratios"].items():
             out.append(f"  {key:40s} {fmt(s, unit='x')}")
@@ -1212,6 +1094,13 @@ def goal_lines(res: dict) -> dict:
     return {"lines": lines, "ratio_vs_horovodrun": r_hr, "ratio_vs_import_floor": r_fl}
 
 
+def _whiskers(summaries: list[dict]) -> tuple[list, list]:
+    """The medians, and their distances down to the min and up to the max (matplotlib's yerr)."""
+    meds = [s.get("median", float("nan")) for s in summaries]
+    return meds, [[m - s.get("min", m) for s, m in zip(summaries, meds)],
+                  [s.get("max", m) - m for s, m in zip(summaries, meds)]]
+
+
 def plot(res: dict, path: Path) -> None:
     import matplotlib
 
@@ -1229,15 +1118,9 @@ def plot(res: dict, path: Path) -> None:
         ycap = 1.35 * max((launch["wall"].get(f"{n}@{np}") or {}).get("max", 0)
                           for n in names if n != "torch_distributor" for np in nps)
         for j, np in enumerate(nps):
-            meds, lo, hi = [], [], []
-            for name in names:
-                s = launch["wall"].get(f"{name}@{np}") or {}
-                m = s.get("median", float("nan"))
-                meds.append(m)
-                lo.append(m - s.get("min", m))
-                hi.append(s.get("max", m) - m)
+            meds, err = _whiskers([launch["wall"].get(f"{name}@{np}") or {} for name in names])
             xs = [i + j * width for i in range(len(names))]
-            ax.bar(xs, meds, width, yerr=[lo, hi], capsize=3, label=f"np={np}")
+            ax.bar(xs, meds, width, yerr=err, capsize=3, label=f"np={np}")
             for x, m in zip(xs, meds):
                 ax.text(x, min(m, ycap), f"{m:.1f}", ha="center", va="bottom", fontsize=7)
         floor = launch["wall"]["import_floor"]["median"]
@@ -1284,10 +1167,8 @@ def plot(res: dict, path: Path) -> None:
     tr = res.get("training")
     if tr:
         names = list(tr["samples_per_s"])
-        meds = [tr["samples_per_s"][n]["median"] for n in names]
-        lo = [m - tr["samples_per_s"][n]["min"] for n, m in zip(names, meds)]
-        hi = [tr["samples_per_s"][n]["max"] - m for n, m in zip(names, meds)]
-        ax.bar(range(len(names)), meds, yerr=[lo, hi], capsize=4, color=["C0", "C1", "C3"][:len(names)])
+        meds, err = _whiskers(list(tr["samples_per_s"].values()))
+        ax.bar(range(len(names)), meds, yerr=err, capsize=4, color=["C0", "C1", "C3"][:len(names)])
         for i, m in enumerate(meds):
             ax.text(i, m, f"{m:.0f}", ha="center", va="bottom", fontsize=8)
         ax.set_xticks(range(len(names)))
@@ -1301,15 +1182,12 @@ def plot(res: dict, path: Path) -> None:
     sc = res.get("scaling")
     if sc:
         xs = [int(k) for k in sc["samples_per_s"] if k.isdigit()]
-        meds = [sc["samples_per_s"][str(x)]["median"] for x in xs]
-        lo = [m - sc["samples_per_s"][str(x)]["min"] for x, m in zip(xs, meds)]
-        hi = [sc["samples_per_s"][str(x)]["max"] - m for x, m in zip(xs, meds)]
-        ax.errorbar(xs, meds, yerr=[lo, hi], marker="o", capsize=4, label="%%horovod (Spark)")
+        meds, err = _whiskers([sc["samples_per_s"][str(x)] for x in xs])
+        ax.errorbar(xs, meds, yerr=err, marker="o", capsize=4, label="%%horovod (Spark)")
         ax.plot(xs, [meds[0] * min(x, CORES) for x in xs], "k:", label=f"linear up to {CORES} cores")
         local = sc["samples_per_s"].get("local-1")
         if local and local.get("n"):
-            err = [[local["median"] - local["min"]], [local["max"] - local["median"]]]
-            ax.errorbar([1], [local["median"]], yerr=err,
+            ax.errorbar([1], *_whiskers([local]),
                         marker="s", color="C2", capsize=4, ls="none",
                         label=f"--np -1 (local; {sc['torch_threads']['local-1'][0]} torch threads)")
         ax.set_xticks(xs)
@@ -1325,34 +1203,30 @@ def plot(res: dict, path: Path) -> None:
 
 def environment() -> dict:
     modules = ("torch", "horovod", "pyspark") if have_horovod() else ("torch", "pyspark")
-    return {**_common.machine(), **_common.versions(*modules), "code": _common.code_under_test(),
-            "user_OMP_NUM_THREADS": _USER_OMP, "load_at_start": os.getloadavg()}
+    return _common.environment(*modules, user_OMP_NUM_THREADS=_USER_OMP)
 
 
-def _given(value, default):
-    return default if value is None else value
+# option: (full-run default, --quick default, help)
+COUNTS = {
+    "repeats": (4, 1, "timed launch rounds {}"),
+    "td_repeats": (2, 0, "rounds that include TorchDistributor {}; it is slow"),
+    "train_repeats": (3, 1, "training rounds {}"),
+    "train_steps": (1500, 150, "steps per rank {}"),
+    "scaling_repeats": (2, 1, "scaling rounds {}"),
+    "profile_cells": (4, 1, "profiled cells {}"),
+    "torch_repeats": (6, 1, "torch part: launch rounds {}"),
+    "torch_td_repeats": (3, 0, "torch part: rounds that include pyspark's TorchDistributor, in launch and in "
+                               "training {}; it is slow"),
+    "torch_train_repeats": (6, 1, "torch part: training rounds {}"),
+    "torch_train_steps": (800, 100, "torch part: steps per rank {}"),
+}
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="a smoke run: np=2 only, short runs, no py-spy")
-    parser.add_argument("--repeats", type=int, default=None, help="timed launch rounds (default 4, quick 1)")
-    parser.add_argument("--td-repeats", type=int, default=None,
-                        help="rounds that include TorchDistributor (default 2, quick 0); it is slow")
-    parser.add_argument("--train-repeats", type=int, default=None, help="training rounds (default 3, quick 1)")
-    parser.add_argument("--train-steps", type=int, default=None, help="steps per rank (default 1500, quick 150)")
-    parser.add_argument("--scaling-repeats", type=int, default=None, help="scaling rounds (default 2, quick 1)")
-    parser.add_argument("--profile-cells", type=int, default=None, help="profiled cells (default 4, quick 1)")
+    _common.add_counts(parser, COUNTS)
     parser.add_argument("--no-py-spy", action="store_true", help="skip the py-spy sample")
-    parser.add_argument("--torch-repeats", type=int, default=None,
-                        help="torch part: launch rounds (default 6, quick 1)")
-    parser.add_argument("--torch-td-repeats", type=int, default=None,
-                        help="torch part: rounds that include pyspark's TorchDistributor, in launch and in "
-                             "training (default 3, quick 0); it is slow")
-    parser.add_argument("--torch-train-repeats", type=int, default=None,
-                        help="torch part: training rounds (default 6, quick 1)")
-    parser.add_argument("--torch-train-steps", type=int, default=None,
-                        help="torch part: steps per rank (default 800, quick 100)")
     parser.add_argument("--only", default="launch,training,scaling,profile,torch",
                         help="comma-separated parts to run (launch, training, scaling, profile, torch)")
     parser.add_argument("--out", default=str(ROOT / "artifacts" / "bench_launch.json"))
@@ -1361,17 +1235,8 @@ def main(argv=None) -> int:
     cfg = {
         "quick": quick,
         "nps": [2] if quick else [2, 4],
-        "repeats": args.repeats if args.repeats is not None else (1 if quick else 4),
-        "td_repeats": args.td_repeats if args.td_repeats is not None else (0 if quick else 2),
-        "train_repeats": args.train_repeats if args.train_repeats is not None else (1 if quick else 3),
-        "train_steps": args.train_steps if args.train_steps is not None else (150 if quick else 1500),
-        "scaling_repeats": args.scaling_repeats if args.scaling_repeats is not None else (1 if quick else 2),
-        "profile_cells": args.profile_cells if args.profile_cells is not None else (1 if quick else 4),
+        **_common.counts(args, COUNTS),
         "py_spy": not (quick or args.no_py_spy),
-        "torch_repeats": _given(args.torch_repeats, 1 if quick else 6),
-        "torch_td_repeats": _given(args.torch_td_repeats, 0 if quick else 3),
-        "torch_train_repeats": _given(args.torch_train_repeats, 1 if quick else 6),
-        "torch_train_steps": _given(args.torch_train_steps, 100 if quick else 800),
         "parts": [p.strip() for p in args.only.split(",") if p.strip()],
         "command": _common.command_line(),
     }
@@ -1382,48 +1247,41 @@ def main(argv=None) -> int:
         log(f"note: OMP_NUM_THREADS={_USER_OMP} is set in this environment; hvdmagic then keeps it")
     res: dict = {"config": cfg, "environment": environment(), "started": time.time()}
     tmp = Path(tempfile.mkdtemp(prefix="bench_launch_"))
-    monitor = LoadMonitor()
+    monitor = _common.LoadMonitor()
     try:
         with monitor:
             log("starting the shared SparkSession (local[4]) and an IPython shell")
             t = time.time()
-            spark = start_spark(4)
+            spark = _common.start_spark(4)
             sysm = Systems(spark, tmp)
             res["spark_start_s"] = time.time() - t
             if cfg["parts"] == ["torch"] or not have_horovod():
                 log("warming Spark up with one untimed %%torchrun --np 2 cell")
-                sysm.torch_cell(2, workloads.torch_trivial())
+                sysm.torch_cell(2, workloads.TORCH_TRIVIAL)
             else:
                 log("warming Spark up with one untimed %%horovod --np 2 cell")
-                sysm.cell(2, workloads.trivial())
-            parts_time = {}
-            if "launch" in cfg["parts"]:
-                t = time.time()
-                res["launch"] = bench_launch(sysm, cfg["nps"], cfg["repeats"], cfg["td_repeats"], warmup=not quick)
-                res["goal"] = goal_lines(res)
-                parts_time["launch"] = (t, time.time())
-            if "training" in cfg["parts"]:
-                t = time.time()
+                sysm.cell(2, workloads.TRIVIAL)
+            parts = {
+                "launch": lambda: bench_launch(sysm, cfg["nps"], cfg["repeats"], cfg["td_repeats"], warmup=not quick),
                 # horovodrun without OMP_NUM_THREADS oversubscribes the cores; it gets fewer steps.
-                res["training"] = bench_training(sysm, cfg["train_repeats"], cfg["train_steps"],
-                                                 max(30, cfg["train_steps"] // 10))
-                parts_time["training"] = (t, time.time())
-            if "scaling" in cfg["parts"]:
-                t = time.time()
-                res["scaling"] = bench_scaling(sysm, cfg["scaling_repeats"], max(50, cfg["train_steps"] // 3),
-                                               nps=(1, 2) if quick else (1, 2, 4))
-                parts_time["scaling"] = (t, time.time())
-            if "profile" in cfg["parts"]:
-                t = time.time()
-                res["profile"] = bench_profile(sysm, cfg["profile_cells"], cfg["py_spy"], out.parent)
-                parts_time["profile"] = (t, time.time())
-            if "torch" in cfg["parts"]:
-                t = time.time()
-                res["torch"] = bench_torch(
+                "training": lambda: bench_training(sysm, cfg["train_repeats"], cfg["train_steps"],
+                                                   max(30, cfg["train_steps"] // 10)),
+                "scaling": lambda: bench_scaling(sysm, cfg["scaling_repeats"], max(50, cfg["train_steps"] // 3),
+                                                 nps=(1, 2) if quick else (1, 2, 4)),
+                "profile": lambda: bench_profile(sysm, cfg["profile_cells"], cfg["py_spy"], out.parent),
+                "torch": lambda: bench_torch(
                     sysm, 2, cfg["torch_repeats"], min(cfg["torch_td_repeats"], cfg["torch_repeats"]),
                     cfg["torch_train_repeats"], min(cfg["torch_td_repeats"], cfg["torch_train_repeats"]),
-                    cfg["torch_train_steps"])
-                parts_time["torch"] = (t, time.time())
+                    cfg["torch_train_steps"]),
+            }
+            parts_time = {}
+            for part, run in parts.items():
+                if part in cfg["parts"]:
+                    t = time.time()
+                    res[part] = run()
+                    parts_time[part] = (t, time.time())
+        if "launch" in res:
+            res["goal"] = goal_lines(res)
         res["load"] = monitor.summary()
         res["load_by_part"] = {name: monitor.summary(a, b) for name, (a, b) in parts_time.items()}
         res["load_samples"] = monitor.samples

@@ -63,8 +63,9 @@ import psutil
 import hvdmagic
 from benchmarks import _common
 from benchmarks._common import GcPauses, bootstrap_median_ci, paired_ratios, thread_cpu
+from hvdmagic.launch.placement import Placement
 from hvdmagic.metric_rows import MetricRows
-from hvdmagic.rank import report
+from hvdmagic.rank import telemetry
 
 # The rank-side functions below use thread_cpu and GcPauses: ship that module by value
 # with them, since a rank cannot import this benchmark's package.
@@ -88,7 +89,7 @@ def call_costs(rounds: int, batch: int) -> dict:
     import time
 
     import hvdmagic
-    from hvdmagic.rank import report
+    from hvdmagic.rank import telemetry
 
     clock = time.perf_counter_ns
     log_metrics, progress, track = hvdmagic.log_metrics, hvdmagic.progress, hvdmagic.track
@@ -129,7 +130,7 @@ def call_costs(rounds: int, batch: int) -> dict:
         for j in range(len(names)):
             name = names[(r + j) % len(names)]
             samples[name].append(variants[name]() / batch)
-    return {"live": report._events is not None, "batch": batch, "rounds": rounds,
+    return {"live": telemetry._events is not None, "batch": batch, "rounds": rounds,
             "log_metrics_calls": batch * (rounds + max(1, rounds // 20)), "ns_per_call": samples}
 
 
@@ -154,7 +155,7 @@ def train(duration: float, batch: int, rate: float, reporting: bool, segment_s: 
     import torch
 
     import hvdmagic
-    from hvdmagic.rank import report
+    from hvdmagic.rank import telemetry
 
     hvd.init()
     torch.set_num_threads(1)
@@ -174,7 +175,7 @@ def train(duration: float, batch: int, rate: float, reporting: bool, segment_s: 
 
     def flusher_seconds() -> float:
         """CPU seconds of the report flusher thread, from /proc (10 ms resolution); 0 with no flusher."""
-        thread = report._flusher
+        thread = telemetry._flusher
         if thread is None or not thread.is_alive():
             return 0.0
         cpu = thread_cpu(thread.native_id)
@@ -225,7 +226,7 @@ def train(duration: float, batch: int, rate: float, reporting: bool, segment_s: 
             seg_steps += 1
             if now - seg_start >= segment_s:
                 if on:  # send this segment's rows now: the next segment must not pay for them
-                    report.flush()
+                    telemetry.flush()
                     now = time.perf_counter()
                 cpu_now = time.thread_time()
                 segments.append([label, seg_steps, now - seg_start, cpu_now - seg_cpu])
@@ -244,7 +245,7 @@ def train(duration: float, batch: int, rate: float, reporting: bool, segment_s: 
             "flusher_cpu_per_event_us": flusher_cpu / events * 1e6 if events else None, "events": events,
             "events_per_s": events / elapsed, "wall_start": wall_start, "wall_end": wall_end,
             "gc_ms": pauses.ms_by_generation(), "gc_count": pauses.summary()["collections"], "segments": segments,
-            "live": report._events is not None}
+            "live": telemetry._events is not None}
 
 
 def nothing() -> int:
@@ -439,7 +440,7 @@ def driver_path_costs(batches: int, per_batch: int) -> dict:
 
     It replays what one flush carries (``per_batch`` log_metrics rows) through the
     same code the run uses: the rank's columnar batch and JSON encoding
-    (report.flush), the supervisor's text relay (lines.relayed, channel.Link.send_raw),
+    (telemetry.flush), the supervisor's text relay (lines.relayed, channel.Link.send_raw),
     the driver's authenticated receive (channel.Link.recv) and RunRecord.apply;
     the link runs over a socketpair instead of TCP. It also measures the record's
     memory per row with tracemalloc and one widget dashboard redraw (without a
@@ -459,8 +460,8 @@ def driver_path_costs(batches: int, per_batch: int) -> dict:
         rows.columns["loss"] = array("d", (1.0 / (1 + s) for s in range(first, first + per_batch)))
         return rows
 
-    def encode(b: int, rows: MetricRows) -> str:  # report.flush
-        return report.report_line({"": [b * per_batch, batches * per_batch, time.time()]}, rows)
+    def encode(b: int, rows: MetricRows) -> str:  # telemetry.flush
+        return telemetry.report_line({"": [b * per_batch, batches * per_batch, time.time()]}, rows)
 
     def batch_event(b: int) -> dict:
         return json.loads(encode(b, buffer_rows(b)))
@@ -471,7 +472,7 @@ def driver_path_costs(batches: int, per_batch: int) -> dict:
     b_sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
     sender = channel.Link(a, secret, nonce, is_server=False)
     receiver = channel.Link(b_sock, secret, nonce, is_server=True)
-    record = RunRecord(-2)
+    record = RunRecord(Placement.of(-2))
     record.apply({"type": "placed", "rank": 0, "host": "bench"})
     stages = {"rank_encode": [], "supervisor_decode": [], "supervisor_send": [], "driver_recv": [],
               "record_apply": []}
@@ -511,7 +512,7 @@ def driver_path_costs(batches: int, per_batch: int) -> dict:
     out["bytes_per_event_on_the_wire"] = len(line) / per_batch
     rows = len(record.history)
     # Memory the record keeps per row: apply fresh decoded events under tracemalloc.
-    fresh = RunRecord(-2)
+    fresh = RunRecord(Placement.of(-2))
     lines = [json.dumps(batch_event(b), separators=(",", ":")) for b in range(min(batches, 100))]
     tracemalloc.start()
     before = tracemalloc.get_traced_memory()[0]
@@ -648,7 +649,7 @@ def print_tables(result: dict) -> None:
              "supervisor_send": "supervisor: driver in local mode", "driver_recv": "driver (channel reader)",
              "record_apply": "driver (job loop)"}
     total = 0.0
-    for name, label in (("rank_encode", "base64 columns, one line (report.flush)"),
+    for name, label in (("rank_encode", "base64 columns, one line (telemetry.flush)"),
                         ("supervisor_decode", "text relay (lines.relayed)"),
                         ("supervisor_send", "channel.Link.send_raw (HMAC + send)"),
                         ("driver_recv", "channel.Link.recv (HMAC + JSON)"),
@@ -764,7 +765,7 @@ def environment() -> dict:
     import torch
 
     return {"hvdmagic": _common.code_under_test(), **_common.machine(), **_common.versions("torch"),
-            "gpu": torch.cuda.is_available(), "flush_interval_s": report.FLUSH_INTERVAL,
+            "gpu": torch.cuda.is_available(), "flush_interval_s": telemetry.FLUSH_INTERVAL,
             "driver_gc_tracked_objects": len(gc.get_objects()), "gc_thresholds": gc.get_threshold(),
             "started": time.strftime("%Y-%m-%d %H:%M:%S %z")}
 

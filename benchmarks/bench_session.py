@@ -55,8 +55,6 @@ os.environ["HVDMAGIC_NONINTERACTIVE"] = "1"  # the text view, unless a cell asks
 os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
 os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
 
-import psutil  # noqa: E402
-
 from benchmarks import _common, workloads  # noqa: E402
 
 log = _common.Log("bench_session")
@@ -72,49 +70,7 @@ def stats(values) -> dict:
 
 
 def paired(a: list, b: list) -> dict:
-    """a/b per round: stats, and the bootstrap 95 % interval of the median from 3 rounds on."""
-    ratios = _common.paired_ratios(a, b)
-    out = stats(ratios)
-    if len(ratios) >= 3:
-        out["median_ci95"] = list(_common.bootstrap_median_ci(ratios))
-    return out
-
-
-class Load:
-    """CPU used by other processes (not this benchmark's tree) over a block, in cores."""
-
-    def __init__(self):
-        self._mark()
-
-    def _mark(self) -> None:
-        self._t = time.monotonic()
-        self._system = self._busy()
-        self._ours = self._our_cpu()
-
-    @staticmethod
-    def _busy() -> float:
-        t = psutil.cpu_times()
-        return t.user + t.nice + t.system + getattr(t, "irq", 0) + getattr(t, "softirq", 0) + getattr(t, "steal", 0)
-
-    @staticmethod
-    def _our_cpu() -> float:
-        total = 0.0
-        for proc in _common.process_tree():
-            try:
-                t = proc.cpu_times()
-                total += t.user + t.system + t.children_user + t.children_system
-            except psutil.Error:
-                pass
-        return total
-
-    def sample(self) -> dict:
-        """Since the last sample: cores used by others and by us, and the 1-minute load average."""
-        span = max(time.monotonic() - self._t, 1e-6)
-        system, ours = self._busy() - self._system, self._our_cpu() - self._ours
-        out = {"seconds": span, "others_cores": max(system - ours, 0.0) / span, "ours_cores": ours / span,
-               "load1": os.getloadavg()[0]}
-        self._mark()
-        return out
+    return _common.paired(a, b, p10=10, p90=90)
 
 
 class Bench:
@@ -122,7 +78,7 @@ class Bench:
 
     def __init__(self):
         import hvdmagic
-        from hvdmagic.launch import session as launch_session
+        from hvdmagic.launch import warm_ranks
 
         self.np = 0
         self.hvdmagic = hvdmagic
@@ -130,7 +86,7 @@ class Bench:
         # Time inside Session.run_cell (cell sent over the channel -> every rank idle): the ranks'
         # part of a session cell; the rest of run_cell's wall time is the kernel's.
         self.inner: list[float] = []
-        original = launch_session.Session.run_cell
+        original = warm_ranks.Session.run_cell
 
         def timed(session_self, *args, **kwargs):
             t0 = time.perf_counter()
@@ -139,23 +95,18 @@ class Bench:
             finally:
                 self.inner.append(time.perf_counter() - t0)
 
-        launch_session.Session.run_cell = timed
+        warm_ranks.Session.run_cell = timed
 
     def cell(self, source: str, widgets: bool = False) -> dict:
         os.environ["HVDMAGIC_NONINTERACTIVE"] = "0" if widgets else "1"
         try:
-            res, output, t0, t1 = _common.run_cell(self.ip, source)
+            result, t0, t1 = _common.checked_cell(self.ip, source)
         finally:
             os.environ["HVDMAGIC_NONINTERACTIVE"] = "1"
-        if not res.success:
-            raise RuntimeError(f"{source.splitlines()[0]} failed: {res.error_in_exec or res.error_before_exec!r}\n"
-                               f"{output[-3000:]}")
-        return {"wall": t1 - t0, "start": t0, "end": t1, "result": res.result}
+        return {"wall": t1 - t0, "start": t0, "end": t1, "result": result}
 
     def line(self, magic_line: str) -> float:
-        res, output, t0, t1 = _common.run_cell(self.ip, magic_line)
-        if not res.success:
-            raise RuntimeError(f"{magic_line} failed: {res.error_in_exec or res.error_before_exec!r}\n{output[-3000:]}")
+        _, t0, t1 = _common.checked_cell(self.ip, magic_line)
         return t1 - t0
 
     # -- the blocks -------------------------------------------------------------------
@@ -165,7 +116,7 @@ class Bench:
         model, the optimizer and the collectives, which (d)'s warm session cells do not)."""
         stop = self.line("%horovod stop")
         start = self.line(f"%horovod start --np {self.np}")
-        setup = self.cell("%%horovod\n" + workloads.trivial() + "RESULT\n")
+        setup = self.cell("%%horovod\n" + workloads.TRIVIAL + "RESULT\n")
         ranks = self.hvdmagic.last_run().results
         if [r["value"] for r in ranks] != [float(abs(self.np))] * abs(self.np):
             raise RuntimeError(f"the set-up cell's allreduce gave {ranks}")
@@ -192,7 +143,7 @@ class Bench:
 
     def fresh_trivial(self) -> dict:
         """(b): the same allreduce in a fresh cell, with everything a session did beforehand."""
-        run = self.cell(workloads.cell(self.np, workloads.trivial()))
+        run = self.cell(workloads.cell(self.np, workloads.TRIVIAL))
         ranks = self.hvdmagic.last_run().results
         first = max(r["first"] for r in ranks) - run["start"]
         return {"wall": run["wall"], "user_code_after": first}
@@ -223,11 +174,11 @@ def bench_mode(bench: Bench, np: int, rounds: int, cells: int, steps: int, widge
     mode = "local" if np < 0 else "spark"
     bench.np = np
     blocks = [b for b in BLOCKS if any(b in PARTS[part] for part in parts)]
-    load = Load()
+    load = _common.LoadMonitor()
     log(f"{mode}: warm-up (a fresh cell, a session, a few cells on it, a short training run of each kind)")
     bench.fresh_trivial()
     bench.line(f"%horovod start --np {np}")
-    bench.cell("%%horovod\n" + workloads.trivial() + "RESULT\n")
+    bench.cell("%%horovod\n" + workloads.TRIVIAL + "RESULT\n")
     bench.session_cells(5, widgets)
     bench.train(max(steps // 5, 20), session=True)
     bench.train(max(steps // 5, 20), session=False)
@@ -236,7 +187,7 @@ def bench_mode(bench: Bench, np: int, rounds: int, cells: int, steps: int, widge
     samples: dict = {"restart": [], "session_cells": [], "fresh_trivial": [], "session_train": [],
                      "fresh_train": [], "load": []}
     for r in range(rounds):
-        order = blocks[r % len(blocks):] + blocks[:r % len(blocks)]
+        order = _common.rotated(blocks, r)
         log(f"{mode}: round {r + 1}/{rounds}: {', '.join(order)}")
         loads = {}
         for block in order:
@@ -264,64 +215,64 @@ def bench_mode(bench: Bench, np: int, rounds: int, cells: int, steps: int, widge
         samples["load"].append(loads)
     bench.line("%horovod stop")
 
-    def flat(key: str) -> list:
-        return [x for block in samples["session_cells"] for x in block[key] if x is not None]
+    cells = samples["session_cells"]
+    trains = {"session": samples["session_train"], "fresh": samples["fresh_train"],
+              "first_after_start": [s["first_train"] for s in samples["restart"]]}
 
-    fresh = [s["wall"] for s in samples["fresh_trivial"]]
-    starts = [s["start"] for s in samples["restart"]]
-    start_setup = [s["start_plus_setup"] for s in samples["restart"]]
-    session_thr = [s["steps_per_s"] for s in samples["session_train"]]
-    fresh_thr = [s["steps_per_s"] for s in samples["fresh_train"]]
-    round_median = [statistics.median(block["text"]) for block in samples["session_cells"]]
+    def flat(key: str) -> list:
+        return [x for block in cells for x in block[key] if x is not None]
+
+    def kernel(kind: str) -> list:  # run_cell's wall time less Session.run_cell's
+        return [w - i for block in cells for w, i in zip(block[kind], block[f"{kind}_inner"]) if i is not None]
+
+    def col(block: str, key: str) -> list:
+        return [s[key] for s in samples[block]]
+
+    def train(kind: str, key: str) -> list:
+        return [s[key] for s in trains[kind]]
+
+    fresh = col("fresh_trivial", "wall")
+    round_median = [statistics.median(block["text"]) for block in cells]
+    loads = [x for block_loads in samples["load"] for x in block_loads.values()]
     summary = {
         "session_cell_text_s": stats(flat("text")),
         "session_cell_text_inner_s": stats(flat("text_inner")),
-        "session_cell_text_kernel_s": stats([w - i for block in samples["session_cells"]
-                                             for w, i in zip(block["text"], block["text_inner"]) if i is not None]),
+        "session_cell_text_kernel_s": stats(kernel("text")),
         "session_cell_text_round_medians_s": stats(round_median),
         "session_cell_widgets_s": stats(flat("widgets")),
-        "session_cell_widgets_kernel_s": stats([w - i for block in samples["session_cells"]
-                                                for w, i in zip(block["widgets"], block["widgets_inner"])
-                                                if i is not None]),
+        "session_cell_widgets_inner_s": stats(flat("widgets_inner")),
+        "session_cell_widgets_kernel_s": stats(kernel("widgets")),
         "session_cell_noop_s": stats(flat("noop")),
         "session_cell_noop_inner_s": stats(flat("noop_inner")),
-        "session_cell_widgets_inner_s": stats(flat("widgets_inner")),
         "fresh_cell_s": stats(fresh),
-        "fresh_user_code_after_s": stats([s["user_code_after"] for s in samples["fresh_trivial"]]),
-        "start_s": stats(starts),
-        "setup_cell_s": stats([s["setup"] for s in samples["restart"]]),
-        "start_plus_setup_s": stats(start_setup),
-        "stop_s": stats([s["stop"] for s in samples["restart"]]),
-        "start_over_fresh": paired(starts, fresh),
-        "start_plus_setup_over_fresh": paired(start_setup, fresh),
+        "fresh_user_code_after_s": stats(col("fresh_trivial", "user_code_after")),
+        "start_s": stats(col("restart", "start")),
+        "setup_cell_s": stats(col("restart", "setup")),
+        "start_plus_setup_s": stats(col("restart", "start_plus_setup")),
+        "stop_s": stats(col("restart", "stop")),
+        "start_over_fresh": paired(col("restart", "start"), fresh),
+        "start_plus_setup_over_fresh": paired(col("restart", "start_plus_setup"), fresh),
         "fresh_over_session_cell": paired(fresh, round_median),
-        "train_steps_per_s_session": stats(session_thr),
-        "train_steps_per_s_fresh": stats(fresh_thr),
-        "train_session_over_fresh": paired(session_thr, fresh_thr),
-        "train_cpu_ms_per_step_session": stats([s["cpu_ms_per_step"] for s in samples["session_train"]]),
-        "train_cpu_ms_per_step_fresh": stats([s["cpu_ms_per_step"] for s in samples["fresh_train"]]),
-        "train_cpu_session_over_fresh": paired([s["cpu_ms_per_step"] for s in samples["session_train"]],
-                                               [s["cpu_ms_per_step"] for s in samples["fresh_train"]]),
-        "train_cell_wall_s_session": stats([s["wall"] for s in samples["session_train"]]),
-        "train_cell_wall_s_fresh": stats([s["wall"] for s in samples["fresh_train"]]),
-        "train_cell_phases_s": {kind: {part: stats([s[part] for s in runs])
+        "train_steps_per_s_session": stats(train("session", "steps_per_s")),
+        "train_steps_per_s_fresh": stats(train("fresh", "steps_per_s")),
+        "train_session_over_fresh": paired(train("session", "steps_per_s"), train("fresh", "steps_per_s")),
+        "train_cpu_ms_per_step_session": stats(train("session", "cpu_ms_per_step")),
+        "train_cpu_ms_per_step_fresh": stats(train("fresh", "cpu_ms_per_step")),
+        "train_cpu_session_over_fresh": paired(train("session", "cpu_ms_per_step"), train("fresh", "cpu_ms_per_step")),
+        "train_cell_wall_s_session": stats(train("session", "wall")),
+        "train_cell_wall_s_fresh": stats(train("fresh", "wall")),
+        "train_cell_phases_s": {name: {part: stats(train(kind, part))
                                        for part in ("to_user_code", "user_code", "loop_s", "after_user_code")}
-                                for kind, runs in (("session_train", samples["session_train"]),
-                                                   ("fresh_train", samples["fresh_train"]),
-                                                   ("first_train_after_start",
-                                                    [s["first_train"] for s in samples["restart"]]))},
-        "first_train_after_start_wall_s": stats([s["first_train"]["wall"] for s in samples["restart"]]),
+                                for name, kind in (("session_train", "session"), ("fresh_train", "fresh"),
+                                                   ("first_train_after_start", "first_after_start"))},
+        "first_train_after_start_wall_s": stats(train("first_after_start", "wall")),
         # the cell's wall time outside the timed loop: launch, imports, model, optimizer, warm-up steps
-        "train_outside_loop_s": {kind: stats([s["wall"] - s["loop_s"] for s in runs])
-                                 for kind, runs in (("session", samples["session_train"]),
-                                                    ("fresh", samples["fresh_train"]),
-                                                    ("first_after_start",
-                                                     [s["first_train"] for s in samples["restart"]]))},
-        "first_train_after_start_steps_per_s": stats([s["first_train"]["steps_per_s"] for s in samples["restart"]]),
-        "torch_threads": {kind: samples[f"{kind}_train"][0]["torch_threads"] if samples[f"{kind}_train"] else None
+        "train_outside_loop_s": {kind: stats([s["wall"] - s["loop_s"] for s in runs]) for kind, runs in trains.items()},
+        "first_train_after_start_steps_per_s": stats(train("first_after_start", "steps_per_s")),
+        "torch_threads": {kind: trains[kind][0]["torch_threads"] if trains[kind] else None
                           for kind in ("session", "fresh")},
-        "others_cores": stats([x["others_cores"] for loads in samples["load"] for x in loads.values()]),
-        "load1": stats([x["load1"] for loads in samples["load"] for x in loads.values()]),
+        "others_cores": stats([x["others_cores"] for x in loads]),
+        "load1": stats([x["load1"] for x in loads]),
     }
     return {"np": np, "samples": samples, "summary": summary}
 
@@ -400,13 +351,16 @@ def table(result: dict) -> str:
     return "\n".join(lines + [""] + goals)
 
 
+# option: (full-run default, --quick default, help)
+COUNTS = {"rounds": (5, 2, "rounds per mode {}"),
+          "cells": (40, 10, "trivial session cells per view per round {}"),
+          "steps": (300, 100, "training steps per run {}")}
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="a smoke run: 2 rounds, 10 cells, 100 steps")
-    parser.add_argument("--rounds", type=int, default=None, help="rounds per mode (default 5, quick 2)")
-    parser.add_argument("--cells", type=int, default=None,
-                        help="trivial session cells per view per round (default 40, quick 10)")
-    parser.add_argument("--steps", type=int, default=None, help="training steps per run (default 300, quick 100)")
+    _common.add_counts(parser, COUNTS)
     parser.add_argument("--modes", default="local,spark", help="comma-separated: local (--np -2), spark (--np 2)")
     parser.add_argument("--no-widgets", action="store_true", help="skip the widget view")
     parser.add_argument("--parts", default="cells,start,train",
@@ -415,25 +369,20 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     cfg = {
         "quick": args.quick,
-        "rounds": args.rounds if args.rounds is not None else (2 if args.quick else 5),
-        "cells": args.cells if args.cells is not None else (10 if args.quick else 40),
-        "steps": args.steps if args.steps is not None else (100 if args.quick else 300),
+        **_common.counts(args, COUNTS),
         "modes": [m.strip() for m in args.modes.split(",") if m.strip()],
         "widgets": not args.no_widgets,
         "parts": [p.strip() for p in args.parts.split(",") if p.strip()],
         "command": _common.command_line(),
     }
     result: dict = {"config": cfg, "started": time.time(),
-                    "environment": {**_common.machine(), **_common.versions("torch", "horovod", "pyspark"),
-                                    "code": _common.code_under_test(), "load_at_start": os.getloadavg(),
-                                    "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS")},
+                    "environment": _common.environment("torch", "horovod", "pyspark",
+                                                       OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS")),
                     "modes": {}}
     if "spark" in cfg["modes"]:
-        from hvdmagic.launch.spark import _start_embedded
-
         log("starting the embedded SparkSession (local[4]): a session's 2 slots + a fresh cell's 2")
         t = time.time()
-        _start_embedded(4)
+        _common.start_spark(4)
         result["spark_start_s"] = time.time() - t
     bench = Bench()
     for mode in cfg["modes"]:
