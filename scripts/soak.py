@@ -157,7 +157,7 @@ def resources() -> dict[str, int]:
 
 
 def active_spark_jobs() -> int | None:
-    from hvdmagic.launch import spark
+    from hvdmagic.launch import spark_session as spark
 
     session = spark._embedded
     if session is None:
@@ -475,7 +475,7 @@ def main() -> int:
     say(f"\nwrote {out_path} ({report['wall_s']:.0f} s wall); cell output in {log_path}")
     log.close()
     shutil.rmtree(stamps, ignore_errors=True)
-    from hvdmagic.launch import spark
+    from hvdmagic.launch import spark_session as spark
 
     if spark._embedded is not None:
         with contextlib.suppress(Exception):
