@@ -126,7 +126,8 @@ def main() -> None:
         base, this = figure["base"]["median"] * 1000, figure["this"]["median"] * 1000
         spread = f"[{_common.num(ratio.get('min'))}-{_common.num(ratio.get('max'))}]"
         print(f"  {cell:8s} base {base:7.1f} ms   this {this:7.1f} ms   this/base median "
-              f"{_common.num(ratio.get('median'))} {spread}, its 95% interval {ratio.get('median_ci95')}, "
+              f"{_common.num(ratio.get('median'))} {spread}, its 95% interval "
+              f"{'-'.join(map(_common.num, ratio.get('median_ci95') or [])) or 'n/a'}, "
               f"ratio of totals {_common.num(ratio.get('ratio_of_totals'))}")
 
 
