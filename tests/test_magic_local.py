@@ -9,7 +9,7 @@ from conftest import run
 from helpers import execute
 from IPython.core.error import UsageError
 
-from hvdmagic.errors import CaptureError, CellSyntaxError, LaunchError
+from hvdmagic.errors import CaptureError, CellSyntaxError, JobFailed, LaunchError
 
 
 def test_local_mode_runs_ranks_on_the_driver(ip, capfd):
@@ -102,6 +102,22 @@ def test_failed_rank_in_local_mode_reports_the_cell_line(ip):
     rendered = "\n".join(error._render_traceback_())
     assert "ZeroDivisionError" in rendered
     assert re.search(r"Cell In\[\d+\], line 5\b", rendered), rendered  # the leading blank line still counts
+
+
+def test_a_rank_killed_by_a_signal_says_where_it_died(ip):
+    """A crash in C code raises nothing: the rank's fault handler's stack names the cell's line."""
+    ip.run_cell("def crash_on(rank):\n    import os, signal\n    if os.environ['HOROVOD_RANK'] == str(rank):\n"
+                "        os.kill(os.getpid(), signal.SIGABRT)\n")
+    _, error = run(ip, "%%horovod --np -2\nimport time\ncrash_on(1)\ntime.sleep(60)")
+    assert isinstance(error, JobFailed) and str(error).startswith("rank 1 on "), error
+    assert "failed: killed by SIGABRT" in str(error), error
+    rendered = "\n".join(error._render_traceback_())
+    died = rendered.split("--- rank 1 ---\n", 1)[1].splitlines()
+    assert died[:3] == ["Fatal Python error: Aborted", "", died[2]] and died[2].startswith("Current thread 0x"), died
+    frames = died[3:]
+    assert re.fullmatch(r'  File ".*", line 4 in crash_on', frames[0]), frames  # the frame that sent it
+    assert frames[1] == '  File "<horovod-cell>", line 3 in <module>', frames  # the cell's own line
+    assert not any("/hvdmagic/" in frame or "threading.py" in frame for frame in frames), frames
 
 
 def test_timeline_is_recorded_and_summarised(ip, tmp_path, capfd):

@@ -11,6 +11,7 @@ result, error) go to the supervisor as JSON lines on the file descriptor named b
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import sys
 import threading
@@ -49,6 +50,10 @@ def main() -> int:
     boot = protocol.read_boot(stdin)
     if boot is None:
         return 137  # the supervisor went away before it said anything
+    # A rank that dies of SIGSEGV, SIGABRT, SIGBUS, SIGFPE or SIGILL (a crash inside a
+    # framework's C++) writes every thread's Python stack to its stderr, which its
+    # supervisor relays: the cell's error then says where it died (kernel.record).
+    faulthandler.enable(all_threads=True)
     telemetry.open_events()
     telemetry.emit(protocol.stage_reached(Stage.IMPORTING))
     if boot.session:
