@@ -12,6 +12,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from hvdmagic.stacks import describe as describe_stacks
+from hvdmagic.stacks import user_stacks
+
 
 class HvdmagicError(Exception):
     """Base class; the message is complete and the launcher's stack is noise."""
@@ -68,11 +71,14 @@ class JobFailed(HvdmagicError, RuntimeError):
     MAX_TRACEBACKS = 3
     QUIET_LINES = 20
 
-    def __init__(self, failures: list[RankFailure], stopped: list[int], note: str = ""):
+    def __init__(self, failures: list[RankFailure], stopped: list[int], note: str = "",
+                 stacks: dict[int, str] | None = None):
         # The root cause first: a real error before fallout, then the earliest.
         self.failures = sorted(failures, key=lambda f: (f.is_fallout, f.time))
         self.stopped = stopped
         self.note = note
+        # By rank: the Python stacks each running rank's fault handler wrote before it was stopped.
+        self.stacks = {rank: user_stacks(text.splitlines()) for rank, text in (stacks or {}).items()}
         # By rank: start-up chatter the views hid while it ran (kernel.noise), shown with the failure.
         self.quiet_output: dict[int, list[str]] = {}
         super().__init__(self._headline())
@@ -108,6 +114,9 @@ class JobFailed(HvdmagicError, RuntimeError):
                     lines.append(f"(rank {rank}'s start-up messages, hidden while it ran:)")
                     lines.extend(quiet[-self.QUIET_LINES:])
             lines.extend(text.rstrip("\n").splitlines())
+        if self.stacks:
+            lines.append("")
+            lines.extend(describe_stacks(self.stacks))
         return lines
 
 

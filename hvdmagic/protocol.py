@@ -13,6 +13,7 @@ from __future__ import annotations
 import base64
 import json
 import pickle
+import signal
 import socket
 from dataclasses import asdict, dataclass
 from enum import StrEnum
@@ -41,6 +42,7 @@ class Event(StrEnum):
     CELL = "cell"  # a session: run this payload ("id", base64 "payload") in the rank's namespace
     INTERRUPT = "interrupt"  # a session: SIGINT to the rank, as Ctrl-C in a terminal
     STOP_RANK = "stop_rank"  # elastic: end this task's rank process; the task stays for a later go
+    STACKS = "stacks"  # driver -> task: dump the rank's Python stacks; task -> driver: the dump ("text")
     EXEC = "exec"  # --controller mpi: run mpirun's daemon command here
     # rsh agent <-> driver <-> task (--controller mpi)
     RSH = "rsh"
@@ -86,6 +88,8 @@ SOCKET_DIR_ENV = "HVDMAGIC_MPI_DIR"  # where a host's supervisors wait for their
 TOKEN_ENV = "HVDMAGIC_MPI_TOKEN"  # what a shim shows its supervisor
 PYTHON_ENV = "HVDMAGIC_PYTHON"
 LEGACY_KERAS_SET_ENV = "HVDMAGIC_SET_LEGACY_KERAS"  # hvdmagic, not the user, chose Keras 2 for the rank
+STACKS_ENV = "HVDMAGIC_STACKS_FILE"  # where the rank's fault handler writes its stacks when asked
+STACKS_SIGNAL = signal.SIGUSR2  # asks a rank for its stacks (faulthandler.register: no Python code runs)
 
 
 @dataclass(frozen=True)
@@ -275,7 +279,7 @@ class Exec(TypedDict):
 
 
 class Bare(TypedDict):
-    """ABORT, INTERRUPT, STOP_RANK, HEARTBEAT and GONE carry nothing but their kind."""
+    """ABORT, INTERRUPT, STOP_RANK, HEARTBEAT, GONE and the driver's STACKS carry nothing but their kind."""
 
     type: Event
 
@@ -320,6 +324,12 @@ class World(TypedDict):
     size: int | None
 
 
+class Stacks(TypedDict):
+    type: Literal[Event.STACKS]
+    rank: int
+    text: str  # what the rank's fault handler wrote: every thread's stack; "" if it wrote nothing
+
+
 class Resumed(TypedDict):
     type: Literal[Event.RESUMED]
     reset: Any  # launch.elastic.Reset: driver-side only, never on the wire
@@ -343,6 +353,7 @@ placed = _builder(Placed, Event.PLACED)
 lost = _builder(Lost, Event.LOST)
 world = _builder(World, Event.WORLD)
 resumed = _builder(Resumed, Event.RESUMED)
+stacks = _builder(Stacks, Event.STACKS)
 
 
 def bare(kind: Event) -> Bare:

@@ -113,7 +113,7 @@ def test_a_rank_killed_by_a_signal_says_where_it_died(ip):
     assert "failed: killed by SIGABRT" in str(error), error
     rendered = "\n".join(error._render_traceback_())
     died = rendered.split("--- rank 1 ---\n", 1)[1].splitlines()
-    assert died[:3] == ["Fatal Python error: Aborted", "", died[2]] and died[2].startswith("Current thread 0x"), died
+    assert died[:3] == ["Fatal Python error: Aborted", "", "Current thread:"], died
     frames = died[3:]
     assert re.fullmatch(r'  File ".*", line 4 in crash_on', frames[0]), frames  # the frame that sent it
     assert frames[1] == '  File "<horovod-cell>", line 3 in <module>', frames  # the cell's own line

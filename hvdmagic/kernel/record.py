@@ -12,18 +12,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from hvdmagic import metric_rows
+from hvdmagic import metric_rows, stacks
 from hvdmagic.kernel.history import MetricHistory
 from hvdmagic.kernel.noise import is_startup_noise
 from hvdmagic.launch.placement import Placement
 from hvdmagic.protocol import STAGE_ORDER, Event, Stage
-
-FATAL_ERROR = "Fatal Python error: "  # how faulthandler starts what it writes for a dying process
-
-
-def _ours(frame: str) -> bool:
-    """A fault handler's frame line in hvdmagic's or the interpreter's own start-up and thread code."""
-    return any(part in frame for part in ("/hvdmagic/", "<frozen runpy>", "/threading.py\""))
 
 
 @dataclass
@@ -65,24 +58,8 @@ class RankRecord:
     lost: str = ""  # elastic: why its last rank was lost, e.g. "killed by SIGKILL"
 
     def where_it_died(self) -> str:
-        """Where a signal killed the rank, from what its fault handler wrote, or "".
-
-        The thread that died comes first; hvdmagic's own frames and threads (its flusher,
-        its parent watch) are left out, as they are from a raised exception's traceback.
-        """
-        lines = [line for stream, line in self.logs if stream == "stderr"]
-        start = next((i for i in range(len(lines) - 1, -1, -1) if lines[i].startswith(FATAL_ERROR)), None)
-        if start is None:
-            return ""
-        headline, threads = lines[start], []
-        for line in lines[start + 1:]:
-            if line.startswith(("Thread 0x", "Current thread 0x")):
-                threads.append([line])
-            elif line.startswith("  File ") and threads and not _ours(line):
-                threads[-1].append(line)
-        threads = [t for t in threads if len(t) > 1 or t[0].startswith("Current")]
-        threads.sort(key=lambda t: not t[0].startswith("Current"))
-        return "\n\n".join([headline, *("\n".join(t) for t in threads)])
+        """Where a crash signal killed the rank (its fault handler's stacks), or ""."""
+        return stacks.where_it_died([line for stream, line in self.logs if stream == "stderr"])
 
     @property
     def bar(self) -> Bar | None:
@@ -115,6 +92,8 @@ class RunRecord:
         self.error: BaseException | None = None
         self.timeline: str | None = None  # where rank 0 wrote a Horovod Timeline (--timeline)
         self.notes: list[str] = []  # sentences from the ranks, e.g. a scaled learning rate
+        # By rank: where each running rank was (its Python stacks) when a watchdog stopped the run.
+        self.stacks: dict[int, str] = {}
         # Start-up: the stage the run is in (for rank stages, the slowest rank's), and when
         # the run reached each stage, on the kernel's clock.
         self.stage: Stage | None = None

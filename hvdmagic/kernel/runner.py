@@ -55,6 +55,7 @@ def execute(payload: bytes, placement: Placement | None, *, timeout: float | Non
         if isinstance(exc, JobFailed):
             exc.quiet_output = {f.rank: record.ranks[f.rank].quiet for f in exc.failures
                                 if 0 <= f.rank < record.np and record.ranks[f.rank].quiet}
+            record.stacks = exc.stacks
             for failure in exc.failures:
                 # A rank killed by a signal raised nothing; its fault handler's stacks say where it was.
                 if not failure.traceback and 0 <= failure.rank < record.np:

@@ -27,6 +27,7 @@ from hvdmagic.launch.placement import Placement
 from hvdmagic.protocol import PROGRESS_EVENTS, Event, Framework, ResultPolicy, Slot, Stage, TaskSpec
 
 ABORT_GRACE = 5.0  # seconds the other ranks get to report after the first failure
+STACKS_WAIT = 4.0  # seconds the ranks get to send their stacks (each writes within task.rank_process's 2 s)
 POLL = 0.1
 RECENT_PROGRESS = 10.0  # a rank silent for longer than this is named as "stopped progressing"
 
@@ -64,6 +65,7 @@ class JobState:
     last_progress: dict[int, float] = field(default_factory=dict)  # driver clock, by rank
     last_heard: dict[int, float] = field(default_factory=dict)  # any event, heartbeats included
     rows: dict[int, tuple[int, int]] = field(default_factory=dict)  # --data: (rows, padding) by rank
+    stacks: dict[int, str] = field(default_factory=dict)  # by rank: where it was when the watchdog fired
 
     @property
     def clean(self) -> bool:
@@ -152,6 +154,8 @@ class Job:
             now = time.monotonic()
             if aborted_at is None:
                 verdict = self._watchdog(state, now, deadline)
+                if verdict and state.go_at is not None:
+                    self._collect_stacks(server, state, rendezvous)
                 if state.failures or verdict:
                     # Fail fast: stop the others now, then give them a moment to report.
                     server.broadcast(protocol.bare(Event.ABORT))
@@ -176,7 +180,18 @@ class Job:
                 notes.append(f"rank(s) {', '.join(map(str, finished))} had finished the cell; a rank that ends "
                              "while others still call collectives makes those fail")
             error = JobTimeout if verdict else JobFailed
-            raise error(state.failures, stopped, note="; ".join(notes))
+            raise error(state.failures, stopped, note="; ".join(notes), stacks=state.stacks)
+
+    def _collect_stacks(self, server: channel.ChannelServer, state: JobState, rendezvous) -> None:
+        """Ask every running rank where it is, before the watchdog stops them: the answer to a hang."""
+        server.broadcast(protocol.bare(Event.STACKS))
+        deadline = time.monotonic() + STACKS_WAIT
+        while set(state.running()) - set(state.stacks) and time.monotonic() < deadline:
+            try:
+                link, event = server.events.get(timeout=POLL)
+            except queue.Empty:
+                continue
+            self._handle(event, state, rendezvous, link)
 
     def _watchdog(self, state: JobState, now: float, deadline: float | None) -> str | None:
         """Why the job must stop now (timeout, stall), or None."""
@@ -233,6 +248,8 @@ class Job:
             state.failures.append(RankFailure(rank, f"{event.get('exc_type')}: {event.get('message')}",
                                               event.get("traceback", ""), state.hosts.get(rank, ""),
                                               stamp if isinstance(stamp, (int, float)) else float("inf")))
+        elif kind == Event.STACKS:
+            state.stacks[rank] = str(event.get("text", ""))
         elif kind == Event.EXIT:
             code = int(event.get("code", -1))
             state.exits[rank] = code

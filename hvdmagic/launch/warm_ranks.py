@@ -26,7 +26,7 @@ from hvdmagic import protocol
 from hvdmagic.errors import JobFailed, JobInterrupted, JobTimeout, LaunchError, RankFailure
 from hvdmagic.launch import make_backend, preflight
 from hvdmagic.launch.interrupts import interruptible
-from hvdmagic.launch.job import Job, result_value
+from hvdmagic.launch.job import STACKS_WAIT, Job, result_value
 from hvdmagic.launch.placement import Placement, PlacementError
 from hvdmagic.protocol import Event, ResultPolicy
 
@@ -201,9 +201,10 @@ class Session:
                     break
                 verdict = self._watchdog(started, now, last_progress, pending, timeout, stall_timeout)
                 if verdict:
+                    stacks = self._stacks(pending, on_event)
                     self._interrupt(pending, on_event)
                     self._restart_after(on_event)
-                    raise JobTimeout(failures, sorted(pending), note=f"{verdict}; {LOST_STATE}")
+                    raise JobTimeout(failures, sorted(pending), note=f"{verdict}; {LOST_STATE}", stacks=stacks)
                 event = self._next_event(None, "cell", wait=POLL)
                 if event is None:
                     continue
@@ -239,6 +240,19 @@ class Session:
             note = LOST_STATE if broken else "the session keeps its ranks and their state"
             raise JobFailed(failures, sorted(pending), note=note)
         return [values.get(rank) for rank in range(self.size)]
+
+    def _stacks(self, pending: set[int], on_event) -> dict[int, str]:
+        """Where the ranks still in the cell are, from their fault handlers, before they are stopped."""
+        self._job.send(protocol.bare(Event.STACKS))
+        stacks: dict[int, str] = {}
+        deadline = time.monotonic() + STACKS_WAIT
+        while pending - stacks.keys() and time.monotonic() < deadline:
+            event = self._next_event(None, "cell", wait=POLL)
+            if event is not None and event.get("type") == Event.STACKS:
+                stacks[event["rank"]] = str(event.get("text", ""))
+            elif event is not None:
+                on_event(event)
+        return stacks
 
     def _interrupt(self, pending: set[int], on_event) -> list[int]:
         """Stop (SIGINT) the ranks still in the cell; the ranks that did not get back to idle."""

@@ -17,9 +17,11 @@ import sys
 import threading
 
 from hvdmagic import protocol
-from hvdmagic.protocol import Stage
+from hvdmagic.protocol import STACKS_ENV, STACKS_SIGNAL, Stage
 from hvdmagic.rank import telemetry
 from hvdmagic.rank.outcome import error_event, report_result
+
+_stacks_file = None
 
 
 def _exit_when_supervisor_dies() -> None:
@@ -54,6 +56,12 @@ def main() -> int:
     # framework's C++) writes every thread's Python stack to its stderr, which its
     # supervisor relays: the cell's error then says where it died (kernel.record).
     faulthandler.enable(all_threads=True)
+    if path := os.environ.get(STACKS_ENV):
+        # Its supervisor asks for the stacks (a stall, a timeout) with a signal, and faulthandler
+        # writes them from its C handler: while a thread waits in a collective too.
+        global _stacks_file
+        _stacks_file = open(path, "w")
+        faulthandler.register(STACKS_SIGNAL, file=_stacks_file, all_threads=True)
     telemetry.open_events()
     telemetry.emit(protocol.stage_reached(Stage.IMPORTING))
     if boot.session:

@@ -16,15 +16,18 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 from hvdmagic import protocol
-from hvdmagic.protocol import EVENT_FD_ENV, Boot
+from hvdmagic.protocol import EVENT_FD_ENV, STACKS_ENV, STACKS_SIGNAL, Boot
 from hvdmagic.task.lines import LineSplitter, relayed
 
 KILL_GRACE = 3.0
+STACKS_WAIT = 2.0  # seconds a rank's fault handler gets to write its stacks
 
 # Starts the rank's process with this environment, its event pipe's write end passed on;
 # returns None when the start was abandoned (an abort while mpirun had not started it yet).
@@ -51,18 +54,22 @@ class RankProcess:
         self.proc: subprocess.Popen | None = None
         self._relays: list[threading.Thread] = []
         self._sent: set[int] = set()  # the signals kill() delivered while the rank was alive
+        self._stacks_path = ""  # where the rank's fault handler writes its stacks when asked
         self._stdin_lock = threading.Lock()
 
     def start(self, env: dict[str, str], boot: Boot, start: Starter = spawn) -> bool:
         """Start the rank and hand it its Boot; False when ``start`` gave up."""
         events_r, events_w = os.pipe()
-        env = {**env, EVENT_FD_ENV: str(events_w)}
+        handle, self._stacks_path = tempfile.mkstemp(prefix="hvdmagic-stacks-")
+        os.close(handle)
+        env = {**env, EVENT_FD_ENV: str(events_w), STACKS_ENV: self._stacks_path}
         try:
             self.proc = start(env, events_w)
         finally:
             os.close(events_w)
         if self.proc is None:
             os.close(events_r)
+            self._forget_stacks()
             return False
         self._relays = [
             threading.Thread(target=self._relay_stream, args=(self.proc.stdout, "stdout"), daemon=True),
@@ -95,11 +102,38 @@ class RankProcess:
             self.proc.stdin.close()
         except OSError:
             pass
+        self._forget_stacks()
         # "aborted" only when our own signal ended the rank: a rank that died of its
         # own SIGKILL (the OOM killer) or exit code while an abort was under way
         # is still a failure the user must see.
         self._send(protocol.exit_(self.row, code, aborted=code < 0 and -code in self._sent))
         return code
+
+    def send_stacks(self) -> None:
+        """Ask the rank's fault handler for every thread's stack and send what it wrote (a STACKS event).
+
+        The rank writes from a C signal handler, so the dump is complete once the file stops
+        growing; a rank that is gone, or that never registered the handler, sends "".
+        """
+        text, proc = "", self.proc
+        if proc is not None and proc.poll() is None and self._stacks_path:
+            path = Path(self._stacks_path)
+            try:
+                path.write_text("")
+                os.kill(proc.pid, STACKS_SIGNAL)
+                deadline, size = time.monotonic() + STACKS_WAIT, -1
+                while time.monotonic() < deadline and (not size or size != path.stat().st_size):
+                    size = path.stat().st_size
+                    time.sleep(0.1)  # polling a file another process writes: there is nothing to wait on
+                text = path.read_text(errors="replace")
+            except (OSError, ProcessLookupError):
+                pass  # the rank ended meanwhile: its exit says the rest
+        self._send(protocol.stacks(self.row, text))
+
+    def _forget_stacks(self) -> None:
+        if self._stacks_path:
+            Path(self._stacks_path).unlink(missing_ok=True)
+            self._stacks_path = ""
 
     def signal(self, sig: int) -> None:
         """``sig`` to the rank's process group, as a terminal's Ctrl-C reaches a foreground job."""

@@ -172,6 +172,8 @@ class Supervisor:
                     starts.put(message)
                 elif kind == Event.STOP_RANK and self.rank is not None:
                     self.rank.kill()
+                elif kind == Event.STACKS and self.rank is not None:
+                    threading.Thread(target=self.rank.send_stacks, name="hvdmagic-stacks", daemon=True).start()
         except (channel.ChannelError, OSError):
             pass  # a lost driver means the same as abort
         self.abort()
