@@ -125,4 +125,15 @@ class JobTimeout(JobFailed, TimeoutError):
 
 
 class JobInterrupted(HvdmagicError):
-    """The user interrupted the kernel; the ranks were stopped."""
+    """The user interrupted the kernel; the ranks were stopped.
+
+    ``stacks``: by rank, where the ranks that were still running were (their fault handlers'
+    Python stacks), taken before they were stopped.
+    """
+
+    def __init__(self, message: str, stacks: dict[int, str] | None = None):
+        super().__init__(message)
+        self.stacks = {rank: user_stacks(text.splitlines()) for rank, text in (stacks or {}).items()}
+
+    def _render_traceback_(self) -> list[str]:
+        return [*super()._render_traceback_(), *(["", *describe_stacks(self.stacks)] if self.stacks else [])]

@@ -133,6 +133,10 @@ def test_a_rank_stuck_in_a_collective_makes_the_session_restart_its_ranks(sessio
                             "    hvd.allreduce(torch.ones(1), name='never_joined')\nelse:\n    time.sleep(600)")
     assert isinstance(error, JobInterrupted), error
     assert re.search(r"rank\(s\) 0 did not stop within 5 s", str(error)) and "is lost" in str(error), error
+    stuck = "\n".join(error._render_traceback_()).split("where the ranks were (most recent call first):\n")[1]
+    assert stuck.startswith("rank 0:\n") and "in synchronize" in stuck, stuck  # inside the allreduce
+    assert re.search(r'File "<horovod-cell-\d+>", line 5 in <module>\n*$', stuck), stuck  # the cell's line
+    assert list(error.stacks) == [0] and hvdmagic.last_run().stacks == error.stacks
     wait_until_gone(list(old), within=10)
     _, error = run(session, "%%horovod\nlost")
     assert isinstance(error, JobFailed) and "NameError" in str(error), "the restarted ranks kept state?"

@@ -49,6 +49,7 @@ def execute(payload: bytes, placement: Placement | None, *, timeout: float | Non
             values = launch(payload, placement, timeout=timeout, stall_timeout=stall_timeout, env=env,
                             on_event=on_event, spark=spark, data=data, results=results).results
     except JobInterrupted as exc:
+        record.stacks = exc.stacks
         record.finish(error=exc, cancelled=True)
         raise
     except BaseException as exc:

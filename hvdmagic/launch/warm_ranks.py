@@ -229,9 +229,14 @@ class Session:
         except KeyboardInterrupt:
             stuck = self._interrupt(pending, on_event)
             if stuck:
+                try:
+                    stacks = self._stacks(set(stuck), on_event)  # what they are stuck in
+                except KeyboardInterrupt:
+                    stacks = {}  # Stop pressed again: restart without them
                 self._restart_after(on_event)
                 raise JobInterrupted(f"interrupted: rank(s) {', '.join(map(str, stuck))} did not stop within "
-                                     f"{INTERRUPT_GRACE:g} s (stuck in a collective?), so {LOST_STATE}.") from None
+                                     f"{INTERRUPT_GRACE:g} s (stuck in a collective?), so {LOST_STATE}.",
+                                     stacks=stacks) from None
             raise JobInterrupted("interrupted: every rank stopped the cell; the session keeps its ranks and "
                                  "their state.") from None
         if failures:
