@@ -178,6 +178,7 @@ class Hello(TypedDict):
     rows: int | None  # --data: the rows of the task's shard
     hostname: str
     pid: int
+    versions: dict[str, str | None]  # its Python's and the packages' that must match the kernel's
 
 
 class Output(TypedDict):

@@ -16,6 +16,7 @@ its ``Placement`` says; the modules:
   Java check, the JVM's log); ``slots`` counts a Spark cluster's task slots.
 - ``layout``: Horovod's ranks, local ranks and cross ranks from the tasks' hosts.
 - ``rendezvous`` (Horovod's Gloo rendezvous) and ``torch_store`` (torch.distributed's).
+- ``versions``: the tasks' Python and packages against the kernel's, before any rank starts.
 - ``mpi`` and ``mpi_rsh``: ``--controller mpi``; ``interrupts``: Ctrl-C while launching.
 
 Modules here may import ``hvdmagic.protocol``, ``channel``, ``errors``, ``pickling``,

@@ -20,6 +20,7 @@ from typing import Any
 
 from hvdmagic import channel, protocol
 from hvdmagic.errors import JobFailed, JobInterrupted, JobTimeout, LaunchError, RankFailure
+from hvdmagic.launch import versions
 from hvdmagic.launch.interrupts import interruptible
 from hvdmagic.launch.layout import compute_layout, visible_devices
 from hvdmagic.launch.mpi import MpiDriver
@@ -264,8 +265,14 @@ class Job:
             self.server.broadcast(event)
 
     def _place(self, state: JobState, rendezvous) -> None:
-        """Every task has said hello: lay the ranks out and send each task its go."""
+        """Every task has said hello: check their environments, lay the ranks out and send each task its go."""
         hellos = [state.hellos[task][1] for task in range(self.np)]
+        problem, notices = versions.compare({task: (h.get("hostname") or h.get("host", ""), h.get("versions"))
+                                             for task, h in enumerate(hellos)})
+        if problem:
+            raise LaunchError(problem)  # no rank has started: the shutdown aborts the waiting tasks
+        for text in notices:
+            self.on_event(protocol.note(text))
         layout = compute_layout([h["host"] for h in hellos])
         gpus = [list(h.get("gpus") or []) for h in hellos]
         rows = [h.get("rows") for h in hellos]

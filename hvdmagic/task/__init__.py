@@ -7,6 +7,7 @@
 - ``lines``: splits a rank's output into lines and ``\r`` updates; relays its event lines.
 - ``environment`` and ``network``: the rank's variables, and the interface it uses.
 - ``shards``: writes and pads the task's ``--data`` shard.
+- ``versions``: this task's Python and package versions, for the driver's check.
 - ``mpi``: adopts a rank that mpirun started (``--controller mpi``).
 
 Modules here may import ``hvdmagic.protocol``, ``hvdmagic.channel`` and ``hvdmagic.rank``

@@ -41,6 +41,7 @@ from hvdmagic.task.lines import MAX_LINE
 from hvdmagic.task.network import interface_for
 from hvdmagic.task.rank_process import RankProcess, spawn
 from hvdmagic.task.shards import pad_shard
+from hvdmagic.task.versions import versions
 
 
 class Supervisor:
@@ -69,7 +70,8 @@ class Supervisor:
             # Spark barrier allGather would do the same but costs a second (it polls).
             self._link_address = host_ip = link.sock.getsockname()[0]
             link.send(protocol.hello(self.task_index, self.attempt, host_ip, self.gpus,
-                                     self.shard[1] if self.shard else None, socket.gethostname(), os.getpid()))
+                                     self.shard[1] if self.shard else None, socket.gethostname(), os.getpid(),
+                                     versions()))
             return self._run_elastic() if self.spec.elastic else self._run_once()
         finally:
             self._end_daemons()
