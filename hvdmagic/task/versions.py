@@ -8,8 +8,9 @@ Python worker runs many tasks.
 from __future__ import annotations
 
 import functools
+import os
 import platform
-from importlib import metadata
+import sys
 
 # The distributions to compare, each under the names it is published as.
 PACKAGES = {
@@ -24,15 +25,24 @@ PACKAGES = {
 
 @functools.cache
 def versions() -> dict[str, str | None]:
-    """``{"python": "3.11.7", "cloudpickle": "3.1.3", ..., "tensorflow": None}`` (None: not installed)."""
+    """``{"python": "3.11.7", "cloudpickle": "3.1.3", ..., "tensorflow": None}`` (None: not installed).
+
+    Read from the names of the ``*.dist-info`` folders on ``sys.path``, first entry first,
+    as an import would find them: one directory listing per entry (about a millisecond),
+    where ``importlib.metadata`` reads every distribution's metadata for each name (60 ms,
+    on the path of a cell's launch).
+    """
+    installed: dict[str, str] = {}
+    for entry in sys.path:
+        try:
+            names = os.listdir(entry or ".")
+        except OSError:
+            continue
+        for name in names:
+            if name.endswith(".dist-info") and "-" in name:
+                distribution, _, version = name[: -len(".dist-info")].partition("-")
+                installed.setdefault(distribution.lower().replace("_", "-"), version)
     found: dict[str, str | None] = {"python": platform.python_version()}
     for name, distributions in PACKAGES.items():
-        found[name] = next((v for v in map(_version, distributions) if v is not None), None)
+        found[name] = next((installed[d] for d in distributions if d in installed), None)
     return found
-
-
-def _version(distribution: str) -> str | None:
-    try:
-        return metadata.version(distribution)
-    except metadata.PackageNotFoundError:
-        return None
