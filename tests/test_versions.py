@@ -10,12 +10,19 @@ from helpers import stop_active_session
 
 import hvdmagic
 from hvdmagic.errors import LaunchError
+from hvdmagic.kernel.warm_sessions import environment_table
 from hvdmagic.launch import versions
 from hvdmagic.task.versions import versions as here
 
 KERNEL = {"python": "3.11.7", "cloudpickle": "3.1.3", "torch": "2.13.0+cpu", "tensorflow": None,
           "horovod": "0.28.1", "pyarrow": "26.0.1", "hvdmagic": "0.1.0"}
 OLDEST_CLOUDPICKLE = Path(sys.prefix) / "oldest-cloudpickle"  # cloudpickle 3.0.0, installed by the set-up
+
+
+@pytest.fixture(autouse=True)
+def nothing_reported_yet(monkeypatch):
+    """Each test starts as a fresh kernel would: no task has reported its versions."""
+    monkeypatch.setattr(versions, "_REPORTED", {})
 
 
 @pytest.mark.unit
@@ -46,6 +53,17 @@ def test_a_difference_that_may_work_is_one_notice():
 
 
 @pytest.mark.unit
+def test_the_env_table_marks_what_differs():
+    assert environment_table("%horovod").startswith("hvdmagic: no task has reported its environment")
+    versions.compare({0: ("worker-1", {**here(), "torch": "2.99"}), 1: ("worker-2", here())})
+    table = environment_table("%horovod").splitlines()
+    assert table[0].split() == ["this", "kernel", "worker-1", "worker-2"]
+    assert next(line.split() for line in table if line.startswith("torch ")) == [
+        "torch", str(here()["torch"]), "2.99", "*", str(here()["torch"])], table
+    assert table[-1] == "(* differs from this kernel; %horovod env shows what the last run's tasks sent)"
+
+
+@pytest.mark.unit
 def test_the_kernel_reports_its_own():
     found = here()
     assert found["python"] == ".".join(map(str, sys.version_info[:3]))
@@ -73,5 +91,10 @@ def test_an_executor_with_another_cloudpickle_fails_before_any_rank_starts(tmp_p
             message
         assert f"(tasks 0, 1), {here()['cloudpickle']} in this kernel" in message, message
         assert hvdmagic.last_run().ranks[0].stage is None, "a rank started"
+        table = environment_table("%horovod").splitlines()
+        row = next(line.split() for line in table if line.startswith("cloudpickle "))
+        assert row == ["cloudpickle", here()["cloudpickle"], "3.0.0", "*"], table
+        assert next(line.split() for line in table if line.startswith("python ")) == ["python", here()["python"],
+                                                                                       here()["python"]], table
     finally:
         spark.stop()

@@ -75,11 +75,12 @@ def _parser(magic: str) -> argparse.ArgumentParser:
     start.add_argument("--restart", action="store_true", help="stop a running session first")
     commands.add_parser("stop", add_help=False, exit_on_error=False)
     commands.add_parser("status", add_help=False, exit_on_error=False)
+    commands.add_parser("env", add_help=False, exit_on_error=False)
     return parser
 
 
 USAGE = ("{magic} start --np N [--controller gloo|mpi] [--timeout S] [--idle-timeout S] [--restart] | "
-         "{magic} stop | {magic} status")
+         "{magic} stop | {magic} status | {magic} env")
 
 
 def line_magic(magic: str, line: str, framework: Framework):
@@ -99,6 +100,9 @@ def line_magic(magic: str, line: str, framework: Framework):
         return None
     if args.command == "status":
         print(describe(magic, warm))
+        return None
+    if args.command == "env":
+        print(environment_table(magic))
         return None
     for flag, seconds in (("--timeout", args.timeout), ("--idle-timeout", args.idle_timeout)):
         if seconds is not None and seconds <= 0:
@@ -121,6 +125,24 @@ def line_magic(magic: str, line: str, framework: Framework):
     print(f"hvdmagic: {magic} session of {warm.size} ranks ready ({warm.placement.where}); "
           f"cells without --np run on it.")
     return None
+
+
+def environment_table(magic: str) -> str:
+    """``%horovod env``: this kernel's Python and packages beside each executor host's, as its tasks
+    last reported them; ``*`` marks what differs (docs/diagnostics.md)."""
+    from hvdmagic.launch import versions
+
+    hosts = versions.reported()
+    if not hosts:
+        return ("hvdmagic: no task has reported its environment in this kernel yet: run a cell with --np N "
+                "first.")
+    here = versions.kernel_versions()
+    columns = ["", "this kernel", *hosts]
+    rows = [[name, str(mine), *(f"{theirs.get(name)}{' *' if theirs.get(name) != mine else ''}"
+                                for theirs in hosts.values())] for name, mine in here.items()]
+    widths = [max(len(row[i]) for row in [columns, *rows]) for i in range(len(columns))]
+    lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in [columns, *rows]]
+    return "\n".join(lines + [f"(* differs from this kernel; {magic} env shows what the last run's tasks sent)"])
 
 
 def _start(warm: Session, make_view, record_type) -> None:

@@ -86,7 +86,6 @@ class Job:
         self.backend = backend
         self.np = backend.np  # the tasks: an elastic run's max_np
         self.payload = payload
-        self.placement = placement
         self.timeout = timeout
         self.stall_timeout = stall_timeout
         self.env = tuple(sorted((env or {}).items()))

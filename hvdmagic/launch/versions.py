@@ -15,6 +15,12 @@ from collections import defaultdict
 from hvdmagic.task.versions import versions as kernel_versions
 
 FATAL = "python", "cloudpickle"
+_REPORTED: dict[str, dict] = {}  # by host: what its latest task reported, for %horovod env
+
+
+def reported() -> dict[str, dict]:
+    """By host, the versions the executors' tasks last reported to this driver (passed or not)."""
+    return dict(_REPORTED)
 
 
 def compare(tasks: dict[int, tuple[str, dict]], here: dict | None = None) -> tuple[str | None, list[str]]:
@@ -23,6 +29,7 @@ def compare(tasks: dict[int, tuple[str, dict]], here: dict | None = None) -> tup
     Returns why the run cannot start (or None), and the notices for what differs otherwise.
     """
     here = kernel_versions() if here is None else here
+    _REPORTED.update((host, dict(theirs)) for host, theirs in tasks.values() if theirs)
     # (package, the task's version) -> host -> tasks
     differing: dict[tuple[str, str | None], dict[str, list[int]]] = defaultdict(lambda: defaultdict(list))
     for task, (host, theirs) in sorted(tasks.items()):
