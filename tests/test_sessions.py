@@ -92,7 +92,9 @@ def test_a_trivial_cell_on_warm_ranks_starts_no_process_and_no_stage(session):
     launch_stages = {Stage.SPARK_STARTING, Stage.WAITING_FOR_SLOTS, Stage.SUBMITTED, Stage.RANKS_STARTING,
                      Stage.IMPORTING}
     reached = set(hvdmagic.last_run().stage_reached)
-    assert reached and not reached & launch_stages, f"the cell went through {sorted(reached & launch_stages)}"
+    assert not reached & launch_stages, f"the cell went through {sorted(reached & launch_stages)}"
+    _, error = run(session, "%%horovod --np -2\n1")  # fresh ranks beside the session: their record has them
+    assert error is None and {Stage.RANKS_STARTING, Stage.IMPORTING} <= set(hvdmagic.last_run().stage_reached)
 
 
 def test_a_keyboard_interrupt_in_the_cell_keeps_the_session(session):

@@ -249,7 +249,8 @@ class Job:
                                               event.get("traceback", ""), state.hosts.get(rank, ""),
                                               stamp if isinstance(stamp, (int, float)) else float("inf")))
         elif kind == Event.STACKS:
-            state.stacks[rank] = str(event.get("text", ""))
+            if rank not in state.exits:  # a rank that had finished answers with nothing
+                state.stacks[rank] = str(event.get("text", ""))
         elif kind == Event.EXIT:
             code = int(event.get("code", -1))
             state.exits[rank] = code

@@ -254,7 +254,8 @@ class Session:
         while pending - stacks.keys() and time.monotonic() < deadline:
             event = self._next_event(None, "cell", wait=POLL)
             if event is not None and event.get("type") == Event.STACKS:
-                stacks[event["rank"]] = str(event.get("text", ""))
+                if event["rank"] in pending:  # the others are idle in the cell loop: nothing to see
+                    stacks[event["rank"]] = str(event.get("text", ""))
             elif event is not None:
                 on_event(event)
         return stacks
