@@ -12,8 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hvdmagic.stacks import describe as describe_stacks
-from hvdmagic.stacks import user_stacks
+from hvdmagic import stacks as rank_stacks
 
 
 class HvdmagicError(Exception):
@@ -78,7 +77,7 @@ class JobFailed(HvdmagicError, RuntimeError):
         self.stopped = stopped
         self.note = note
         # By rank: the Python stacks each running rank's fault handler wrote before it was stopped.
-        self.stacks = {rank: user_stacks(text.splitlines()) for rank, text in (stacks or {}).items()}
+        self.stacks = rank_stacks.trimmed(stacks)
         # By rank: start-up chatter the views hid while it ran (kernel.noise), shown with the failure.
         self.quiet_output: dict[int, list[str]] = {}
         super().__init__(self._headline())
@@ -114,10 +113,7 @@ class JobFailed(HvdmagicError, RuntimeError):
                     lines.append(f"(rank {rank}'s start-up messages, hidden while it ran:)")
                     lines.extend(quiet[-self.QUIET_LINES:])
             lines.extend(text.rstrip("\n").splitlines())
-        if self.stacks:
-            lines.append("")
-            lines.extend(describe_stacks(self.stacks))
-        return lines
+        return lines + _stack_lines(self.stacks)
 
 
 class JobTimeout(JobFailed, TimeoutError):
@@ -133,7 +129,12 @@ class JobInterrupted(HvdmagicError):
 
     def __init__(self, message: str, stacks: dict[int, str] | None = None):
         super().__init__(message)
-        self.stacks = {rank: user_stacks(text.splitlines()) for rank, text in (stacks or {}).items()}
+        self.stacks = rank_stacks.trimmed(stacks)
 
     def _render_traceback_(self) -> list[str]:
-        return [*super()._render_traceback_(), *(["", *describe_stacks(self.stacks)] if self.stacks else [])]
+        return super()._render_traceback_() + _stack_lines(self.stacks)
+
+
+def _stack_lines(stacks: dict[int, str]) -> list[str]:
+    """Where the ranks were, after a blank line; nothing when no stack was taken."""
+    return ["", *rank_stacks.describe(stacks)] if stacks else []

@@ -33,6 +33,11 @@ def user_stacks(lines: list[str]) -> str:
     return "\n\n".join([*headline, *("\n".join(t) for t in threads)])
 
 
+def trimmed(dumps: dict[int, str] | None) -> dict[int, str]:
+    """By rank, ``user_stacks`` of each rank's whole dump."""
+    return {rank: user_stacks(text.splitlines()) for rank, text in (dumps or {}).items()}
+
+
 def where_it_died(stderr: list[str]) -> str:
     """Where a crash signal killed a rank, from its stderr lines; "" when its fault handler wrote nothing."""
     start = next((i for i in range(len(stderr) - 1, -1, -1) if stderr[i].startswith(FATAL_ERROR)), None)

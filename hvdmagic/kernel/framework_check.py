@@ -12,18 +12,18 @@ from __future__ import annotations
 import ast
 import importlib.util
 import json
-from importlib import metadata
 from pathlib import Path
 
 from hvdmagic.errors import LaunchError
+from hvdmagic.launch.versions import kernel_versions
 
 REBUILD = ("rebuild it for the frameworks you use: python -m hvdmagic.build_horovod --frameworks "
            "pytorch,tensorflow (the README's set-up command does this; docs/frameworks.md)")
-# horovod's module -> (its metadata.json key, the distributions that provide the framework)
+# horovod's module -> (its metadata.json key, the framework's name in task.versions)
 _FRAMEWORKS = {
-    "horovod.torch": ("pytorch", ("torch",)),
-    "horovod.tensorflow": ("tensorflow", ("tensorflow-cpu", "tensorflow")),
-    "horovod.keras": ("tensorflow", ("tensorflow-cpu", "tensorflow")),
+    "horovod.torch": ("pytorch", "torch"),
+    "horovod.tensorflow": ("tensorflow", "tensorflow"),
+    "horovod.keras": ("tensorflow", "tensorflow"),
 }
 MXNET = ("Apache retired MXNet in 2023 (it moved to the Apache Attic), and hvdmagic does not support it: "
          "port the model to PyTorch (%%horovod or %%torchrun) or TensorFlow/Keras (docs/frameworks.md).")
@@ -46,19 +46,19 @@ def check_cell(tree: ast.Module) -> None:
     modules = imported_modules(tree)
     if any(m == "mxnet" or m.split(".")[:2] == ["horovod", "mxnet"] for m in modules):
         raise LaunchError(MXNET)
-    needed = {key: dists for prefix, (key, dists) in _FRAMEWORKS.items()
+    needed = {key: package for prefix, (key, package) in _FRAMEWORKS.items()
               if any(m == prefix or m.startswith(prefix + ".") for m in modules)}
     if not needed:
         return
     built = _built_for()
     if built is None:
         return  # no horovod here: launch() says so
-    for key, dists in needed.items():
+    for key, package in needed.items():
         name = "PyTorch" if key == "pytorch" else "TensorFlow"
         if key not in built:
             raise LaunchError(f"the cell imports horovod's {name} support, and this kernel's horovod was built "
                               f"without {name} (it has {', '.join(sorted(built)) or 'none'}): {REBUILD}.")
-        installed = _installed(dists)
+        installed = kernel_versions()[package]
         if installed and _release(installed) != _release(built[key]):
             raise LaunchError(f"this kernel's horovod was built against {name} {built[key]}, and {name} "
                               f"{installed} is installed: {REBUILD}.")
@@ -73,15 +73,6 @@ def _built_for() -> dict[str, str] | None:
     except (OSError, ValueError):
         return None
     return {key: value for key, value in recorded.items() if key != "dummy"}
-
-
-def _installed(distributions: tuple[str, ...]) -> str | None:
-    for distribution in distributions:
-        try:
-            return metadata.version(distribution)
-        except metadata.PackageNotFoundError:
-            continue
-    return None
 
 
 def _release(version: str) -> str:

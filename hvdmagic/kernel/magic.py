@@ -132,7 +132,6 @@ class HorovodMagics(Magics):
         else:
             try:
                 placement = Placement.of(args.np, framework=framework, controller=controller, elastic=elastic)
-                placement.check_options(stall_timeout=args.stall_timeout)
             except PlacementError as exc:
                 raise UsageError(str(exc)) from None
         for flag, name in (("--out", args.out), ("--metrics", args.metrics)):
@@ -149,8 +148,9 @@ class HorovodMagics(Magics):
             if not hasattr(data, "mapInArrow"):
                 raise UsageError(f"--data needs the name of a Spark DataFrame in the notebook; "
                                  f"{args.data!r} is {'undefined' if data is None else type(data).__name__}.")
+        if placement is not None:
             try:
-                placement.check_options(data=data)
+                placement.check_options(data=data, stall_timeout=args.stall_timeout)
             except PlacementError as exc:
                 raise UsageError(str(exc)) from None
         if args.mlflow is not None and importlib.util.find_spec("mlflow") is None:

@@ -26,7 +26,8 @@ def reported() -> dict[str, dict]:
 def compare(tasks: dict[int, tuple[str, dict]], here: dict | None = None) -> tuple[str | None, list[str]]:
     """``tasks``: by task index, (its host's name, its ``task.versions.versions()``).
 
-    Returns why the run cannot start (or None), and the notices for what differs otherwise.
+    Returns why the run cannot start (or None), and the notices for what differs otherwise;
+    remembers what each host reported, for ``%horovod env`` (``reported``).
     """
     here = kernel_versions() if here is None else here
     _REPORTED.update((host, dict(theirs)) for host, theirs in tasks.values() if theirs)

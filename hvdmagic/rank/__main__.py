@@ -63,6 +63,7 @@ def main() -> int:
         _stacks_file = open(path, "w")
         faulthandler.register(STACKS_SIGNAL, file=_stacks_file, all_threads=True)
     telemetry.open_events()
+    # The first event: it also tells the supervisor that the stacks handler is in place.
     telemetry.emit(protocol.stage_reached(Stage.IMPORTING))
     if boot.session:
         from hvdmagic.rank.cell_loop import serve

@@ -52,11 +52,11 @@ _REBUILD = ("this host's horovod does not match its frameworks: rebuild it here 
 
 
 def error_event(exc: BaseException, **fields) -> protocol.Error:
-    message = str(exc)
-    if any(sign in message for sign in _BUILD_MISMATCH) and "horovod" in _user_traceback(exc):
+    message, trace = str(exc), _user_traceback(exc)
+    if any(sign in message for sign in _BUILD_MISMATCH) and "horovod" in trace:
         message = f"{message} ({_REBUILD})"
     # The rank-side time lets the driver tell the first failure from its fallout.
-    return protocol.error(type(exc).__name__, message, _user_traceback(exc), time.time(), **fields)
+    return protocol.error(type(exc).__name__, message, trace, time.time(), **fields)
 
 
 def _user_traceback(exc: BaseException) -> str:

@@ -55,6 +55,9 @@ class RankProcess:
         self._relays: list[threading.Thread] = []
         self._sent: set[int] = set()  # the signals kill() delivered while the rank was alive
         self._stacks_path = ""  # where the rank's fault handler writes its stacks when asked
+        # Set by the rank's first event, which it sends after registering its fault handler:
+        # before that, STACKS_SIGNAL would kill it (the signal's default action).
+        self._listening = threading.Event()
         self._stdin_lock = threading.Lock()
 
     def start(self, env: dict[str, str], boot: Boot, start: Starter = spawn) -> bool:
@@ -116,17 +119,19 @@ class RankProcess:
         growing; a rank that is gone, or that never registered the handler, sends "".
         """
         text, proc = "", self.proc
-        if proc is not None and proc.poll() is None and self._stacks_path:
+        if proc is not None and proc.poll() is None and self._stacks_path and self._listening.is_set():
             path = Path(self._stacks_path)
             try:
                 path.write_text("")
                 os.kill(proc.pid, STACKS_SIGNAL)
-                deadline, size = time.monotonic() + STACKS_WAIT, -1
-                while time.monotonic() < deadline and (not size or size != path.stat().st_size):
-                    size = path.stat().st_size
+                deadline, size = time.monotonic() + STACKS_WAIT, 0
+                while time.monotonic() < deadline:
                     time.sleep(0.1)  # polling a file another process writes: there is nothing to wait on
+                    size, before = path.stat().st_size, size
+                    if size and size == before:
+                        break  # written, and no longer growing
                 text = path.read_text(errors="replace")
-            except (OSError, ProcessLookupError):
+            except OSError:
                 pass  # the rank ended meanwhile: its exit says the rest
         self._send(protocol.stacks(self.row, text))
 
@@ -178,6 +183,7 @@ class RankProcess:
         tail = b',"rank":%d}' % self.row
         with events:
             for line in events:
+                self._listening.set()
                 frame = relayed(line, tail)
                 if frame is None:
                     continue
