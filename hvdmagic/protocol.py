@@ -39,7 +39,7 @@ class Event(StrEnum):
     # driver -> task
     GO = "go"  # the task's slot, devices and rows per rank: start the rank
     ABORT = "abort"  # stop the rank now
-    CELL = "cell"  # a session: run this payload ("id", base64 "payload") in the rank's namespace
+    CELL = "cell"  # a session: run this payload ("id", "payload": a Payload's fields) in the rank's namespace
     INTERRUPT = "interrupt"  # a session: SIGINT to the rank, as Ctrl-C in a terminal
     STOP_RANK = "stop_rank"  # elastic: end this task's rank process; the task stays for a later go
     STACKS = "stacks"  # driver -> task: dump the rank's Python stacks; task -> driver: the dump ("text")
@@ -54,6 +54,7 @@ class Event(StrEnum):
     PLACED = "placed"
     LOST = "lost"  # elastic: a rank's process or task was lost ("reason"); the others go on
     WORLD = "world"  # elastic: a rank's world rank and size (after it joined or came back from a reset)
+    SHIPPING = "shipping"  # the payload's blobs on their way to the hosts: bytes asked for and sent, by host
     RESUMED = "resumed"  # elastic: the ranks reset: the sizes before and after, why, the commit restored
 
 
@@ -89,6 +90,7 @@ TOKEN_ENV = "HVDMAGIC_MPI_TOKEN"  # what a shim shows its supervisor
 PYTHON_ENV = "HVDMAGIC_PYTHON"
 LEGACY_KERAS_SET_ENV = "HVDMAGIC_SET_LEGACY_KERAS"  # hvdmagic, not the user, chose Keras 2 for the rank
 STACKS_ENV = "HVDMAGIC_STACKS_FILE"  # where the rank's fault handler writes its stacks when asked
+BLOB_DIR_ENV = "HVDMAGIC_BLOB_DIR"  # the host's blob cache (task.blob_cache), where a rank maps its payload's blobs
 STACKS_SIGNAL = signal.SIGUSR2  # asks a rank for its stacks (faulthandler.register: no Python code runs)
 
 
@@ -109,6 +111,48 @@ class Slot:
 
 
 @dataclass(frozen=True)
+class Blob:
+    """A large buffer of a payload, sent apart from it and named by its content.
+
+    A task fetches each blob its host lacks from the kernel's blob server (``blob_transfer``)
+    into the host's cache (``task.blob_cache``), once per host; ranks map it from there.
+    """
+
+    digest: str  # BLAKE3 of the content, hex: a fetched blob is checked against it
+    size: int
+    label: str = ""  # what it holds, for messages: "X (numpy.ndarray)"
+
+
+@dataclass(frozen=True)
+class Payload:
+    """What the ranks run: the pickled ``(fn, args, kwargs)``, its large buffers out of band.
+
+    ``head`` is a protocol-5 pickle whose out-of-band buffers are the blobs ``buffers``
+    names, in order; a captured global's own buffers are named inside it
+    (``CellFunction.global_buffers``). ``blobs`` lists every blob the ranks map. A head too
+    large to travel inline is itself a blob, ``head_blob``, and ``head`` is then empty.
+    """
+
+    head: bytes
+    buffers: tuple[str, ...] = ()
+    blobs: tuple[Blob, ...] = ()
+    head_blob: str | None = None
+
+    @property
+    def size(self) -> int:
+        return len(self.head) + sum(blob.size for blob in self.blobs)
+
+    def to_json(self) -> dict:
+        return {"head": base64.b64encode(self.head).decode("ascii"), "buffers": list(self.buffers),
+                "blobs": [[b.digest, b.size, b.label] for b in self.blobs], "head_blob": self.head_blob}
+
+    @classmethod
+    def from_json(cls, fields: dict) -> Payload:
+        return cls(base64.b64decode(fields["head"]), tuple(fields["buffers"]),
+                   tuple(Blob(*blob) for blob in fields["blobs"]), fields["head_blob"])
+
+
+@dataclass(frozen=True)
 class TaskSpec:
     """Everything a task needs, shipped in the Spark closure (or handed to a thread)."""
 
@@ -117,7 +161,8 @@ class TaskSpec:
     channel_port: int
     rendezvous_port: int
     secret: bytes
-    payload: bytes
+    payload: Payload
+    blob_port: int = 0  # the kernel's blob server, on driver_host: where the payload's blobs come from
     env: tuple[tuple[str, str], ...] = ()  # job-wide extra variables for every rank (e.g. HOROVOD_TIMELINE)
     controller: str = "gloo"  # or "mpi": mpirun starts the ranks, and the task adopts its own
     results: str = "all"  # which ranks send their value back: a ResultPolicy
@@ -270,7 +315,7 @@ class Go(TypedDict):
 class Cell(TypedDict):
     type: Literal[Event.CELL]
     id: int
-    payload: str  # base64
+    payload: dict  # Payload.to_json(): its blobs come from the session's blob server
 
 
 class Exec(TypedDict):
@@ -331,6 +376,15 @@ class Stacks(TypedDict):
     text: str  # what the rank's fault handler wrote: every thread's stack; "" if it wrote nothing
 
 
+class Shipping(TypedDict):
+    type: Literal[Event.SHIPPING]
+    text: str  # "sending X (numpy.ndarray) to 2 hosts: 61 %, 380 MB/s"
+    requested: int  # bytes the hosts asked for so far
+    sent: int
+    hosts: dict[str, int]  # bytes sent, by the address of the host that asked
+    done: bool  # every byte asked for was sent
+
+
 class Resumed(TypedDict):
     type: Literal[Event.RESUMED]
     reset: Any  # launch.elastic.Reset: driver-side only, never on the wire
@@ -355,6 +409,7 @@ lost = _builder(Lost, Event.LOST)
 world = _builder(World, Event.WORLD)
 resumed = _builder(Resumed, Event.RESUMED)
 stacks = _builder(Stacks, Event.STACKS)
+shipping = _builder(Shipping, Event.SHIPPING)
 
 
 def bare(kind: Event) -> Bare:
@@ -369,12 +424,12 @@ def slot_of(message: Go) -> Slot:
     return Slot(**message["slot"])
 
 
-def cell(cell_id: int, payload: bytes) -> Cell:
-    return {"type": Event.CELL, "id": cell_id, "payload": base64.b64encode(payload).decode("ascii")}
+def cell(cell_id: int, payload: Payload) -> Cell:
+    return {"type": Event.CELL, "id": cell_id, "payload": payload.to_json()}
 
 
-def cell_payload(message: Cell) -> bytes:
-    return base64.b64decode(message["payload"])
+def cell_payload(message: Cell) -> Payload:
+    return Payload.from_json(message["payload"])
 
 
 def worker(key: str, secret: bytes, addresses: dict, **world_fields: int) -> Worker:
@@ -394,9 +449,9 @@ def report_line(progress_json: str, metrics_json: str | None) -> str:
 # One framing carries a payload from the kernel to a rank, for a one-shot cell (which
 # travels in the TaskSpec) and a session's cells (in CELL messages) alike. The supervisor
 # writes the rank's Boot, then each payload, to the rank's stdin: a pipe to its own child,
-# fed only from the TaskSpec or from frames that passed the job's HMAC check. A payload is
-# the cloudpickled ``(fn, args, kwargs)``; it is written as it came, never copied into a
-# bigger buffer (a notebook's globals can be hundreds of MB).
+# fed only from the TaskSpec or from frames that passed the job's HMAC check. Only a
+# payload's head (small: its large buffers are blobs the rank maps from its host's cache)
+# goes down the pipe.
 
 
 @dataclass(frozen=True)
@@ -421,17 +476,21 @@ def read_boot(stream) -> Boot | None:
     return None if body is None else pickle.loads(body)
 
 
-def write_payload(stream, payload: bytes, cell_id: int | None = None) -> None:
-    """One payload: its cell's id (None for a one-shot cell), then its bytes."""
-    _write_frame(stream, json.dumps(cell_id).encode())
-    _write_frame(stream, payload)
+def write_payload(stream, payload: Payload, cell_id: int | None = None) -> None:
+    """One payload: its cell's id (None for a one-shot cell) and blob names, then its head."""
+    _write_frame(stream, json.dumps([cell_id, payload.buffers, payload.head_blob]).encode())
+    _write_frame(stream, payload.head)
 
 
-def read_payload(stream) -> tuple[int | None, bytes] | None:
-    """The next ``(cell id, payload)`` written by ``write_payload``, or None at EOF."""
+def read_payload(stream) -> tuple[int | None, Payload] | None:
+    """The next ``(cell id, payload)`` written by ``write_payload``, or None at EOF; its
+    ``blobs`` stay with the supervisor, which fetched them."""
     header = _read_frame(stream)
-    payload = None if header is None else _read_frame(stream)
-    return None if payload is None else (json.loads(header), payload)
+    head = None if header is None else _read_frame(stream)
+    if head is None:
+        return None
+    cell_id, buffers, head_blob = json.loads(header)
+    return cell_id, Payload(head, tuple(buffers), (), head_blob)
 
 
 def _write_frame(stream, body: bytes) -> None:

@@ -28,6 +28,8 @@ from typing import Any
 
 import pytest
 
+from hvdmagic.task import blob_cache
+
 
 # -- waiting ----------------------------------------------------------------------------------------
 class WaitTimeout(AssertionError, TimeoutError):
@@ -249,10 +251,13 @@ class StandaloneCluster:
             opts = (f"-Dspark.worker.resource.gpu.amount={self.gpus} "
                     f"-Dspark.worker.resource.gpu.discoveryScript={script}")
         (self.workdir / f"worker{i}").mkdir()
+        env = {"SPARK_WORKER_OPTS": opts}
+        if netns:  # a host of its own has a blob cache of its own (its own /dev/shm)
+            env[blob_cache.DIR_ENV] = str(self.workdir / f"worker{i}-blobs")
         self._start(f"worker{i}", ["org.apache.spark.deploy.worker.Worker", self.url,
                                    "--cores", str(self.cores), "--memory", "2g", "--host", worker_host,
                                    "--webui-port", "0", "--work-dir", str(self.workdir / f"worker{i}")],
-                    {"SPARK_WORKER_OPTS": opts}, worker_host, netns)
+                    env, worker_host, netns)
 
     def wait_for_workers(self, count: int, timeout: float = 90) -> StandaloneCluster:
         """Return once the master lists ``count`` alive workers; fail with the logs after ``timeout``

@@ -9,14 +9,13 @@ import struct
 import threading
 from pathlib import Path
 
-import cloudpickle
 import pytest
 from helpers import WaitTimeout, wait_until
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hvdmagic import channel
-from hvdmagic.launch import Placement, launch
+from hvdmagic.launch import Placement, launch, shipment
 
 SENTINEL = Path("/tmp/hvdmagic-fuzz-executed")
 
@@ -119,7 +118,7 @@ def test_a_job_under_attack_still_completes_correctly(monkeypatch):
         hvd.init()
         return hvd.allreduce(torch.tensor([hvd.rank() + 1.0]), op=hvd.Sum).item()
 
-    result = launch(cloudpickle.dumps((allreduce, (), {})), Placement.of(-2), on_event=on_event, timeout=120)
+    result = launch(shipment.pack((allreduce, (), {})), Placement.of(-2), on_event=on_event, timeout=120)
     assert attacked == [20], f"the server rejected {attacked} hostile connections during the job, not all 20"
     assert result.results == [3.0, 3.0]
     assert not SENTINEL.exists(), "a hostile payload was unpickled"

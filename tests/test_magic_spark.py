@@ -131,9 +131,7 @@ time.sleep(600)
 
 def test_output_reaches_the_driver_while_the_job_runs(tmp_path):
     """Rank 0 blocks until the driver has seen its first line: only live streaming lets it finish."""
-    import cloudpickle
-
-    from hvdmagic.launch import Placement, launch
+    from hvdmagic.launch import Placement, launch, shipment
 
     sentinel = tmp_path / "seen"
 
@@ -153,7 +151,7 @@ def test_output_reaches_the_driver_while_the_job_runs(tmp_path):
         if event.get("type") == "output" and "first line" in event.get("lines", []):
             sentinel.touch()
 
-    result = launch(cloudpickle.dumps((wait_for_driver, (), {})), Placement.of(2), on_event=on_event)
+    result = launch(shipment.pack((wait_for_driver, (), {})), Placement.of(2), on_event=on_event)
     assert result.results == ["done", "done"]
 
 

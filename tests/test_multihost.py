@@ -75,6 +75,43 @@ def test_mpi_layout_follows_the_hosts(two_host_shell):
     wait_until_no_mpi_processes()
 
 
+DATA_CELL = """%%horovod --np 4
+import os, horovod.torch as hvd
+hvd.init()
+hvd.allgather_object((hvd.rank(), os.readlink("/proc/self/ns/net"), float(X.sum()), X.flags.writeable))
+"""
+
+
+def test_a_large_global_goes_to_each_host_once(two_host_shell):
+    """Four ranks on two hosts: the kernel sends X's 48 MB twice (a host's first rank fetches it,
+    its second maps the same file), and a second cell reading the unchanged X sends nothing."""
+    import numpy as np
+
+    from hvdmagic import last_run
+
+    x = np.random.default_rng(7).random(6 << 20)  # 48 MiB of float64
+    two_host_shell.user_ns["X"] = x
+    try:
+        result, error = run(two_host_shell, DATA_CELL)
+        assert error is None, error
+        assert len({row[1] for row in result}) == 2, "the ranks did not run on both hosts"
+        assert all(row[2] == float(x.sum()) and row[3] for row in result), result
+        shipping = last_run().shipping
+        assert shipping is not None and shipping["done"], shipping
+        assert sorted(shipping["hosts"].values()) == [x.nbytes, x.nbytes], shipping  # once per host, not per rank
+        assert len(shipping["hosts"]) == 2, shipping
+        result, error = run(two_host_shell, DATA_CELL)
+        assert error is None, error
+        assert last_run().shipping is None, "the hosts had X already, yet it was sent again"
+        x[0] += 1.0  # changed in place: same object, new content
+        result, error = run(two_host_shell, DATA_CELL)
+        assert error is None, error
+        assert all(row[2] == float(x.sum()) for row in result), "a rank read the old X"
+        assert sorted(last_run().shipping["hosts"].values()) == [x.nbytes, x.nbytes]
+    finally:
+        del two_host_shell.user_ns["X"]
+
+
 TORCHRUN_CELL = """%%torchrun --np 4
 import os, torch, torch.distributed as dist
 dist.init_process_group("gloo")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import json
 import re
 from pathlib import Path
 
@@ -10,7 +11,7 @@ import pytest
 
 from hvdmagic import protocol
 from hvdmagic.launch.placement import Elastic, Placement, PlacementError, Where
-from hvdmagic.protocol import Boot, Event, Framework, Slot
+from hvdmagic.protocol import Blob, Boot, Event, Framework, Payload, Slot
 
 pytestmark = pytest.mark.unit
 
@@ -36,18 +37,24 @@ def test_go_carries_every_field_to_every_mode():
 def test_one_framing_carries_one_shot_and_session_payloads():
     stream = io.BytesIO()
     protocol.write_boot(stream, Boot(3, "rank0", session=True))
-    protocol.write_payload(stream, b"one-shot")
-    protocol.write_payload(stream, b"\x00" * 70_000, cell_id=7)
+    protocol.write_payload(stream, Payload(b"one-shot"))
+    big = Payload(b"\x00" * 70_000, buffers=("a" * 64, "b" * 64), blobs=(Blob("a" * 64, 5, "X"),))
+    protocol.write_payload(stream, big, cell_id=7)
+    protocol.write_payload(stream, Payload(b"", head_blob="c" * 64), cell_id=8)
     stream.write(b"\x00\x00\x00")  # a frame cut short: the supervisor died mid-write
     stream.seek(0)
     assert protocol.read_boot(stream) == Boot(3, "rank0", session=True)
-    assert protocol.read_payload(stream) == (None, b"one-shot")
-    assert protocol.read_payload(stream) == (7, b"\x00" * 70_000)
+    assert protocol.read_payload(stream) == (None, Payload(b"one-shot"))
+    # The blobs stay with the supervisor, which fetched them: the rank needs only their order.
+    assert protocol.read_payload(stream) == (7, Payload(big.head, big.buffers))
+    assert protocol.read_payload(stream) == (8, Payload(b"", head_blob="c" * 64))
     assert protocol.read_payload(stream) is None
 
 
 def test_a_cell_message_carries_the_payload_as_it_came():
-    assert protocol.cell_payload(protocol.cell(4, b"\xff\x00payload")) == b"\xff\x00payload"
+    payload = Payload(b"\xff\x00payload", ("d" * 64,), (Blob("d" * 64, 1 << 30, "X (numpy.ndarray)"),), "e" * 64)
+    message = protocol.cell(4, payload)
+    assert protocol.cell_payload(json.loads(json.dumps(message))) == payload
 
 
 @pytest.mark.parametrize("np, where, ranks", [(3, Where.SPARK, 3), (-2, Where.LOCAL, 2)])

@@ -9,9 +9,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from hvdmagic.kernel.capture import dumps_by_value_if_users_own, with_notebook_sources
+from hvdmagic.kernel.capture import users_module_by_value, with_notebook_sources
 from hvdmagic.kernel.runner import execute
-from hvdmagic.launch import Elastic, Placement, ResultPolicy, Where
+from hvdmagic.launch import Elastic, Placement, ResultPolicy, Where, shipment
+from hvdmagic.launch.shipment import Shipment
 from hvdmagic.protocol import Framework
 from hvdmagic.rank.scripts import run_script
 
@@ -106,17 +107,13 @@ def run(fn: Callable, np: int | None = None, *args, timeout: float | None = None
                    command="hvdmagic.run").results
 
 
-def _dumps(obj, fn: Callable) -> bytes:
-    """Pickle, shipping ``fn``'s module by value when it is the user's own file.
-
-    cloudpickle pickles a function from an importable module by reference, and a
-    rank (a fresh interpreter, maybe on another machine) cannot import the user's
-    ``train.py`` from the notebook's folder.
-    """
+def _dumps(obj, fn: Callable) -> Shipment:
+    """Pack ``(fn, args, kwargs)``, shipping ``fn``'s module by value when it is the user's own file."""
     fn_, args, kwargs = obj
     # Functions from notebook cells carry their cells' source, so tracebacks show it.
     obj = (with_notebook_sources(fn_, *args, *kwargs.values()), args, kwargs)
-    return dumps_by_value_if_users_own(obj, fn)
+    with users_module_by_value(fn):
+        return shipment.pack(obj)
 
 
 class HorovodRunner:

@@ -9,6 +9,7 @@ Functions from other notebook cells come with those cells' lines and names
 from __future__ import annotations
 
 import ast
+import contextlib
 import functools
 import io
 import itertools
@@ -27,6 +28,9 @@ import cloudpickle
 
 from hvdmagic import pickling
 from hvdmagic.errors import CaptureError, CellSyntaxError
+from hvdmagic.launch import shipment
+from hvdmagic.launch.shipment import Shipment
+from hvdmagic.protocol import Blob
 from hvdmagic.rank.cell import CELL_FILENAME, CellFunction, SourcedFunction, Sources, split_last_expression
 
 # IPython's own bookkeeping names (In, _i3, _42, ...), never worth shipping.
@@ -59,15 +63,15 @@ def _type_name(value) -> str:
 @dataclass
 class Capture:
     function: CellFunction
-    payload: bytes
+    payload: Shipment
     types: dict[str, str]  # type name per captured global
+    sizes: dict[str, int]  # bytes per captured global, its out-of-band buffers included
 
     def summary(self) -> str:
-        sizes = {name: len(data) for name, data in self.function.pickled_globals.items()}
         names = ", ".join(f"{name} ({self.types[name]}, {format_size(size)})"
-                          for name, size in sorted(sizes.items(), key=lambda kv: -kv[1]))
-        return (f"hvdmagic: captured {len(sizes)} global(s){': ' + names if names else ''}; "
-                f"payload {format_size(len(self.payload))}")
+                          for name, size in sorted(self.sizes.items(), key=lambda kv: -kv[1]))
+        return (f"hvdmagic: captured {len(self.sizes)} global(s){': ' + names if names else ''}; "
+                f"payload {format_size(self.payload.size)}")
 
 
 def format_size(size: int) -> str:
@@ -93,6 +97,10 @@ def capture_cell(source: str, user_ns: dict, hidden: set[str] | frozenset[str] =
         if name in user_ns and name not in hidden and not _IPYTHON_NAMES.match(name)
     )
     pickled: dict[str, bytes] = {}
+    global_buffers: dict[str, tuple[str, ...]] = {}
+    blobs: dict[str, Blob] = {}
+    buffers: dict[str, memoryview] = {}
+    sizes: dict[str, int] = {}
     failures = []
     for name in wanted:
         value = user_ns[name]
@@ -102,9 +110,17 @@ def capture_cell(source: str, user_ns: dict, hidden: set[str] | frozenset[str] =
             failures.append(f"'{name}' ({_type_name(value)}): an open file or socket belongs to this process")
             continue
         try:
-            pickled[name] = dumps_by_value_if_users_own(value, value)
+            with users_module_by_value(value):
+                pickled[name], views = pickling.dumps_out_of_band(value)
+        except MemoryError:
+            raise CaptureError(_too_large(name, value)) from None
         except Exception as exc:  # pickling raises almost anything: TypeError, PicklingError, ...
             failures.append(f"'{name}' ({_type_name(value)}): {exc}")
+            continue
+        global_buffers[name], named, by_digest = shipment.blobs_of(views, f"{name} ({_type_name(value)})")
+        blobs.update(named)
+        buffers.update(by_digest)
+        sizes[name] = len(pickled[name]) + sum(view.nbytes for view in views)
     if failures:
         raise CaptureError(
             f"the cell uses notebook variable(s) that cannot be sent to the ranks: {'; '.join(failures)}. "
@@ -112,9 +128,19 @@ def capture_cell(source: str, user_ns: dict, hidden: set[str] | frozenset[str] =
         )
     shell = _shell() if shell is None else shell
     function = CellFunction(source, pickled, sources=notebook_sources([user_ns[name] for name in pickled], shell),
-                            display_name=_current_cell_name(shell) or "", code=split_last_expression(tree))
+                            display_name=_current_cell_name(shell) or "", code=split_last_expression(tree),
+                            global_buffers={name: digests for name, digests in global_buffers.items() if digests})
     types = {name: _type_name(user_ns[name]) for name in wanted}
-    return Capture(function, pickling.dumps((function, (), {})), types)
+    payload = shipment.pack((function, (), {}), label="the cell's captured globals", blobs=blobs, buffers=buffers)
+    return Capture(function, payload, types, sizes)
+
+
+def _too_large(name: str, value) -> str:
+    nbytes = getattr(value, "nbytes", None)
+    size = f", {format_size(nbytes)}" if isinstance(nbytes, int) else ""
+    return (f"the cell uses notebook variable '{name}' ({_type_name(value)}{size}), and this kernel ran out of "
+            "memory pickling it for the ranks. Pass large data with --data (a Spark DataFrame, sharded "
+            "across the ranks), or load it inside the %%horovod cell from a file every rank can read.")
 
 
 # How many objects the search for notebook code looks at, at most, and how many items of one container:
@@ -270,8 +296,9 @@ def is_users_own(module) -> bool:
     return not any(Path(path).resolve().is_relative_to(Path(root).resolve()) for root in installed)
 
 
-def dumps_by_value_if_users_own(obj, owner) -> bytes:
-    """cloudpickle ``obj``, shipping ``owner``'s module by value when it is the user's own file.
+@contextlib.contextmanager
+def users_module_by_value(owner):
+    """While pickling: ship ``owner``'s module by value when it is the user's own file.
 
     cloudpickle pickles a function from an importable module by reference, and a rank
     (a fresh interpreter, maybe on another machine, in another folder) cannot import the
@@ -279,9 +306,10 @@ def dumps_by_value_if_users_own(obj, owner) -> bytes:
     """
     module = sys.modules.get(getattr(owner, "__module__", "") or "")
     if module is None or not is_users_own(module):
-        return pickling.dumps(obj)
+        yield
+        return
     cloudpickle.register_pickle_by_value(module)
     try:
-        return pickling.dumps(obj)
+        yield
     finally:
         cloudpickle.unregister_pickle_by_value(module)

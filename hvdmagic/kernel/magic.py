@@ -15,6 +15,9 @@ from hvdmagic.kernel.runner import execute
 from hvdmagic.launch import Elastic, Placement, PlacementError, ResultPolicy
 from hvdmagic.protocol import Framework
 
+# A payload from this size on is worth a line even on a session's quick cell: it takes time to send.
+LARGE_PAYLOAD = 1 << 20
+
 
 def _launch_arguments(func):
     """The arguments every launching cell magic takes: declared once (as ipyparallel's magics share theirs)."""
@@ -161,10 +164,12 @@ class HorovodMagics(Magics):
         if framework == Framework.HOROVOD:
             check_cell(tree)
         capture = capture_cell(source, self.shell.user_ns, set(self.shell.user_ns_hidden), tree=tree)
-        print(capture.summary(), flush=True)
+        if session is None or capture.payload.size >= LARGE_PAYLOAD:
+            # A session's quick cells leave one line; what they captured is in last_run().capture.
+            print(capture.summary(), flush=True)
         record = execute(capture.payload, placement, timeout=args.timeout, stall_timeout=args.stall_timeout,
                          data=data, results=ResultPolicy.ALL_OR_REPR, session=session, command=magic,
-                         timeline=timeline)
+                         timeline=timeline, captured=capture.summary())
         if args.out:
             self.shell.user_ns[args.out] = record.result
         if args.metrics:

@@ -92,6 +92,10 @@ class RunRecord:
         self.error: BaseException | None = None
         self.timeline: str | None = None  # where rank 0 wrote a Horovod Timeline (--timeline)
         self.notes: list[str] = []  # sentences from the ranks, e.g. a scaled learning rate
+        # The payload's large values on their way to the hosts (a SHIPPING event: text, bytes by
+        # host), or None when every host had them already.
+        self.shipping: dict | None = None
+        self.capture = ""  # the magic's capture summary: the globals it shipped, their types and sizes
         # By rank: where each running rank was (its Python stacks) when a watchdog stopped the run.
         self.stacks: dict[int, str] = {}
         # Start-up: the stage the run is in (for rank stages, the slowest rank's), and when
@@ -102,6 +106,11 @@ class RunRecord:
         self._lock = threading.Lock()
 
     # -- fed by the launcher ------------------------------------------------
+    def shipping_note(self) -> str | None:
+        """What went to the hosts and how fast, once it all went; None while sending or when nothing was."""
+        shipping = self.shipping
+        return str(shipping["text"]) if shipping and shipping.get("done") and shipping.get("sent") else None
+
     def apply(self, event: dict) -> None:
         kind = event.get("type")
         with self._lock:
@@ -115,6 +124,9 @@ class RunRecord:
                 return
             if kind == Event.NOTE and "rank" not in event:  # the driver's own, e.g. a replaced Spark session
                 self.notes.append(str(event.get("text", "")))
+                return
+            if kind == Event.SHIPPING:
+                self.shipping = event
                 return
             if kind == Event.RESUMED:
                 reset = event["reset"]

@@ -11,12 +11,14 @@ from hvdmagic.errors import JobFailed, JobInterrupted
 from hvdmagic.kernel.record import RunRecord, set_last
 from hvdmagic.kernel.ui import make_view
 from hvdmagic.launch import Placement, ResultPolicy, UnsentResult, launch
+from hvdmagic.launch.shipment import Shipment
 
 
-def execute(payload: bytes, placement: Placement | None, *, timeout: float | None = None,
+def execute(payload: Shipment, placement: Placement | None, *, timeout: float | None = None,
             stall_timeout: float | None = None, timeline: str | None = None, data=None, spark=None, view=None,
-            results: ResultPolicy = ResultPolicy.ALL, session=None, command: str = "%%horovod") -> RunRecord:
-    """Run a cloudpickled ``(fn, args, kwargs)`` where ``placement`` says; return its record.
+            results: ResultPolicy = ResultPolicy.ALL, session=None, command: str = "%%horovod",
+            captured: str = "") -> RunRecord:
+    """Run a packed ``(fn, args, kwargs)`` (``launch.shipment.pack``) where ``placement`` says; return its record.
 
     ``timeline``: a path where rank 0 records a Horovod Timeline. ``results``: which
     ranks send their value back. Raises the job's error after the record and the
@@ -25,10 +27,12 @@ def execute(payload: bytes, placement: Placement | None, *, timeout: float | Non
     ``session``: a running ``launch.warm_ranks.Session`` whose warm ranks run it instead of
     new ones (``placement`` is then the session's). ``command`` names the run in its views.
     An elastic placement's record has a row per task (``max_np``) and lists the resets.
+    ``captured``: what the magic captured (``Capture.summary``), kept in the record.
     """
     if session is not None:
         placement = session.placement
     record = RunRecord(placement, command)
+    record.capture = captured
     env = {}
     if timeline:
         record.timeline = str(Path(timeline).expanduser().resolve())

@@ -14,12 +14,14 @@ its ``Placement`` says; the modules:
   a Spark Connect backend would be a third.
 - ``spark_session``: finds, starts or replaces the SparkSession ``spark`` runs on (the
   Java check, the JVM's log); ``slots`` counts a Spark cluster's task slots.
+- ``shipment``: what a run ships: the payload, its large buffers out of band and named by
+  content, for the job's blob server (``hvdmagic.blob_transfer``) to send once per host.
 - ``layout``: Horovod's ranks, local ranks and cross ranks from the tasks' hosts.
 - ``rendezvous`` (Horovod's Gloo rendezvous) and ``torch_store`` (torch.distributed's).
 - ``versions``: the tasks' Python and packages against the kernel's, before any rank starts.
 - ``mpi`` and ``mpi_rsh``: ``--controller mpi``; ``interrupts``: Ctrl-C while launching.
 
-Modules here may import ``hvdmagic.protocol``, ``channel``, ``errors``, ``pickling``,
+Modules here may import ``hvdmagic.protocol``, ``channel``, ``blob_transfer``, ``errors``, ``pickling``,
 ``hvdmagic.task`` (whose code they ship to the tasks), pyspark, torch and horovod's
 runner (lazily: importing this package must work without them); never
 ``hvdmagic.kernel``, IPython or widgets.
@@ -36,14 +38,15 @@ from hvdmagic.launch.elastic import ElasticJob
 from hvdmagic.launch.interrupts import interrupted_before_job, interruptible
 from hvdmagic.launch.job import Job, JobResult, UnsentResult
 from hvdmagic.launch.placement import Elastic, Placement, PlacementError, Where
+from hvdmagic.launch.shipment import Shipment
 from hvdmagic.protocol import Framework, ResultPolicy, Stage
 
 
-def launch(payload: bytes, placement: Placement, *, timeout: float | None = None,
+def launch(payload: Shipment, placement: Placement, *, timeout: float | None = None,
            stall_timeout: float | None = None, env: dict[str, str] | None = None,
            on_event: Callable[[dict], None] | None = None, spark=None, data=None,
            results: ResultPolicy = ResultPolicy.ALL) -> JobResult:
-    """Run a cloudpickled ``(fn, args, kwargs)`` as ``placement`` says (whose ``check_options``
+    """Run a packed ``(fn, args, kwargs)`` (``shipment.pack``) as ``placement`` says (whose ``check_options``
     the caller ran on ``data`` and ``stall_timeout``, where it took them from the user).
 
     ``spark``: the SparkSession to use (default: the active one, or an embedded local one).

@@ -33,6 +33,7 @@ from hvdmagic import protocol
 from hvdmagic.errors import JobFailed, JobTimeout, RankFailure
 from hvdmagic.launch.job import POLL, Job, JobState, describe_exit, result_value
 from hvdmagic.launch.placement import Elastic, Placement
+from hvdmagic.launch.shipment import Shipment
 from hvdmagic.protocol import Event, Slot, Stage
 
 
@@ -70,7 +71,7 @@ class ElasticJob(Job):
 
     elastic = True
 
-    def __init__(self, backend, payload: bytes, placement: Placement, **kwargs):
+    def __init__(self, backend, payload: Shipment, placement: Placement, **kwargs):
         super().__init__(backend, payload, placement, **kwargs)
         self.start_np = placement.np
         self.settings: Elastic = placement.elastic

@@ -18,13 +18,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from hvdmagic import channel, protocol
+from hvdmagic import blob_transfer, channel, protocol
 from hvdmagic.errors import JobFailed, JobInterrupted, JobTimeout, LaunchError, RankFailure
 from hvdmagic.launch import versions
 from hvdmagic.launch.interrupts import interruptible
 from hvdmagic.launch.layout import compute_layout, visible_devices
 from hvdmagic.launch.mpi import MpiDriver
 from hvdmagic.launch.placement import Placement
+from hvdmagic.launch.shipment import Shipment
 from hvdmagic.protocol import PROGRESS_EVENTS, Event, Framework, ResultPolicy, Slot, Stage, TaskSpec
 
 ABORT_GRACE = 5.0  # seconds the other ranks get to report after the first failure
@@ -76,10 +77,34 @@ class JobState:
         return [r for r in range(self.np) if r not in self.exits]
 
 
+class ShippingReports:
+    """The blob server's progress as SHIPPING events for the views: a few a second while bytes
+    flow, then the last. A run whose hosts had every blob already sends none."""
+
+    INTERVAL = 0.25
+
+    def __init__(self, server: blob_transfer.BlobServer, on_event: Callable[[dict], None]):
+        self._server = server
+        self._on_event = on_event
+        self._last: tuple[int, int] = (0, 0)
+        self._at = 0.0
+
+    def poll(self) -> None:
+        progress = self._server.progress()
+        now = time.monotonic()
+        counts = (progress.requested, progress.sent)
+        done = progress.sent >= progress.requested
+        if counts == self._last or (not done and now - self._at < self.INTERVAL):
+            return
+        self._last, self._at = counts, now
+        self._on_event(protocol.shipping(progress.describe(now), progress.requested, progress.sent,
+                                         progress.hosts, done))
+
+
 class Job:
     elastic = False  # launch.elastic.ElasticJob: Horovod's elastic driver decides which ranks run
 
-    def __init__(self, backend, payload: bytes, placement: Placement, *, timeout: float | None = None,
+    def __init__(self, backend, payload: Shipment, placement: Placement, *, timeout: float | None = None,
                  stall_timeout: float | None = None, env: dict[str, str] | None = None,
                  results: ResultPolicy = ResultPolicy.ALL, session: bool = False,
                  on_event: Callable[[dict], None] | None = None):
@@ -96,6 +121,7 @@ class Job:
         # (launch.warm_ranks), and only a rank that dies fails the job.
         self.session = session
         self.server: channel.ChannelServer | None = None  # while the job runs: send() reaches every task
+        self.blobs: blob_transfer.BlobServer | None = None  # while the job runs: the payloads' large buffers
         self.mpi: MpiDriver | None = None
         self.on_event = on_event or (lambda event: None)
         self.job_id = uuid.uuid4().hex[:12]
@@ -108,6 +134,9 @@ class Job:
         started = time.monotonic()
         secret = channel.new_secret()
         server = self.server = channel.ChannelServer(self.backend.bind_host, secret)
+        self.blobs = blob_transfer.BlobServer(self.backend.bind_host, secret)
+        self.blobs.publish(self.payload.buffers, self.payload.labels)
+        self.shipping = ShippingReports(self.blobs, self.on_event)
         rendezvous = self._make_rendezvous()
         state = JobState(self.np)
         if self.controller == "mpi":
@@ -115,7 +144,8 @@ class Job:
         try:
             spec = TaskSpec(
                 job_id=self.job_id, driver_host=self.backend.bind_host, channel_port=server.address[1],
-                rendezvous_port=rendezvous.port, secret=secret, payload=self.payload, env=self.env,
+                rendezvous_port=rendezvous.port, secret=secret, payload=self.payload.payload,
+                blob_port=self.blobs.address[1], env=self.env,
                 controller=self.controller, results=self.results, framework=self.framework,
                 session=self.session, elastic=self.elastic,
             )
@@ -127,7 +157,10 @@ class Job:
             cancelled = "" if self.backend.name == "local" else " and the Spark job cancelled"
             raise JobInterrupted(f"interrupted {where}: every rank was stopped{cancelled}.") from None
         finally:
-            self._shutdown(server, rendezvous, state)
+            try:
+                self._shutdown(server, rendezvous, state)
+            finally:
+                self.blobs.close()
         return JobResult(
             results=self._results_in_order(state),
             slots=sorted(state.slots.values(), key=lambda s: s.rank),
@@ -164,6 +197,8 @@ class Job:
                     raise LaunchError(error, details=self.backend.failure_details)
             elif now - aborted_at > ABORT_GRACE:
                 break
+            if not self.session:  # a session reports each cell's shipping itself (launch.warm_ranks)
+                self.shipping.poll()
             try:
                 link, event = server.events.get(timeout=POLL)
             except queue.Empty:

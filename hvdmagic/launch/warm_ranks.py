@@ -26,9 +26,10 @@ from hvdmagic import protocol
 from hvdmagic.errors import JobFailed, JobInterrupted, JobTimeout, LaunchError, RankFailure
 from hvdmagic.launch import make_backend, preflight
 from hvdmagic.launch.interrupts import interruptible
-from hvdmagic.launch.job import STACKS_WAIT, Job, result_value
+from hvdmagic.launch.job import STACKS_WAIT, Job, ShippingReports, result_value
 from hvdmagic.launch.placement import Placement, PlacementError
-from hvdmagic.protocol import Event, ResultPolicy
+from hvdmagic.launch.shipment import Shipment
+from hvdmagic.protocol import Event, Payload, ResultPolicy
 
 INTERRUPT_GRACE = 5.0  # seconds the ranks get to leave a cell after Stop, before they are restarted
 FAILURE_GRACE = 5.0  # seconds the other ranks get to finish a cell after one rank's error
@@ -96,7 +97,7 @@ class Session:
             spark.held_slots[self] = self.size  # a one-shot cell beside this session must not wait for them
         self._inbox = queue.Queue()
         self._job_error = None
-        self._job = Job(backend, b"", self.placement, session=True, results=ResultPolicy.ALL_OR_REPR,
+        self._job = Job(backend, Shipment(Payload(b"")), self.placement, session=True, results=ResultPolicy.ALL_OR_REPR,
                         on_event=self._inbox.put)
         self._thread = threading.Thread(target=self._run_job, name="hvdmagic-session", daemon=True)
         self._thread.start()
@@ -160,9 +161,9 @@ class Session:
         self.stop()
 
     # -- cells ------------------------------------------------------------------
-    def run_cell(self, payload: bytes, on_event: Callable[[dict], None], *, timeout: float | None = None,
+    def run_cell(self, payload: Shipment, on_event: Callable[[dict], None], *, timeout: float | None = None,
                  stall_timeout: float | None = None) -> list:
-        """Run a cloudpickled ``(fn, args, kwargs)`` (a CellFunction runs in the ranks' namespaces);
+        """Run a packed ``(fn, args, kwargs)`` (a CellFunction runs in the ranks' namespaces);
         return every rank's value, raising as a one-shot job would."""
         if not self.running:
             raise LaunchError(f"the session is not running ({self.ended or 'its ranks have exited'}): start one "
@@ -173,6 +174,8 @@ class Session:
             with interruptible():
                 return self._run_cell(payload, on_event, timeout, stall_timeout)
         finally:
+            if self._job is not None and self._job.blobs is not None:
+                self._job.blobs.withdraw(payload.buffers)
             self._busy = False
             self._lock.release()
 
@@ -182,7 +185,12 @@ class Session:
         self._busy = True
         for rank in range(self.size):
             on_event(protocol.placed(rank, self._hosts.get(rank, "")))
-        self._job.send(protocol.cell(cell, payload))
+        # Its blobs are served while the cell runs; a host that has one from an earlier cell
+        # (the same content) does not ask for it again.
+        self._job.blobs.publish(payload.buffers, payload.labels)
+        self._job.blobs.reset_progress()
+        shipping = ShippingReports(self._job.blobs, on_event)
+        self._job.send(protocol.cell(cell, payload.payload))
         started = time.monotonic()
         pending = set(range(self.size))
         values: dict[int, object] = {}
@@ -205,6 +213,7 @@ class Session:
                     self._interrupt(pending, on_event)
                     self._restart_after(on_event)
                     raise JobTimeout(failures, sorted(pending), note=f"{verdict}; {LOST_STATE}", stacks=stacks)
+                shipping.poll()
                 event = self._next_event(None, "cell", wait=POLL)
                 if event is None:
                     continue

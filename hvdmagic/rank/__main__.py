@@ -78,9 +78,9 @@ def main() -> int:
 
         elastic.install()
     try:
-        import cloudpickle
+        from hvdmagic.rank.blobs import load_payload
 
-        fn, args, kwargs = cloudpickle.loads(payload[1])
+        fn, args, kwargs = load_payload(payload[1])
         try:
             value = fn(*args, **kwargs)
         except SystemExit as exc:

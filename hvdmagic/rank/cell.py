@@ -82,13 +82,16 @@ class CellFunction:
     # The cell as the kernel parsed it (once, for the capture and its checks): its statements,
     # and the trailing expression whose value is the cell's result. None from an older kernel.
     code: tuple[ast.Module, ast.Expression | None] | None = None
+    # By global: the blobs (digests) its pickle's out-of-band buffers are, in order; the
+    # rank maps them from its host's cache (``rank.blobs``). Absent from an older kernel.
+    global_buffers: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
     def __call__(self, namespace: dict | None = None, filename: str | None = None):
         """Run the cell in a fresh module namespace, or in ``namespace`` (a session rank's own,
         kept between cells): the notebook globals it reads are set there first, so they win
         over a rank variable of the same name. ``filename`` names the code: a session gives
         each cell its own, so functions defined in an earlier cell keep their source lines."""
-        import cloudpickle
+        from hvdmagic.rank import blobs
 
         filename = filename or self.filename
         register_sources(getattr(self, "sources", None) or {})
@@ -101,7 +104,8 @@ class CellFunction:
         namespace.setdefault("__name__", "__main__")
         namespace.setdefault("__builtins__", builtins)
         namespace.setdefault("get_ipython", _RankShell)
-        namespace.update({name: cloudpickle.loads(data) for name, data in self.pickled_globals.items()})
+        buffers = getattr(self, "global_buffers", None) or {}
+        namespace.update({name: blobs.load(data, buffers.get(name, ())) for name, data in self.pickled_globals.items()})
         exec(compile(body, filename, "exec"), namespace)
         if last is None:
             return None

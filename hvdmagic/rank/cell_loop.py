@@ -16,6 +16,7 @@ import threading
 
 from hvdmagic import protocol
 from hvdmagic.rank import telemetry
+from hvdmagic.rank.blobs import load_payload
 from hvdmagic.rank.cell import CellFunction
 from hvdmagic.rank.outcome import error_event, report_result
 
@@ -24,8 +25,6 @@ _BROKEN_COLLECTIVES = ("HorovodInternalError", "DistBackendError", "DistNetworkE
 
 
 def serve(rank: int, policy: str, stdin) -> int:
-    import cloudpickle
-
     in_cell = threading.Event()
 
     def on_interrupt(_signum, _frame) -> None:
@@ -38,7 +37,7 @@ def serve(rank: int, policy: str, stdin) -> int:
     while (request := protocol.read_payload(stdin)) is not None:
         cell, payload = request
         try:
-            fn, args, kwargs = cloudpickle.loads(payload)
+            fn, args, kwargs = load_payload(payload)
             in_cell.set()
             try:
                 if isinstance(fn, CellFunction):

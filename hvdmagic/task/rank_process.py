@@ -84,7 +84,7 @@ class RankProcess:
         self._write(protocol.write_boot, boot)
         return True
 
-    def feed(self, payload: bytes, cell_id: int | None = None) -> None:
+    def feed(self, payload: protocol.Payload, cell_id: int | None = None) -> None:
         """A payload for the rank to run: the one-shot cell, or a session's next cell."""
         self._write(protocol.write_payload, payload, cell_id)
 

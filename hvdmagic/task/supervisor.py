@@ -13,6 +13,7 @@ exits; under ``--controller mpi`` mpirun starts the rank and the task adopts it.
 from __future__ import annotations
 
 import os
+import pickle
 import queue
 import signal
 import socket
@@ -22,7 +23,9 @@ import threading
 from pathlib import Path
 
 from hvdmagic import channel, protocol
+from hvdmagic.blob_transfer import BlobError
 from hvdmagic.protocol import (
+    BLOB_DIR_ENV,
     CUDA_DEVICE_ENV,
     JOB_ID_ENV,
     PYTHON_ENV,
@@ -32,10 +35,13 @@ from hvdmagic.protocol import (
     TOKEN_ENV,
     Boot,
     Event,
+    Payload,
     Slot,
     TaskSpec,
 )
+from hvdmagic.rank.blobs import fail
 from hvdmagic.task import mpi
+from hvdmagic.task.blob_cache import BlobCache, fetched_in_background
 from hvdmagic.task.environment import rank_base_environment, rank_environment
 from hvdmagic.task.lines import MAX_LINE
 from hvdmagic.task.network import interface_for
@@ -60,10 +66,18 @@ class Supervisor:
         self._link_address = ""  # this task's end of the channel: its host's address toward the driver
         self._aborted = threading.Event()
         self._daemons: list[subprocess.Popen] = []  # mpirun's daemon, when this task leads its host
+        self._blobs: BlobCache | None = None
+        self._blob_server = (spec.driver_host, spec.blob_port)
+        self._cells: queue.Queue = queue.Queue()  # a session's cells, fed in order once their blobs are here
 
     def run(self) -> int:
         self._link = link = channel.connect(self.spec.driver_host, self.spec.channel_port, self.spec.secret)
         try:
+            self._blobs = BlobCache()
+            # While the ranks gather and start, the payload's blobs come to this host.
+            fetched = (None if self.spec.session else
+                       fetched_in_background(self._blobs, self.spec.payload.blobs, self._blob_server,
+                                             self.spec.secret))
             # The address this host uses to reach the driver names the host, and its
             # interface is the one the ranks can reach each other on. The driver
             # places every task from the hellos and answers each with its own go; a
@@ -72,12 +86,12 @@ class Supervisor:
             link.send(protocol.hello(self.task_index, self.attempt, host_ip, self.gpus,
                                      self.shard[1] if self.shard else None, socket.gethostname(), os.getpid(),
                                      versions()))
-            return self._run_elastic() if self.spec.elastic else self._run_once()
+            return self._run_elastic(fetched) if self.spec.elastic else self._run_once(fetched)
         finally:
             self._end_daemons()
             link.close()
 
-    def _run_once(self) -> int:
+    def _run_once(self, fetched) -> int:
         """One rank for the job's life: a one-shot cell, or a session's cells as they come."""
         go = self._link.recv()
         if go.get("type") != Event.GO:
@@ -94,13 +108,15 @@ class Supervisor:
             # aborted before mpirun started this rank
             self._send(protocol.exit_(slot.rank, -signal.SIGTERM, aborted=True))
             return -signal.SIGTERM
-        if not self.spec.session:
-            self.rank.feed(self.spec.payload)
+        if self.spec.session:
+            threading.Thread(target=self._feed_cells, name="hvdmagic-cells", daemon=True).start()
+        else:
+            self._feed(self.spec.payload, fetched)
         if self._aborted.is_set():
             self.rank.kill()
         return self.rank.wait()
 
-    def _run_elastic(self) -> int:
+    def _run_elastic(self, fetched) -> int:
         """Horovod's elastic driver starts a rank here each time it gives this task a slot:
         first, and again after the task's host comes back from the blacklist. The task
         outlives its ranks, so a rank that dies never fails the Spark stage."""
@@ -111,11 +127,28 @@ class Supervisor:
             env = self._rank_env(protocol.slot_of(go), go.get("devices"))
             env["HOROVOD_ELASTIC"] = "1"
             self.rank.start(env, Boot(self.task_index, self.spec.results, elastic=True))
-            self.rank.feed(self.spec.payload)
+            self._feed(self.spec.payload, fetched)
             if self._aborted.is_set():
                 self.rank.kill()
             self.rank.wait()
         return 0
+
+    def _feed(self, payload: Payload, fetched=None, cell_id: int | None = None) -> None:
+        """Hand the rank ``payload`` once its blobs are on this host (``fetched`` waits for a fetch
+        already under way); a payload that cannot come makes the rank fail with why."""
+        try:
+            if fetched is not None:
+                fetched()
+            else:
+                self._blobs.ensure(payload.blobs, self._blob_server, self.spec.secret)
+        except (BlobError, OSError) as exc:
+            reason = str(exc) if isinstance(exc, BlobError) else f"fetching the cell's data from the kernel: {exc}"
+            payload = Payload(pickle.dumps((fail, (f"{reason} (host {socket.gethostname()})",), {})))
+        self.rank.feed(payload, cell_id)
+
+    def _feed_cells(self) -> None:
+        while (message := self._cells.get()) is not None:
+            self._feed(protocol.cell_payload(message), cell_id=message.get("id"))
 
     def _mpi_starter(self, slot: Slot):
         """mpirun starts this rank (through the daemon this task's host runs): wait for it and adopt it."""
@@ -137,6 +170,7 @@ class Supervisor:
         env.update(rank_environment(slot, rendezvous, interface_for(self._link_address), self.spec.controller,
                                     self.spec.framework, self.spec.job_id))
         env[JOB_ID_ENV] = self.spec.job_id
+        env[BLOB_DIR_ENV] = str(self._blobs.directory)
         if self.shard:
             env[SHARD_ENV] = self.shard[0]
         if devices is not None:
@@ -166,8 +200,9 @@ class Supervisor:
                 if kind == Event.EXEC:
                     self._exec(message)
                 elif kind == Event.CELL and self.rank is not None:
-                    # The payload came over the channel, so its frame passed the job's HMAC check.
-                    self.rank.feed(protocol.cell_payload(message), message.get("id"))
+                    # The payload came over the channel, so its frame passed the job's HMAC check; its
+                    # blobs are fetched on another thread, so that Stop still reaches this one.
+                    self._cells.put(message)
                 elif kind == Event.INTERRUPT and self.rank is not None:
                     self.rank.signal(signal.SIGINT)
                 elif kind == Event.GO and starts is not None:
@@ -178,6 +213,7 @@ class Supervisor:
                     threading.Thread(target=self.rank.send_stacks, name="hvdmagic-stacks", daemon=True).start()
         except (channel.ChannelError, OSError):
             pass  # a lost driver means the same as abort
+        self._cells.put(None)
         self.abort()
         if starts is not None:
             starts.put(None)
