@@ -1,8 +1,9 @@
 """The dashboard in front ends that no Jupyter server started, and the snapshot a notebook keeps.
 
 A kernel started straight through jupyter_client (as VS Code, Colab or Databricks start
-one: no ``JPY_SESSION_NAME``) gets the widget dashboard; when the run ends its output
-becomes the static snapshot. A notebook executed by nbclient stores that snapshot, with
+one: no ``JPY_SESSION_NAME``) gets the widget dashboard once the run has gone on for a
+moment; when the run ends its output becomes the static snapshot, whose text/plain keeps
+the ranks' last output lines. A notebook executed by nbclient stores that snapshot, with
 no widget view left in it. ``HVDMAGIC_NONINTERACTIVE`` is left unset throughout.
 """
 
@@ -26,6 +27,8 @@ print("trained")
 
 FINAL_TEXT = """\
 %%horovod np=2 (local): finished
+[rank 0] trained
+[rank 1] trained
 rank 0: train 40/40 [finished]
 rank 1: train 40/40 [finished]
 rank 0 metrics at step 39: loss=0.025
@@ -71,7 +74,6 @@ def test_a_kernel_without_a_jupyter_server_shows_widgets_then_the_snapshot(kerne
 
     reply, messages = _run(client, TRAIN, timeout=240, on_message=click_log_scale_once_charts_show)
     assert reply["status"] == "ok", reply
-    kinds = [m["msg_type"] for m in messages]
     streams = "".join(m["content"]["text"] for m in messages if m["msg_type"] == "stream")
     assert "[rank 0] trained" not in streams, "the text view ran in a Jupyter kernel"
 
@@ -79,13 +81,19 @@ def test_a_kernel_without_a_jupyter_server_shows_widgets_then_the_snapshot(kerne
     names = [state.get("_model_name") for state in models.values()]
     assert names.count("FloatProgressModel") == 3, names  # a bar per rank and the overall bar
     dashboard = next(cid for cid, state in models.items() if "hvdmagic-dashboard" in state.get("_dom_classes", []))
-    shown = next(m for m in messages if m["msg_type"] == "display_data")
-    assert shown["content"]["data"][WIDGET_VIEW]["model_id"] == dashboard
-    assert "%%horovod np=2 (local)" in shown["content"]["data"]["text/plain"]
-    display_id = shown["content"]["transient"]["display_id"]
+    shown, text = [m["content"] for m in messages if m["msg_type"] == "display_data"]
+    assert shown["data"][WIDGET_VIEW]["model_id"] == dashboard
+    assert "%%horovod np=2 (local)" in shown["data"]["text/plain"]
+    display_id = shown["transient"]["display_id"]
+    # Beside it, the live rows as text for a front end without widgets, with a hidden box as its widget view.
+    assert models[text["data"][WIDGET_VIEW]["model_id"]].get("_model_name") == "BoxModel"
+    assert "rank 0" in text["data"]["text/plain"] and "rank 1" in text["data"]["text/plain"]
+    updates = [m["content"] for m in messages if m["msg_type"] == "update_display_data"]
+    ours = [u for u in updates if u["transient"]["display_id"] == display_id]
 
     # While the ranks trained, the widgets were updated: the bars moved, the charts appeared.
-    end = kinds.index("update_display_data")
+    end = next(i for i, m in enumerate(messages)
+               if m["msg_type"] == "update_display_data" and m["content"]["transient"]["display_id"] == display_id)
     live = [m["content"] for m in messages[:end] if m["msg_type"] == "comm_msg"]
     bars = {cid for cid, state in models.items() if state.get("_model_name") == "FloatProgressModel"}
     steps = {c["data"]["state"]["value"] for c in live if c["comm_id"] in bars and "value" in c["data"]["state"]}
@@ -99,15 +107,17 @@ def test_a_kernel_without_a_jupyter_server_shows_widgets_then_the_snapshot(kerne
         assert any('data-scale="log"' in value for value in charts), \
             "a click on the log scale did not redraw the charts while the cell ran"
 
-    # The run ended: one update of the same display, to the snapshot; then the widgets were closed.
+    # The run ended: one update of the same display, to the snapshot; the live text emptied; then the
+    # widgets were closed.
     final = messages[end]["content"]
-    assert final["transient"]["display_id"] == display_id
     assert final["data"]["text/plain"] == FINAL_TEXT
     assert 'class="hvdmagic-snapshot"' in final["data"]["text/html"]
     assert WIDGET_VIEW not in final["data"]
+    assert len(ours) == 1, f"the dashboard's display was updated {len(ours)} times"
+    assert updates[-1] == {"data": {"text/plain": ""}, "metadata": {},
+                           "transient": {"display_id": text["transient"]["display_id"]}}, updates[-1]
     closed = {m["content"]["comm_id"] for m in messages[end:] if m["msg_type"] == "comm_close"}
     assert set(models) <= closed, f"{len(set(models) - closed)} widget(s) left open after the run"
-    assert kinds.count("update_display_data") == 1
 
 
 def _subshells(client) -> bool:
@@ -125,9 +135,10 @@ def test_nbclient_stores_the_snapshot_not_the_widgets(tmp_path, monkeypatch):
         nbformat.v4.new_code_cell("%load_ext hvdmagic"),
         nbformat.v4.new_code_cell(
             "%%horovod --np -2\n"
-            "import hvdmagic\n"
+            "import time, hvdmagic\n"
             "for i in hvdmagic.track(range(30), desc='train'):\n"
             "    hvdmagic.log_metrics(step=i, loss=1.0 / (i + 1))\n"
+            "    time.sleep(0.05)  # past the dashboard's delay: the widgets are shown, then replaced\n"
             "print('trained')\n"
         ),
     ]
@@ -138,9 +149,12 @@ def test_nbclient_stores_the_snapshot_not_the_widgets(tmp_path, monkeypatch):
     outputs = nbformat.read(path, as_version=4).cells[1].outputs
     assert not any(WIDGET_VIEW in o.get("data", {}) for o in outputs), "a widget view was left in the saved output"
     displays = [o for o in outputs if o.output_type == "display_data"]
-    assert len(displays) == 1, outputs
+    # The snapshot, and the live text for front ends without widgets, emptied when the run ended.
+    assert len(displays) == 2 and displays[1].data == {"text/plain": ""}, outputs
     data = displays[0].data
     assert data["text/plain"] == ("%%horovod np=2 (local): finished\n"
+                                  "[rank 0] trained\n"
+                                  "[rank 1] trained\n"
                                   "rank 0: train 30/30 [finished]\n"
                                   "rank 1: train 30/30 [finished]\n"
                                   "rank 0 metrics at step 29: loss=0.03333\n")

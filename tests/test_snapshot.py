@@ -231,24 +231,107 @@ def _record(failed: bool = False) -> RunRecord:
     return record
 
 
-def test_snapshot_text_is_deterministic_and_matches_the_text_views_summary():
-    assert Snapshot(_record()).text() == (
-        "%%horovod np=2 (spark): finished\n"
-        "rank 0: train 10/10 [finished]\n"
-        "rank 1: train 10/10 [finished]\n"
-        "scale_lr: lr 0.01 x 2 ranks = 0.02\n"
-        "rank 0 metrics at step 9: loss=0.1  lr=0.01\n"
-    )
-    assert Snapshot(_record(failed=True)).text() == (
-        "%%horovod np=2 (spark): failed (see the error below)\n"
-        "rank 0: train 10/10 [finished]\n"
-        "rank 1: train 4/10 [failed]\n"
-        "scale_lr: lr 0.01 x 2 ranks = 0.02\n"
-        "rank 0 metrics at step 9: loss=0.1  lr=0.01\n"
-    )
+SUMMARY = ("rank 0: train 10/10 [finished]\n"
+           "rank 1: train 10/10 [finished]\n"
+           "scale_lr: lr 0.01 x 2 ranks = 0.02\n"
+           "rank 0 metrics at step 9: loss=0.1  lr=0.01\n")
+
+
+def test_snapshot_text_holds_the_last_output_lines_and_the_text_views_summary():
+    # Rank 0 printed 250 lines, rank 1 five: rank 1's five and rank 0's last fifteen make the 20.
+    text = Snapshot(_record()).text()
+    assert text == ("%%horovod np=2 (spark): finished\n"
+                    "[rank 0] ... 235 earlier lines in hvdmagic.last_run().logs[0]\n"
+                    + "".join(f"[rank 0] rank 0 line {i}\n" for i in range(235, 250))
+                    + "".join(f"[rank 1] rank 1 line {i}\n" for i in range(5))
+                    + SUMMARY)
+    assert Snapshot(_record())._repr_mimebundle_()["text/plain"] == text, "the text/plain is not the text"
+    # The text view printed the lines as they came: its closing text is the headline and the summary.
+    assert Snapshot(_record()).text(output=False) == "%%horovod np=2 (spark): finished\n" + SUMMARY
+    failed = Snapshot(_record(failed=True)).text()
+    assert failed.startswith("%%horovod np=2 (spark): failed (see the error below)\n[rank 0] ... 235 earlier")
+    assert failed.endswith("[rank 1] rank 1 line 4\nrank 0: train 10/10 [finished]\nrank 1: train 4/10 [failed]\n"
+                           "scale_lr: lr 0.01 x 2 ranks = 0.02\nrank 0 metrics at step 9: loss=0.1  lr=0.01\n")
     local = RunRecord(Placement.of(-1))
     local.finish()
     assert Snapshot(local).text() == "%%horovod np=1 (local): finished\n"
+
+
+def test_snapshot_text_is_the_same_whatever_order_the_ranks_lines_arrived_in():
+    def record(order):
+        run = RunRecord(Placement.of(-2))
+        for rank, line in order:
+            run.apply({"type": "output", "rank": rank, "stream": "stdout", "lines": [line]})
+        run.finish(results=[None, None])
+        return Snapshot(run).text()
+
+    interleaved = [(rank, f"step {i} of rank {rank}") for i in range(30) for rank in (0, 1)]
+    one_after_the_other = sorted(interleaved, key=lambda line: line[0])  # stable: each rank's order kept
+    text = record(interleaved)
+    assert record(one_after_the_other) == text
+    assert text.count("\n[rank 0] step") == 10 and text.count("\n[rank 1] step") == 10, text
+    assert "[rank 0] step 29 of rank 0\n[rank 1] ... 20 earlier lines" in text, text
+
+
+def test_snapshot_text_gives_a_talkative_rank_the_room_others_leave_and_drops_noise_and_colours():
+    run = RunRecord(Placement.of(-4))
+    run.apply({"type": "output", "rank": 2, "stream": "stdout", "lines": ["only line of rank 2"]})
+    noise = ("2024-01-01 12:00:00.000000: I tensorflow/core/platform/cpu_feature_guard.cc:182] "
+             "oneDNN custom operations are on")
+    run.apply({"type": "output", "rank": 0, "stream": "stderr", "lines": [noise]})
+    run.apply({"type": "output", "rank": 0, "stream": "stdout",
+               "lines": [f"\x1b[32mepoch {i}\x1b[0m" for i in range(40)]})
+    run.finish(results=[None] * 4)
+    lines = Snapshot(run).text().splitlines()
+    assert lines[1] == "[rank 0] ... 21 earlier lines in hvdmagic.last_run().logs[0]", lines
+    assert lines[2:21] == [f"[rank 0] epoch {i}" for i in range(21, 40)], lines
+    assert lines[21:] == ["[rank 2] only line of rank 2"], lines
+    assert "oneDNN" not in "\n".join(lines)
+
+
+def _quick_run(*outputs: tuple[int, str, list[str]], seconds: float = 0.012) -> RunRecord:
+    """A session cell's record: two local ranks, some output, finished in ``seconds``."""
+    run = RunRecord(Placement.of(-2))
+    for rank in (0, 1):
+        run.apply({"type": "placed", "rank": rank, "host": "127.0.0.1"})
+    for rank, stream, lines in outputs:
+        run.apply({"type": "output", "rank": rank, "stream": stream, "lines": lines})
+    for rank in (0, 1):
+        run.apply({"type": "exit", "rank": rank, "code": 0})
+    run.finish(results=[2.0, 2.0])
+    run.started = run.ended - seconds
+    return run
+
+
+def test_a_quick_run_with_no_output_and_no_metrics_leaves_one_line():
+    snapshot = Snapshot(_quick_run(), compact=True)
+    assert snapshot.compact
+    assert snapshot.text() == "%%horovod np=2 (local): finished\n"
+    markup = snapshot._repr_html_()
+    assert markup.startswith('<div class="hvdmagic-snapshot hvdmagic-compact" data-state="finished"'), markup
+    assert visible_text(markup) == "%%horovod np=2 (local): finished in 12 ms"
+    assert "<pre" not in markup and "<table" not in markup and "white-space:nowrap" in markup
+    assert "hvdmagic.last_run()" in markup, "the compact record should say where the full one is"
+    assert visible_text(Snapshot(_quick_run(seconds=2.25), compact=True)._repr_html_()).endswith("finished in 2.2 s")
+    full = Snapshot(_quick_run())._repr_html_()  # not asked for compact: the full record
+    assert 'class="hvdmagic-ranks"' in full and "no output" in visible_text(full)
+
+
+def test_a_quick_runs_output_is_shown_compactly_and_a_failure_or_metrics_keep_the_full_record():
+    run = _quick_run((0, "stdout", ["loss 0.25", "\x1b[1mdone\x1b[0m"]), (1, "stderr", ["a <warning>"]))
+    markup = Snapshot(run, compact=True)._repr_html_()
+    assert visible_text(markup) == ("%%horovod np=2 (local): finished in 12 ms"
+                                    "[rank 0] loss 0.25\n[rank 0] done\n[rank 1] a <warning>")
+    assert '<span style="color:#b22">[rank 1] a &lt;warning&gt;</span>' in markup, "stderr is red, and escaped"
+    assert "<table" not in markup
+    assert Snapshot(run, compact=True).text() == ("%%horovod np=2 (local): finished\n[rank 0] loss 0.25\n"
+                                                  "[rank 0] done\n[rank 1] a <warning>\n")
+    for kept in (_record(failed=True), _record()):  # a failure; metrics (charts need room)
+        snapshot = Snapshot(kept, compact=True)
+        assert not snapshot.compact and 'class="hvdmagic-ranks"' in snapshot._repr_html_()
+    cancelled = _quick_run()
+    cancelled.state = "cancelled"
+    assert 'class="hvdmagic-ranks"' in Snapshot(cancelled, compact=True)._repr_html_()
 
 
 def test_snapshot_html_holds_the_final_figures_and_not_the_traceback():

@@ -1,20 +1,23 @@
 """How a run is shown: the widget dashboard in a Jupyter kernel, its text twin elsewhere.
 
-The dashboard is made of widgets while the run is live and becomes a static snapshot
-(``snapshot.Snapshot``: HTML and text) when it ends; the text view prints rank output
-and ends with the same snapshot's text. Both read the run's ``RunRecord``.
-``make_view`` (here) picks one of the two for a run.
+In a Jupyter kernel a run shows nothing until it has gone on for a moment; then the
+dashboard, made of widgets while the run is live, which becomes a static snapshot
+(``snapshot.Snapshot``: HTML and text) when it ends. A run that ends sooner leaves a
+compact snapshot only. The text view prints rank output and ends with the same
+snapshot's text. All read the run's ``RunRecord``. ``make_view`` (here) picks the view.
 
+- ``live``: ``LiveView``, a Jupyter kernel's view: the delay, then the ``Dashboard``; or the compact record;
 - ``dashboard``: ``Dashboard``, the live ipywidgets view, redrawn from the record by a thread;
 - ``text``: ``TextView``, rank output and epoch lines as plain text, for terminals and plain Python;
-- ``snapshot``: ``Snapshot``, a finished run as static HTML and deterministic text, and its ``summary``;
+- ``snapshot``: ``Snapshot``, a finished run as static HTML and text without timings, and its ``summary``;
 - ``progress_text``: progress as text (rows, stages, overall progress, rates), shared by all three;
 - ``charts``: inline SVG charts of metric series, for the dashboard and the snapshot.
 
-Runs in the notebook kernel. Within ``ui`` the arrows go one way: ``dashboard`` and
-``text`` → ``snapshot``; all three → ``progress_text``; ``dashboard`` and ``snapshot`` →
-``charts``, which imports only the standard library. Besides each other these modules may
-import ``kernel.record``, ``kernel.timeline``, ``kernel.noise``, ``protocol`` and
+Runs in the notebook kernel. Within ``ui`` the arrows go one way: ``live`` → ``dashboard``
+(only once the delay has passed) and ``snapshot``; ``dashboard`` and ``text`` →
+``snapshot``; all three → ``progress_text``; ``dashboard`` and ``snapshot`` → ``charts``,
+which imports only the standard library. Besides each other these modules may import
+``kernel.record``, ``kernel.timeline``, ``kernel.noise``, ``protocol`` and
 ``metric_rows``. Only ``dashboard`` imports ipywidgets (and numpy, when it draws);
 IPython only to display or to ask whether a kernel is there. Nothing here imports
 ``launch`` or the rest of ``kernel``.
@@ -50,9 +53,9 @@ def interactive() -> bool:
 
 def make_view(record: RunRecord):
     if interactive():
-        from hvdmagic.kernel.ui.dashboard import Dashboard
+        from hvdmagic.kernel.ui.live import LiveView
 
-        return Dashboard(record)
+        return LiveView(record)
     from hvdmagic.kernel.ui.text import TextView
 
     return TextView(record)

@@ -14,10 +14,18 @@ launching cell under ipykernel 6 and 7 alike. No user code ever runs inside an o
 widget: ranks run in other processes and their output is only ever text we render.
 
 The widgets are displayed with a display id. When the run ends, the thread stops, the
-output is updated to a ``Snapshot`` (HTML and a deterministic text/plain) and the widgets
+output is updated to a ``Snapshot`` (HTML and a text/plain without timings) and the widgets
 are closed: a saved notebook, nbviewer and GitHub show the final figures rather than
 "model not found", and a notebook executed by nbclient stores the snapshot. The error, if
 any, is the cell's error output; the dashboard only says "failed: see the error below".
+
+A front end without widgets (JupyterLab without the widgets extension, nbclient while it
+runs) shows each display's text/plain instead. The rows as text
+(``fallback_text``) go in a second display, beside the widgets, updated at most once a
+second (``FALLBACK_INTERVAL``) while the run is live. Its widget view is one hidden,
+childless box: a front end with widgets renders each update of a display anew, which for
+the dashboard's own display would rebuild (in JupyterLab: add) a view of every widget each
+second. When the run ends that display becomes empty.
 """
 
 from __future__ import annotations
@@ -39,6 +47,7 @@ from hvdmagic.kernel.ui import charts, progress_text
 from hvdmagic.metric_rows import GAP_BITS
 
 MAX_FPS = 10
+FALLBACK_INTERVAL = 1.0  # seconds between updates of the live text/plain
 CHART_POINTS = charts.CHART_POINTS  # per series on screen; the record keeps the full history
 LOG_LINES = 200  # per pane of the collapsed logs
 RECENT_LINES = 10  # the newest lines of every rank, always visible
@@ -224,6 +233,7 @@ class Dashboard:
     def __init__(self, record: RunRecord):
         self.record = record
         self.handle = None  # the DisplayHandle of the displayed dashboard
+        self.text_handle = None  # the DisplayHandle of the live text/plain, beside it
         self.draw_error: BaseException | None = None  # the first exception a redraw raised, if any
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -237,6 +247,8 @@ class Dashboard:
         self._controls_work = True  # False in a kernel whose busy shell would hold the controls' messages
         self._overall = progress_text.Meter(smoothing=0.1)
         self._all_ranks = _AllRanks()
+        self._text_shown = ""
+        self._text_due = 0.0  # time.monotonic() of the next update of the live text/plain
 
         self.header = widgets.HTML(layout=widgets.Layout(overflow="hidden"))
         self.overall_bar = widgets.FloatProgress(value=0, min=0, max=1, layout=widgets.Layout(width="300px"))
@@ -272,15 +284,20 @@ class Dashboard:
             self.controls, self.charts, self.notes,
             widgets.Accordion(children=[self.logs], titles=("logs",), selected_index=None),
         ], _dom_classes=["hvdmagic-dashboard"])
+        self.text_carrier = widgets.Box(layout=widgets.Layout(display="none"))
 
     # -- the view protocol ----------------------------------------------------
     def start(self) -> None:
-        self._draw()
-        bundle = self.box._repr_mimebundle_()
-        bundle["text/plain"] = self.fallback_text()
-        self.handle = display(bundle, raw=True, display_id=True)
+        # The route first: a dashboard built late may show its charts, and so its controls, at the first draw.
         self._route = _ControlRoute([self.scale, self.smoothing, self.overlay])
         self._controls_work = self._route.subshell is not None
+        self._draw()
+        bundle = self.box._repr_mimebundle_()
+        bundle["text/plain"] = self.placeholder_text()
+        self.handle = display(bundle, raw=True, display_id=True)
+        self._text_shown = self.fallback_text()
+        self._text_due = time.monotonic() + FALLBACK_INTERVAL
+        self.text_handle = display(self._text_bundle(self._text_shown), raw=True, display_id=True)
         context = contextvars.copy_context()
         self._thread = threading.Thread(target=context.run, args=(self._loop,), name="hvdmagic-dashboard", daemon=True)
         self._thread.start()
@@ -290,11 +307,7 @@ class Dashboard:
 
     def close(self) -> None:
         """Stop redrawing, replace the output with the run's snapshot and close the widgets."""
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=5)
-        if self._route is not None:
-            self._route.close()
+        self._stop_drawing()
         if self.handle is None:  # never displayed (no IPython): the widgets' final state is all there is
             self._draw(force=True)
             return
@@ -306,14 +319,73 @@ class Dashboard:
             self.draw_error = self.draw_error or exc
             self._draw(force=True)
             return
-        for widget in list(_descendants(self.box)):
+        if self.text_handle is not None:
+            try:  # before its hidden box closes, or a front end would look for the closed model
+                self.text_handle.update({"text/plain": ""}, raw=True)
+            except Exception as exc:
+                self.draw_error = self.draw_error or exc
+        self._close_widgets()
+
+    def discard(self) -> None:
+        """Stop redrawing and close every widget, showing nothing in their place."""
+        self._stop_drawing()
+        self._close_widgets()
+
+    def _stop_drawing(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        if self._route is not None:
+            self._route.close()
+
+    def _close_widgets(self) -> None:
+        for widget in [*_descendants(self.box), *_descendants(self.text_carrier)]:
             widget.close()
 
-    def fallback_text(self) -> str:
-        """The live display's text/plain, for a front end that does not render widgets."""
+    def placeholder_text(self) -> str:
+        """The widgets' own text/plain: what a front end without widgets shows in their place."""
         record = self.record
         return (f"{record.command} {progress_text.size_text(record)}: live dashboard (widgets); "
                 "the run's final state replaces this output when it ends")
+
+    def fallback_text(self, now: float | None = None) -> str:
+        """The run as text while it is live, for a front end that does not render widgets: the
+        header's state, stage and elapsed time, then a row per rank with its state and last line."""
+        record = self.record
+        now = time.time() if now is None else now
+        word = "interrupted" if record.state == "cancelled" else record.state
+        head = [f"{record.command} {progress_text.size_text(record)}: {word}"]
+        stage = progress_text.run_stage(record, now)
+        if stage is not None:
+            head.append(stage)
+        head.append(progress_text.duration((record.ended or now) - record.started))
+        ranks = list(record.ranks)
+        epochs = any(progress_text.pick_bars(dict(rank.bars))[0] is not None for rank in ranks)
+        width = max(len(progress_text.row_name(record, rank.rank)) for rank in ranks) if ranks else 0
+        lines = [" · ".join(head)]
+        for rank in ranks:
+            row = progress_text.row(rank, epochs=epochs, now=now, bar_width=10)
+            last = rank.lost if rank.state == "lost" else _clean(rank.last_line)[-80:]
+            lines.append(f"{progress_text.row_name(record, rank.rank):<{width}} {row} "
+                         f"{progress_text.row_state(rank):<9} {last}".rstrip())
+        return "\n".join(lines)
+
+    def _text_bundle(self, text: str) -> dict:
+        bundle = self.text_carrier._repr_mimebundle_()
+        bundle["text/plain"] = text
+        return bundle
+
+    def _update_text(self, now: float | None = None) -> None:
+        """The live text/plain, at most every FALLBACK_INTERVAL (``now``: ``time.monotonic()``)
+        and only when it changed."""
+        now = time.monotonic() if now is None else now
+        if self.text_handle is None or now < self._text_due:
+            return
+        self._text_due = now + FALLBACK_INTERVAL
+        text = self.fallback_text()
+        if text != self._text_shown:
+            self._text_shown = text
+            self.text_handle.update(self._text_bundle(text), raw=True)
 
     # -- drawing ----------------------------------------------------------------
     def _control_changed(self, change) -> None:
@@ -321,10 +393,11 @@ class Dashboard:
 
     def _loop(self) -> None:
         while not self._stop.wait(1 / MAX_FPS):
-            try:
-                self._draw()
-            except Exception as exc:  # a drawing problem must never end the run
-                self.draw_error = self.draw_error or exc
+            for step in (self._draw, self._update_text):
+                try:
+                    step()
+                except Exception as exc:  # a drawing problem must never end the run
+                    self.draw_error = self.draw_error or exc
 
     def _draw(self, force: bool = False) -> None:
         record = self.record
@@ -436,6 +509,8 @@ class Dashboard:
     def _draw_notes(self) -> None:
         record = self.record
         notes = [html.escape(note) for note in record.notes]
+        if shipped := record.shipping_note():
+            notes.append(html.escape(shipped))
         if record.timeline and record.ended is not None:
             notes.append(html.escape(describe(record.timeline)))
         self.notes.value = "".join(f"<pre style='margin:2px 0'>{note}</pre>" for note in notes)

@@ -272,7 +272,11 @@ def state_text(state: str) -> str:
 
 
 def run_stage(record: RunRecord, now: float | None = None) -> str | None:
-    """While the run starts, its stage and the time spent in it; None once every rank trains."""
+    """While the run starts, its stage and the time spent in it (or, while the cell's large
+    values are on their way to the hosts, how far they are); None once every rank trains."""
+    shipping = record.shipping
+    if shipping is not None and not shipping.get("done") and record.state in ("launching", "running"):
+        return str(shipping.get("text", ""))
     if record.state not in ("launching", "running") or record.stage in (None, Stage.TRAINING):
         return None
     since = record.stage_reached.get(record.stage, record.started)

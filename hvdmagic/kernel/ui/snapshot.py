@@ -3,11 +3,20 @@
 The live dashboard is made of widgets, which a saved notebook shows only while
 their kernel lives (and nbviewer or GitHub never). When a run ends, its output
 is replaced by a ``Snapshot``: plain HTML with inline styles and no script, and
-a deterministic text twin, which the notebook stores like any other output.
+a text twin without timings, which the notebook stores like any other output.
 
 What it shows: the final state, each rank's final progress and exit code, the
 metric charts and latest values, the notes, and the tail of every rank's log.
 Not the error's traceback: the cell's error output shows that.
+
+A quick run that never showed its live widgets leaves a compact record instead
+(``compact=True``), as ipyparallel's ``%px`` leaves ``Out[0:3]``: one line when it
+finished with no output and no metrics, then its output lines. A failure, metrics or a
+timeline keep the full record; every run's full record is ``hvdmagic.last_run()``.
+
+The text/plain, what a front end without HTML shows and ``nbconvert --to markdown``
+keeps, is the headline, the last ``TEXT_LINES`` lines of the ranks' output as the text
+view prefixes them, and the text view's closing summary.
 """
 
 from __future__ import annotations
@@ -15,11 +24,13 @@ from __future__ import annotations
 import html
 import re
 
+from hvdmagic.kernel.noise import is_startup_noise
 from hvdmagic.kernel.record import RankRecord, RunRecord
 from hvdmagic.kernel.ui import charts, progress_text
 from hvdmagic.protocol import Stage
 
 TAIL_LINES = 20  # per rank, always visible
+TEXT_LINES = 20  # of all ranks together, in the text/plain and the compact record
 LOG_LINES = 200  # per rank, in its collapsed section
 STATE_COLOURS = progress_text.STATE_COLOURS
 _FONT = "-apple-system,BlinkMacSystemFont,'Segoe UI',Helvetica,Arial,sans-serif"
@@ -34,6 +45,60 @@ def _seconds(seconds: float) -> str:
 def _fraction(rank: RankRecord) -> float | None:
     value = progress_text.fraction(*progress_text.pick_bars(dict(rank.bars)))
     return 1.0 if value is None and rank.state == "finished" else value
+
+
+def _elapsed(seconds: float) -> str:
+    return f"{seconds * 1e3:.0f} ms" if seconds < 1 else _seconds(seconds)
+
+
+def _shares(counts: list[int], limit: int) -> list[int]:
+    """How many of its last lines each rank shows, ``limit`` in all: even shares, and what a
+    rank with fewer lines leaves goes to the others (so one talkative rank gets them all)."""
+    shares = [0] * len(counts)
+    left = limit
+    open_ = [i for i, n in enumerate(counts) if n > 0]
+    while left > 0 and open_:
+        each = max(1, left // len(open_))
+        for i in list(open_):
+            take = min(each, counts[i] - shares[i], left)
+            shares[i] += take
+            left -= take
+            if shares[i] == counts[i]:
+                open_.remove(i)
+            if not left:
+                break
+    return shares
+
+
+def _last_lines(rank: RankRecord, count: int) -> list[tuple[str, str]]:
+    """A rank's last ``count`` (stream, line) that are not start-up noise, without ANSI codes."""
+    picked = []
+    for stream, line in reversed(rank.logs):  # noise comes at start-up: the walk back rarely meets it
+        if len(picked) == count:
+            break
+        if not is_startup_noise(line):
+            picked.append((stream, _ANSI.sub("", line)))
+    return picked[::-1]
+
+
+def output_tail(record: RunRecord, limit: int = TEXT_LINES) -> list[tuple[int, int, list[tuple[str, str]]]]:
+    """The run's last output lines, ``limit`` in all, grouped by rank so that they read the
+    same whatever order the ranks' lines arrived in: ``(rank, earlier lines left out, lines)``
+    for each rank that printed, each line ``(stream, text)``."""
+    counts = [len(rank.logs) - len(rank.quiet) for rank in record.ranks]
+    return [(rank.rank, count - share, _last_lines(rank, share))
+            for rank, count, share in zip(record.ranks, counts, _shares(counts, limit)) if share]
+
+
+def tail_lines(record: RunRecord, limit: int = TEXT_LINES) -> list[tuple[str, str]]:
+    """``output_tail`` as the text view prints lines, ``[rank r] line``, with where the left-out ones are."""
+    lines = []
+    for rank, earlier, tail in output_tail(record, limit):
+        if earlier:
+            lines.append(("stdout", f"[rank {rank}] ... {earlier} earlier line{'s' if earlier != 1 else ''} "
+                                    f"in hvdmagic.last_run().logs[{rank}]"))
+        lines.extend((stream, f"[rank {rank}] {line}") for stream, line in tail)
+    return lines
 
 
 def summary(record: RunRecord) -> str:
@@ -58,10 +123,16 @@ def summary(record: RunRecord) -> str:
 
 
 class Snapshot:
-    """A run as it ended, for a notebook's saved output: ``display(Snapshot(record))``."""
+    """A run as it ended, for a notebook's saved output: ``display(Snapshot(record))``.
 
-    def __init__(self, record: RunRecord):
+    ``compact``: the record of a run whose live widgets never showed; honoured only for a
+    finished run without metrics or a timeline, which have nothing that needs more room.
+    """
+
+    def __init__(self, record: RunRecord, compact: bool = False):
         self.record = record
+        self.compact = (compact and record.state == "finished" and not len(record.history)
+                        and not record.timeline)
 
     # -- text ---------------------------------------------------------------
     def headline(self) -> str:
@@ -69,16 +140,20 @@ class Snapshot:
         state = "failed (see the error below)" if record.state == "failed" else progress_text.state_text(record.state)
         return f"{record.command} {progress_text.size_text(record)}: {state}"
 
-    def text(self) -> str:
-        """Deterministic (no timings, rates or hosts), so nbval and nbclient outputs are stable:
-        the headline, then what the text view prints at the end of a run."""
-        return self.headline() + "\n" + summary(self.record)
+    def text(self, output: bool = True) -> str:
+        """The headline; with ``output``, the last lines of the ranks' output as the text view
+        printed them; then what the text view prints at the end of a run. No timings, rates or
+        hosts: it changes between two runs only where the ranks' own output does."""
+        lines = "".join(line + "\n" for _, line in tail_lines(self.record)) if output else ""
+        return self.headline() + "\n" + lines + summary(self.record)
 
     def __repr__(self) -> str:
         return self.text().rstrip("\n")
 
     # -- HTML ---------------------------------------------------------------
     def _repr_html_(self) -> str:
+        if self.compact:
+            return self._compact_html()
         record = self.record
         parts = [self._header(), self._ranks()]
         metrics = charts.metrics_html(charts.series_by_metric(record.rank0_series))
@@ -102,6 +177,28 @@ class Snapshot:
         if exclude:
             bundle = {k: v for k, v in bundle.items() if k not in exclude}
         return bundle
+
+    def _compact_html(self) -> str:
+        """One line, then the output's last lines and any progress or notes, with no frame."""
+        record = self.record
+        header = (f'<div class="hvdmagic-snapshot-header" style="white-space:nowrap;overflow:hidden;'
+                  f'text-overflow:ellipsis"><b>{html.escape(record.command)}</b> '
+                  f"{html.escape(progress_text.size_text(record))}: "
+                  f'<span class="hvdmagic-state" style="color:{STATE_COLOURS["finished"]};font-weight:600">'
+                  f"finished</span> in {_elapsed(record.elapsed)}</div>")
+        pre = (f"margin:2px 0 0;padding:0;background:none;font-family:{_MONO};font-size:12px;"
+               "line-height:1.35;white-space:pre-wrap;word-break:break-word")
+        parts = [header]
+        lines = tail_lines(record)
+        if lines:
+            parts.append(f'<pre class="hvdmagic-tail" style="{pre}">{_lines(lines)}</pre>')
+        rest = summary(record)
+        if rest:
+            parts.append(f'<pre class="hvdmagic-summary" style="{pre};color:#555">{html.escape(rest.rstrip())}</pre>')
+        return (f'<div class="hvdmagic-snapshot hvdmagic-compact" data-state="{html.escape(record.state)}" '
+                f'title="every line, timing and result: hvdmagic.last_run()" '
+                f'style="font-family:{html.escape(_FONT)};font-size:13px;line-height:1.4;color:#222">'
+                + "".join(parts) + "</div>")
 
     def _header(self) -> str:
         record = self.record
@@ -155,6 +252,8 @@ class Snapshot:
     def _notes(self) -> str:
         record = self.record
         notes = list(record.notes)
+        if shipped := record.shipping_note():
+            notes.append(shipped)
         if record.timeline:
             try:
                 from hvdmagic.kernel.timeline import describe

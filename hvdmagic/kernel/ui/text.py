@@ -93,7 +93,7 @@ class TextView:
         stream.flush()
 
     def close(self) -> None:
-        text = Snapshot(self.record).text()
+        text = Snapshot(self.record).text(output=False)  # the lines were printed as they came
         if self.record.timeline:
             text += describe(self.record.timeline) + "\n"
         self._write(text)
