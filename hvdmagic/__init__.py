@@ -49,11 +49,11 @@ from hvdmagic.rank.training import load_checkpoint, save_checkpoint, scale_lr
 
 __version__ = "0.1.0"
 __all__ = ["HorovodRunner", "TorchDistributor", "last_run", "load_checkpoint", "log_metrics", "progress", "run",
-           "save_checkpoint", "scale_lr", "session", "shard", "track"]
+           "save_checkpoint", "scale_lr", "session", "shard", "track", "where"]
 
 _KERNEL_API = {"run": "hvdmagic.kernel.api", "HorovodRunner": "hvdmagic.kernel.api",
                "TorchDistributor": "hvdmagic.kernel.api", "session": "hvdmagic.kernel.warm_sessions",
-               "last_run": "hvdmagic.kernel.record"}
+               "last_run": "hvdmagic.kernel.record", "where": "hvdmagic.kernel.api"}
 
 
 def load_ipython_extension(ipython) -> None:

@@ -91,7 +91,11 @@ PYTHON_ENV = "HVDMAGIC_PYTHON"
 LEGACY_KERAS_SET_ENV = "HVDMAGIC_SET_LEGACY_KERAS"  # hvdmagic, not the user, chose Keras 2 for the rank
 STACKS_ENV = "HVDMAGIC_STACKS_FILE"  # where the rank's fault handler writes its stacks when asked
 BLOB_DIR_ENV = "HVDMAGIC_BLOB_DIR"  # the host's blob cache (task.blob_cache), where a rank maps its payload's blobs
-STACKS_SIGNAL = signal.SIGUSR2  # asks a rank for its stacks (faulthandler.register: no Python code runs)
+STACKS_SIGNAL = signal.SIGUSR2
+# What a session's rank writes to its stdout and stderr (the file descriptors, after flushing
+# them) when a cell ends, just before its "idle": its supervisor relays that idle only once both
+# streams have passed the mark, so a cell's last lines are never counted in the next cell.
+CELL_END_MARK = b"\x1ehvdmagic:cell-end\x1e"  # asks a rank for its stacks (faulthandler.register: no Python code runs)
 
 
 @dataclass(frozen=True)
@@ -410,6 +414,12 @@ world = _builder(World, Event.WORLD)
 resumed = _builder(Resumed, Event.RESUMED)
 stacks = _builder(Stacks, Event.STACKS)
 shipping = _builder(Shipping, Event.SHIPPING)
+
+
+def ends_a_cell(line: bytes) -> bool:
+    """Whether a rank's event line is its "idle" after a cell (the one at start-up names no cell);
+    checked on the raw line, which the supervisor relays without decoding it."""
+    return b'"type":"idle"' in line and json.loads(line).get("cell") is not None
 
 
 def bare(kind: Event) -> Bare:

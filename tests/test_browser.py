@@ -12,6 +12,12 @@ the page, each saving a screenshot under artifacts/screenshots/:
   the next cell runs on the Spark that went on starting (interrupted.png, after-interrupt.png);
 - the saved notebook reopened with its kernel shut down and none started: the snapshot
   with its figures, and no "Error displaying widget" (reopened.png).
+- "where are the ranks?" mid-run: one click shows rank 1 napping in the cell's function and
+  rank 0 waiting in Horovod's allreduce, and the answer stays until the snapshot replaces the
+  widgets (where.png, where-dashboard.png, where-finished.png);
+- a session's quick cells: a trivial cell leaves one compact line and never a widget, a 3 s
+  cell gets the live dashboard and then the snapshot (quick-live.png, quick-cell.png,
+  quick-finished.png).
 
 One JupyterLab server and one Chromium serve every test. Each notebook gets its own
 kernel, and so its own embedded Spark, which a test shuts down when it ends. Needs Debian's
@@ -25,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import urllib.request
 from dataclasses import dataclass, field
@@ -526,3 +533,206 @@ def test_elastic_run_greys_the_lost_task_and_goes_on(lab, browser, tmp_path):
     assert "resumed on 1 rank (from 2) from the commit at step" in header
     assert state == "finished", snapshot
     assert "resumed on 1 rank (from 2)" in snapshot, snapshot
+
+
+# -- "where are the ranks?" mid-run ----------------------------------------------------------
+
+# Rank 1 naps in a function of the cell while rank 0 waits for it in Horovod's allreduce.
+NAP_SECONDS = 20
+WHERE_CELL = f"""\
+%%horovod --np -2
+import time
+import torch
+import horovod.torch as hvd
+
+hvd.init()
+print(f"rank {{hvd.rank()}} started", flush=True)
+def nap(seconds):
+    time.sleep(seconds)
+if hvd.rank() == 1:
+    nap({NAP_SECONDS})
+hvd.allreduce(torch.ones(1))
+"""
+WHERE_BUTTON = f"{DASHBOARD} button"
+WHERE_PANE = f"{DASHBOARD} .hvdmagic-where"
+# Every 100 ms until the dashboard is replaced, in the page itself: was the where pane there,
+# shown, and as first answered? (A Python poll could miss a pane that blinks out and back.)
+WATCH_WHERE = """expected => {
+    const seen = window.hvdmagicWhere = {samples: 0, lost: [], done: false};
+    const tick = () => {
+        const board = document.querySelector(".hvdmagic-dashboard");
+        if (!board) { seen.done = true; return; }
+        const pane = board.querySelector(".hvdmagic-where");
+        const shown = !!pane && pane.getClientRects().length > 0 && pane.getBoundingClientRect().height > 0;
+        seen.samples += 1;
+        if (!shown || pane.innerText !== expected) {
+            seen.lost.push({at: seen.samples, shown, text: pane ? pane.innerText : null});
+        }
+        setTimeout(tick, 100);
+    };
+    tick();
+}"""
+
+
+def _where_blocks(text: str) -> dict[str, str]:
+    """The where pane's text by its "rank N:" / "ranks N, M:" headings: {heading: its lines}."""
+    blocks: dict[str, str] = {}
+    heading = None
+    for line in text.splitlines():
+        if line.startswith("rank") and line.endswith(":"):
+            heading = line[:-1]
+            blocks[heading] = ""
+        elif heading is not None:
+            blocks[heading] += line + "\n"
+    return blocks
+
+
+@pytest.mark.timeout(300)
+def test_where_button_shows_every_ranks_stack_mid_run(lab, browser):
+    path = write_notebook(lab, "where.ipynb", LOAD_CELL, WHERE_CELL)
+    try:
+        with new_page(browser, "where") as page:
+            open_notebook(page, lab, path.name)
+            run_all_cells(page)
+            # Both ranks in the cell's code: rank 1 napping, rank 0 in (or just going into) its allreduce.
+            wait_for(page, f"() => {{ const t = document.querySelector({json.dumps(RECENT)})?.innerText || ''; "
+                           "return /\\[0\\] rank 0 started/.test(t) && /\\[1\\] rank 1 started/.test(t); }",
+                     timeout=150, failure="The dashboard did not show both ranks' first line")
+            button = page.locator(WHERE_BUTTON, has_text="where are the ranks?")
+            try:
+                button.wait_for(state="visible", timeout=30_000)
+            except Exception:
+                pytest.fail(f"No visible 'where are the ranks?' button in the live dashboard.\n{outputs(page)}",
+                            pytrace=False)
+            header_before = page.locator(f"{DASHBOARD} .hvdmagic-state").first.inner_text()
+            button.click()
+            # Rank 0 may be a step short of its allreduce when its stack is taken: a second click then.
+            clicks, text = 1, ""
+            for _ in range(3):
+                text = wait_for(page, f"""() => {{
+                        const t = document.querySelector({json.dumps(WHERE_PANE)})?.innerText || "";
+                        return /asked at \\d\\d:\\d\\d:\\d\\d: 2 of 2 ranks answered/.test(t) && t;
+                    }}""", timeout=30, failure=f"The where pane ({WHERE_PANE}) did not say both ranks answered")
+                if "in synchronize" in text or clicks == 3:
+                    break
+                button.click()
+                clicks += 1
+                wait_for(page, f"seen => (document.querySelector({json.dumps(WHERE_PANE)})?.innerText || '') "
+                               "!== seen", arg=text, timeout=30, failure="A second click changed nothing")
+            state_then = page.locator(f"{DASHBOARD} .hvdmagic-state").first.inner_text()
+            page.evaluate(WATCH_WHERE, text)
+            board = page.locator(DASHBOARD)
+            board.evaluate("e => e.scrollIntoView({block: 'start'})")
+            page.screenshot(path=SCREENSHOTS / "where.png")
+            board.screenshot(path=SCREENSHOTS / "where-dashboard.png")
+
+            state = wait_for_snapshot(page, 1, timeout=NAP_SECONDS + 90, what="The napping run did not end")
+            wait_until_idle(page, timeout=30, what="After the napping run")
+            watched = wait_for(page, "() => window.hvdmagicWhere.done && window.hvdmagicWhere", timeout=10,
+                               failure="The page's watch of the where pane did not see the dashboard go")
+            cell = page.locator(f"{NOTEBOOK_CELLS} >> nth=1")
+            after = {"dashboards": page.locator(DASHBOARD).count(),
+                     "buttons": cell.locator("button", has_text="where are the ranks?").count(),
+                     "widgets": cell.locator(".jp-OutputArea .jupyter-widgets").count(),
+                     "snapshot_where": cell.locator(f"{SNAPSHOT} .hvdmagic-where").count()}
+            snapshot = page.locator(SNAPSHOT).inner_text()
+            page.screenshot(path=SCREENSHOTS / "where-finished.png")
+    finally:
+        shut_down_kernels(lab)
+    print(f"clicks: {clicks}; where pane:\n{text}\nwatch: {watched['samples']} samples, lost {watched['lost'][:5]}; "
+          f"after the run: {after}")
+    assert header_before == "running" and state_then == "running", (header_before, state_then)
+    assert text.startswith("asked at ") and "2 of 2 ranks answered" in text.splitlines()[0], text
+    blocks = _where_blocks(text)
+    assert sorted(blocks) == ["rank 0", "rank 1"], f"not one block per rank: {sorted(blocks)}\n{text}"
+    # Most recent call first, numbered as the cell's lines (its %%horovod line is line 1).
+    line = {code.strip(): n for n, code in enumerate(WHERE_CELL.splitlines(), 1)}
+    assert re.search(f'File "<horovod-cell>", line {line["time.sleep(seconds)"]} in nap\n'
+                     f'.*File "<horovod-cell>", line {line[f"nap({NAP_SECONDS})"]} in <module>',
+                     blocks["rank 1"]), text
+    assert "in synchronize" in blocks["rank 0"] and "in nap" not in blocks["rank 0"], text
+    assert blocks["rank 0"].index("in synchronize") < blocks["rank 0"].index(
+        f'File "<horovod-cell>", line {line["hvd.allreduce(torch.ones(1))"]} in <module>'), text
+    # Shown, unchanged, from the answer until the snapshot replaced the widgets.
+    assert watched["samples"] >= 10 and not watched["lost"], watched
+    assert state == "finished", snapshot
+    assert after["dashboards"] == 0 and after["buttons"] == 0 and after["widgets"] == 0, after
+
+
+# -- quick cells on a session's warm ranks ------------------------------------------------------
+
+QUICK_WIDGETS = ".jupyter-widgets, [class^='widget-'], [class*=' widget-']"
+# As tests/test_quick_cells.py: 1 s rather than the default 0.4 s before the widgets show, so
+# that a loaded machine cannot make the trivial cell outlive the delay.
+QUICK_SETUP = '%load_ext hvdmagic\nimport os\nos.environ["HVDMAGIC_DASHBOARD_DELAY"] = "1"'
+QUICK_CELLS = (QUICK_SETUP, "%horovod start --np -2", "%%horovod\nimport horovod.torch as hvd\nhvd.init()",
+               "%%horovod\nhvd.rank()",
+               "%%horovod\nimport time\nprint(f'rank {hvd.rank()} napping', flush=True)\ntime.sleep(3)\nhvd.rank()")
+QUICK, SLOW = 3, 4  # the indices of the trivial cell and of the 3 s one
+# From the page's load: did a widget ever show in the trivial cell's output, even for a moment?
+WATCH_QUICK = f"""index => {{
+    const seen = window.hvdmagicQuick = {{widgets: 0}};
+    new MutationObserver(() => {{
+        const cell = document.querySelectorAll({json.dumps(NOTEBOOK_CELLS)})[index];
+        const found = cell ? cell.querySelectorAll(".jp-OutputArea " + {json.dumps(QUICK_WIDGETS)}).length : 0;
+        seen.widgets = Math.max(seen.widgets, found);
+    }}).observe(document.body, {{childList: true, subtree: true}});
+}}"""
+
+
+def _widgets_in(index: int) -> str:
+    return cell_js(index, f"cell ? cell.querySelectorAll('.jp-OutputArea ' + {json.dumps(QUICK_WIDGETS)}).length : -1")
+
+
+@pytest.mark.timeout(300)
+def test_quick_session_cell_is_one_line_and_a_slow_one_gets_the_dashboard(lab, browser):
+    path = write_notebook(lab, "quick.ipynb", *QUICK_CELLS)
+    try:
+        with new_page(browser, "quick") as page:
+            open_notebook(page, lab, path.name)
+            page.evaluate(WATCH_QUICK, QUICK)
+            run_all_cells(page)
+            # The 3 s cell: the live widgets, then the snapshot in their place.
+            live = wait_for(page, cell_js(SLOW, f"""(() => {{
+                    const board = cell?.querySelector({json.dumps(DASHBOARD)});
+                    const rows = board ? board.querySelectorAll(".hvdmagic-rank").length : 0;
+                    const widgets = cell.querySelectorAll(".jp-OutputArea " + {json.dumps(QUICK_WIDGETS)}).length;
+                    return rows === 2 && widgets > 0 && {{widgets, text: board.innerText}};
+                }})()"""), timeout=150, failure="The 3 s cell did not show the live dashboard")
+            # Once its newest lines are in, for the screenshot.
+            wait_for(page, cell_js(SLOW, f"/\\[1\\] rank 1 napping/.test(cell.querySelector({json.dumps(RECENT)})"
+                                         "?.innerText || '')"), timeout=30,
+                     failure="The 3 s cell's dashboard did not show its ranks' lines")
+            page.locator(f"{NOTEBOOK_CELLS} >> nth={SLOW}").evaluate("e => e.scrollIntoView({block: 'end'})")
+            page.screenshot(path=SCREENSHOTS / "quick-live.png")
+            slow_state = wait_for_snapshot(page, SLOW, timeout=60, what="The 3 s cell did not end")
+            wait_until_idle(page, timeout=30, what="After the quick cells")
+            quick_state = wait_for_snapshot(page, QUICK, timeout=5, what="The trivial cell")
+            quick_cell = page.locator(f"{NOTEBOOK_CELLS} >> nth={QUICK}")
+            compact = quick_cell.locator(f"{SNAPSHOT}.hvdmagic-compact")
+            seen = {
+                "compact": compact.count(),
+                "compact_text": compact.first.inner_text() if compact.count() else "",
+                "quick_widgets": page.evaluate(_widgets_in(QUICK)),
+                "quick_widgets_ever": page.evaluate("() => window.hvdmagicQuick.widgets"),
+                "quick_text": cell_text(page, QUICK),
+                "slow_widgets": page.evaluate(_widgets_in(SLOW)),
+                "slow_compact": page.locator(f"{NOTEBOOK_CELLS} >> nth={SLOW}").locator(".hvdmagic-compact").count(),
+                "slow_text": cell_text(page, SLOW),
+                "dashboards": page.locator(DASHBOARD).count(),
+            }
+            quick_cell.scroll_into_view_if_needed()
+            quick_cell.screenshot(path=SCREENSHOTS / "quick-cell.png")
+            page.locator(f"{NOTEBOOK_CELLS} >> nth={SLOW}").evaluate("e => e.scrollIntoView({block: 'end'})")
+            page.screenshot(path=SCREENSHOTS / "quick-finished.png")
+    finally:
+        shut_down_kernels(lab)
+    print(f"live: {live}\nseen: {seen}")
+    assert quick_state == "finished" and seen["compact"] == 1, seen
+    assert seen["quick_widgets"] == 0 and seen["quick_widgets_ever"] == 0, seen
+    headline = seen["compact_text"].strip()
+    assert "\n" not in headline, f"the trivial cell's record is not one line: {headline!r}"
+    assert re.fullmatch(r"%%horovod np=2 \(local\): finished in \d+ ms", headline), headline
+    assert slow_state == "finished" and seen["slow_compact"] == 0, seen
+    assert seen["slow_widgets"] == 0 and seen["dashboards"] == 0, "the 3 s cell's widgets outlived its run"
+    assert "rank 1 napping" in seen["slow_text"], seen["slow_text"]

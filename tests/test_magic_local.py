@@ -97,6 +97,23 @@ def test_help_describes_the_arguments(ip, capsys):
         assert expected in out
 
 
+def test_a_rank_failing_in_its_first_line_keeps_its_own_exit_code_and_failed_in_the_cell(ip, capfd):
+    """Rank 1 raises before any framework import; rank 0 is stopped. Rank 1 is left to end on its own
+    (here its exit takes half a second, as a framework's shutdown may), so its exit code is its own 1,
+    not the -15 of the SIGTERM that stops the others; and it failed in the cell, not "at importing"
+    (its first stage)."""
+    import hvdmagic
+
+    _, error = run(ip, "%%horovod --np -2\nimport atexit, os, time\nif os.environ['HOROVOD_RANK'] == '1':\n"
+                       "    atexit.register(time.sleep, 0.5)\n    raise ValueError('first line')\ntime.sleep(120)")
+    assert isinstance(error, JobFailed) and "ValueError: first line" in str(error), error
+    ranks = hvdmagic.last_run().ranks
+    assert (ranks[1].state, ranks[1].exit_code) == ("failed", 1), ranks[1]
+    assert ranks[0].state == "stopped" and ranks[0].exit_code == -15, ranks[0]
+    out = capfd.readouterr().out
+    assert "rank 1: [failed in the cell]" in out and "at importing" not in out, out
+
+
 def test_failed_rank_in_local_mode_reports_the_cell_line(ip):
     _, error = run(ip, "%%horovod --np -2\n\nimport horovod.torch as hvd\nhvd.init()\n1 / (hvd.rank() - hvd.rank())")
     rendered = "\n".join(error._render_traceback_())
@@ -191,11 +208,46 @@ def test_without_horovod_load_ext_works_and_a_cell_says_how_to_install_it(kernel
 
 
 @pytest.mark.unit
-def test_help_shows_the_cell_magic_with_two_percent_signs_plain_text_and_an_example(ip):
-    doc = ip.find_cell_magic("horovod").__doc__
-    assert doc.lstrip(":\n ").startswith("%%horovod [--np N]"), doc[:80]
-    assert "``" not in doc, "reST markup shows through in %%horovod?"
-    assert "Example:" in doc and "%%horovod --np 2 --out accuracy" in doc
+@pytest.mark.parametrize("name", ["horovod", "torchrun"])
+def test_help_is_short_plain_and_names_the_session_commands(ip, capsys, name):
+    cell = ip.find_cell_magic(name)
+    doc = cell.__doc__
+    lines = doc.splitlines()
+    assert len(lines) <= 30, f"%%{name}? is {len(lines)} lines:\n{doc}"
+    assert lines[0].startswith(f"%%{name} --np N [options]: run the cell"), lines[0]
+    assert "::" not in doc and "``" not in doc, f"reST markup shows through in %%{name}?"
+    assert f"%%{name} --np 2 --out accuracy" in doc and f"%%{name} --np -4" in doc, "two examples"
+    for command in ("start --np N", "status", "stop", "env"):
+        assert f"%{name} {command}" in doc, command
+    # The table is the parser's: every option the magic parses, with its metavar.
+    for action in cell.parser._actions:
+        assert f"  {action.option_strings[0]} " in doc, action.option_strings
+    assert "--mlflow [EXPERIMENT]" in doc and ("--controller {gloo,mpi}" in doc) == (name == "horovod")
+
+    # %horovod? is the line magic's own help: the session's commands.
+    line = ip.find_line_magic(name).__doc__
+    heading = f"%{name} start|stop|status|env"
+    assert line != doc and line.startswith(heading), line[:80]
+    assert len(line.splitlines()) <= 30 and "::" not in line
+    for command in ("start --np N", "status", "stop", "env"):
+        assert f"%{name} {command}" in line, command
+    capsys.readouterr()
+    ip.run_line_magic("pinfo", f"%{name}")
+    shown_line = capsys.readouterr().out
+    ip.run_line_magic("pinfo", f"%%{name}")
+    shown_cell = capsys.readouterr().out
+    assert heading in shown_line and "--out NAME" not in shown_line
+    assert "--out NAME" in shown_cell and heading not in shown_cell
+
+
+@pytest.mark.unit
+def test_the_line_magic_still_runs_the_session_commands_and_the_cell_magic_its_arguments(ip, capsys):
+    ip.run_line_magic("horovod", "status")
+    assert capsys.readouterr().out.startswith("no %horovod session")
+    _, error = run(ip, "%horovod --np 2")  # the line magic knows only the session's commands
+    assert isinstance(error, UsageError) and "Usage: %horovod start --np N" in str(error), error
+    _, error = run(ip, "%%horovod --np two\nx = 1")
+    assert isinstance(error, UsageError) and "argument --np: invalid int value: 'two'" in str(error), error
 
 
 @pytest.fixture

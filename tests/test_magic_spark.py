@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 
 from conftest import run
+from helpers import stop_active_session
 from procs import rank_processes
 
 from hvdmagic.errors import JobFailed, JobTimeout
@@ -22,6 +23,29 @@ hvd.allreduce(torch.tensor([float(hvd.rank() + 1)]), op=hvd.Sum).item()
     out = capfd.readouterr().out
     assert "[rank 0] ready 0/2" in out
     assert "[rank 1] ready 1/2" in out
+
+
+def test_the_embedded_session_becomes_the_notebooks_active_session(ip, capfd):
+    """pyspark keeps the active session per thread, and hvdmagic starts its own on its Spark thread: the
+    cell that starts it makes it the notebook's too, and says once how to reach it."""
+    import hvdmagic
+    from hvdmagic.launch import spark_session
+
+    stop_active_session()  # so that the next cell starts the embedded session
+    ip.run_cell("from pyspark.sql import SparkSession")
+    assert ip.run_cell("SparkSession.getActiveSession()").result is None
+    capfd.readouterr()
+    _, error = run(ip, "%%horovod --np 2\n1")
+    assert error is None, error
+    embedded = spark_session._embedded
+    assert embedded is not None, "the cell did not start the embedded session"
+    notes = [note for note in hvdmagic.last_run().notes if "SparkSession.builder.getOrCreate()" in note]
+    assert len(notes) == 1 and "\n" not in notes[0], hvdmagic.last_run().notes
+    assert notes[0] in capfd.readouterr().out
+    assert ip.run_cell("SparkSession.getActiveSession()").result is embedded
+    assert ip.run_cell("SparkSession.getActiveSession().range(3).count()").result == 3
+    _, error = run(ip, "%%horovod --np 2\n1")
+    assert error is None and not any("getOrCreate" in note for note in hvdmagic.last_run().notes), "said twice"
 
 
 def test_rank0_result_is_returned_and_stored_with_out(ip):

@@ -73,6 +73,20 @@ def test_state_carries_over_cells_and_the_step_count_continues(ip, np):
     wait_until_gone(list(pids), within=10)
 
 
+def test_the_start_says_its_ranks_are_ready_not_finished(ip, capfd):
+    capfd.readouterr()
+    ip.run_line_magic("horovod", "start --np -2")
+    pids = [p.pid for p in rank_processes()]
+    try:
+        out = capfd.readouterr().out
+        assert "%horovod start np=2 (local): ready\n" in out, out
+        assert "finished" not in out, out
+        assert len(pids) == 2, "the ranks are up"
+    finally:
+        ip.run_line_magic("horovod", "stop")
+    wait_until_gone(pids, within=10)
+
+
 def test_a_trivial_cell_on_warm_ranks_starts_no_process_and_no_stage(session):
     """Why a cell on warm ranks takes milliseconds (the figure is in benchmarks/): it runs in the
     session's rank processes, starts no process, and goes through none of a launch's stages."""
@@ -95,6 +109,18 @@ def test_a_trivial_cell_on_warm_ranks_starts_no_process_and_no_stage(session):
     assert not reached & launch_stages, f"the cell went through {sorted(reached & launch_stages)}"
     _, error = run(session, "%%horovod --np -2\n1")  # fresh ranks beside the session: their record has them
     assert error is None and {Stage.RANKS_STARTING, Stage.IMPORTING} <= set(hvdmagic.last_run().stage_reached)
+
+
+def test_each_cell_keeps_its_own_last_lines_even_those_printed_just_before_it_ends(session):
+    """A rank's output and its events travel on different pipes: the cell's end waits for its output."""
+    for cell in range(25):
+        _, error = run(session, f"%%horovod\nimport sys, time\nprint('early {cell}')\ntime.sleep(0.02)\n"
+                                f"print('late {cell}')\nprint('err {cell}', file=sys.stderr, end='')")
+        assert error is None, error
+        for rank in hvdmagic.last_run().ranks:  # (stdout and stderr are two pipes: no order between them)
+            streams = {name: [line for stream, line in rank.logs if stream == name] for name in ("stdout", "stderr")}
+            assert streams == {"stdout": [f"early {cell}", f"late {cell}"], "stderr": [f"err {cell}"]}, (
+                cell, rank.rank, rank.logs)
 
 
 def test_a_keyboard_interrupt_in_the_cell_keeps_the_session(session):

@@ -364,6 +364,46 @@ def test_snapshot_html_holds_the_final_figures_and_not_the_traceback():
     assert "rank 1 line 4" in text
 
 
+def test_a_rank_that_failed_before_any_framework_import_failed_in_the_cell():
+    """A rank's first stage, "importing", lasts until the cell imports horovod: a cell that fails in its
+    first line did not fail "at importing". Later stages keep their names."""
+    run = RunRecord(Placement.of(-3))
+    for rank, stage in ((0, "importing"), (1, "hvd.init"), (2, "importing")):
+        run.apply({"type": "placed", "rank": rank, "host": "127.0.0.1"})
+        run.apply({"type": "stage", "rank": rank, "stage": stage})
+    run.apply({"type": "error", "rank": 0})
+    run.apply({"type": "exit", "rank": 0, "code": 1})
+    for rank in (1, 2):
+        run.apply({"type": "exit", "rank": rank, "code": -15, "aborted": True})
+    run.finish(error=JobFailed([RankFailure(0, "ZeroDivisionError: division by zero", "")], [1, 2]))
+    snapshot = Snapshot(run)
+    assert snapshot.text() == ("%%horovod np=3 (local): failed (see the error below)\n"
+                               "rank 0: [failed in the cell]\nrank 1: [stopped at hvd.init]\n"
+                               "rank 2: [stopped in the cell]\n")
+    markup = snapshot._repr_html_()
+    rows = {int(r): [visible_text(cell) for cell in re.findall(r"<td[^>]*>(.*?)</td>", row)]
+            for r, row in re.findall(r'<tr class="hvdmagic-rank" data-rank="(\d)">(.*?)</tr>', markup)}
+    assert [rows[r][4:] for r in range(3)] == [["failed in the cell", "1"], ["stopped at hvd.init", "-15"],
+                                                ["stopped in the cell", "-15"]], rows
+
+
+def test_a_session_start_leaves_its_ranks_ready_not_finished():
+    """%horovod start ends with its ranks up: its record and each rank read "ready"."""
+    run = RunRecord(Placement.of(-2), "%horovod start")
+    for rank in (0, 1):
+        run.apply({"type": "placed", "rank": rank, "host": "127.0.0.1"})
+        run.apply({"type": "stage", "rank": rank, "stage": "importing"})
+    run.finish(results=[None, None], ready=True)
+    assert run.state == "ready" and [rank.state for rank in run.ranks] == ["ready", "ready"]
+    assert Snapshot(run).text() == "%horovod start np=2 (local): ready\n"
+    full = visible_text(Snapshot(run)._repr_html_())
+    assert "ready" in full and "finished" not in full, full
+    rows = re.findall(r'<tr class="hvdmagic-rank".*?</tr>', Snapshot(run)._repr_html_())
+    assert [visible_text(row) for row in rows] == ["rank 0127.0.0.1ready", "rank 1127.0.0.1ready"], rows
+    run.started = run.ended - 0.25
+    assert visible_text(Snapshot(run, compact=True)._repr_html_()) == "%horovod start np=2 (local): ready in 250 ms"
+
+
 def test_snapshot_survives_a_saved_notebook(tmp_path):
     import nbformat
 

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import re
+import threading
 
 import pytest
 from conftest import run
+from helpers import wait_until
 
 import hvdmagic
 from hvdmagic import stacks
@@ -90,3 +92,48 @@ def test_a_stalled_session_cell_shows_where_its_ranks_were(ip):
         assert sorted(hvdmagic.last_run().stacks) == [0, 1]
     finally:
         run(ip, "%horovod stop")
+
+
+def _ask_where_once_training(answers: list) -> threading.Thread:
+    """What a second thread (the dashboard's button, a subshell) sees while the cell runs: where()."""
+
+    def ask() -> None:
+        record = wait_until(lambda: (r := hvdmagic.last_run()) is not None and r.state == "running"
+                            and all(rank.logs for rank in r.ranks) and r, 60, "the cell never printed")
+        answers.append((record, hvdmagic.where(timeout=10)))
+
+    thread = threading.Thread(target=ask, name="test-where")
+    thread.start()
+    return thread
+
+
+@pytest.mark.parametrize("session", [False, True], ids=["one-shot", "session"])
+def test_where_shows_every_live_rank_grouped_while_the_cell_runs(ip, session):
+    """Rank 1 naps in Python; rank 0 waits for it in Horovod's allreduce. Asked mid-run, not at a timeout."""
+    if session:
+        _, error = run(ip, "%horovod start --np -2")
+        assert error is None, error
+    answers: list = []
+    thread = _ask_where_once_training(answers)
+    try:
+        _, error = run(ip, ("%%horovod" if session else "%%horovod --np -2") + "\n"
+                           "import time, torch, horovod.torch as hvd\nhvd.init()\n"
+                           "def nap(seconds):\n    time.sleep(seconds)\n"
+                           "print('started', flush=True)\nif hvd.rank() == 1:\n    nap(6)\n"
+                           "hvd.allreduce(torch.ones(1))\n")
+        thread.join(timeout=30)
+        assert error is None, error
+        (record, text), = answers
+        assert text.startswith("where the ranks were (most recent call first):"), text
+        rank0, rank1 = text.split("rank 1:\n")
+        assert "in synchronize" in rank0 and re.search(r"line 9 in <module>", rank0), text
+        assert re.search(r'line 5 in nap\n.*line 8 in <module>', rank1), text
+        assert sorted(record.where) == [0, 1]
+    finally:
+        thread.join(timeout=30)
+        if session:
+            run(ip, "%horovod stop")
+
+
+def test_where_says_so_when_no_run_is_live(ip):
+    assert hvdmagic.where().startswith("hvdmagic: no run is live")

@@ -6,11 +6,11 @@ import socket
 
 import pytest
 
-from hvdmagic import channel
+from hvdmagic import channel, protocol
 from hvdmagic.errors import JobFailed, RankFailure
 from hvdmagic.launch.layout import compute_layout
 from hvdmagic.launch.placement import Placement
-from hvdmagic.task.lines import LineSplitter
+from hvdmagic.task.lines import LineSplitter, split_at_marks
 
 pytestmark = pytest.mark.unit
 
@@ -286,3 +286,13 @@ def test_tensorflow_start_up_chatter_is_kept_out_of_the_views_and_shown_when_the
     failure.quiet_output = {0: record.ranks[0].quiet}
     rendered = "\n".join(failure._render_traceback_())
     assert "rank 0's start-up messages, hidden while it ran" in rendered and chatter[1] in rendered
+
+
+@pytest.mark.unit
+def test_a_cell_end_mark_is_found_even_cut_between_two_reads():
+    mark = protocol.CELL_END_MARK
+    pieces, held = split_at_marks(b"last line\n" + mark[:5], mark)
+    assert (pieces, held) == ([b"last line\n"], mark[:5])  # maybe a mark: held back, not printed
+    pieces, held = split_at_marks(held + mark[5:] + b"next cell\n" + mark + b"\x1e", mark)
+    assert (pieces, held) == ([b"", b"next cell\n", b""], b"\x1e")
+    assert split_at_marks(b"plain \x1e text", mark) == ([b"plain \x1e text"], b"")

@@ -6,6 +6,7 @@ streaming, dashboard and error reporting.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -234,3 +235,25 @@ class TorchDistributor:
                               gpus=self.use_gpu)
         payload = _dumps((train_object, args, kwargs), train_object)
         return execute(payload, placement, results=ResultPolicy.RANK0, command="TorchDistributor").result
+
+
+def where(timeout: float = 5.0) -> str:
+    """Where every rank of the live run is now: each one's Python stacks, ranks in the same place grouped.
+
+    A running cell holds the kernel, so this is for another thread or a kernel subshell; in
+    JupyterLab the dashboard's "where are the ranks?" button does the same. The answers also
+    stay in ``last_run().where``. ``timeout``: seconds to wait for the ranks' answers.
+    """
+    from hvdmagic import stacks
+    from hvdmagic.kernel.record import last_run
+
+    record = last_run()
+    if record is None or record.state not in ("launching", "running"):
+        return ("hvdmagic: no run is live. A run stopped by --timeout, --stall-timeout or Stop showed where its "
+                "ranks were in its error (hvdmagic.last_run().stacks).")
+    record.ask_where()
+    running = {rank.rank for rank in record.ranks if rank.state in ("launching", "running")}
+    deadline = time.monotonic() + timeout
+    while not running <= record.where.keys() and time.monotonic() < deadline:
+        time.sleep(0.05)  # the answers arrive on the job's thread; there is no event to wait on here
+    return "\n".join(stacks.describe(dict(record.where)))

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import importlib.util
+import textwrap
 
 from IPython.core.error import UsageError
-from IPython.core.magic import Magics, line_cell_magic, magics_class
+from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
 from hvdmagic.kernel import warm_sessions
@@ -17,110 +18,136 @@ from hvdmagic.protocol import Framework
 
 # A payload from this size on is worth a line even on a session's quick cell: it takes time to send.
 LARGE_PAYLOAD = 1 << 20
+HELP_WIDTH = 100  # the help's prose, wrapped (%%horovod?)
 
 
 def _launch_arguments(func):
-    """The arguments every launching cell magic takes: declared once (as ipyparallel's magics share theirs)."""
+    """The arguments every launching cell magic takes: declared once (as ipyparallel's magics share theirs).
+
+    Each help is one short line of the help's table (``cell_help``); no ``%`` in them, which
+    argparse would format."""
     for decorate in reversed([
         argument("--np", type=int, metavar="N",
-                 help="Number of ranks. N > 0 runs them as one Spark barrier stage; "
-                      "N < 0 runs |N| processes on the driver without Spark (local mode). "
-                      "Without --np the cell runs on the ranks of the session that %%horovod start began."),
-        argument("--out", metavar="NAME", help="Store rank 0's result in the notebook variable NAME."),
-        argument("--timeout", type=float, metavar="SECONDS", help="Stop every rank and fail after SECONDS."),
+                 help="N ranks on Spark; -N: N processes here (local mode); none: the session's"),
+        argument("--out", metavar="NAME", help="store rank 0's result in the variable NAME"),
+        argument("--timeout", type=float, metavar="SECONDS", help="stop every rank and fail after SECONDS"),
         argument("--stall-timeout", type=float, metavar="SECONDS",
-                 help="Fail when a rank that has started reporting (output, progress, metrics) goes silent "
-                      "for SECONDS, e.g. in a deadlocked collective."),
-        argument("--data", metavar="NAME",
-                 help="A Spark DataFrame in the notebook: each rank gets an equal-size shard, "
-                      "read with hvdmagic.shard()."),
-        argument("--metrics", metavar="NAME",
-                 help="Store the run's metrics history (a pandas DataFrame, all ranks) in the variable NAME."),
+                 help="fail when a rank that reported goes silent for SECONDS (a deadlock)"),
+        argument("--data", metavar="NAME", help="a Spark DataFrame: each rank reads its shard with hvdmagic.shard()"),
+        argument("--metrics", metavar="NAME", help="store the metrics history (a pandas DataFrame, all ranks) in NAME"),
         argument("--mlflow", nargs="?", const="", metavar="EXPERIMENT",
-                 help="After a successful run, log rank 0's metrics, the params and the duration to MLflow "
-                      "(experiment EXPERIMENT, else MLflow's default); see hvdmagic.kernel.mlflow_export."),
+                 help="log rank 0's metrics, the params and the duration to MLflow"),
     ]):
         func = decorate(func)
     return func
 
 
+def _invocation(action) -> str:
+    """An option as the help's table shows it: ``--np N``, ``--mlflow [EXPERIMENT]``, ``--controller {gloo,mpi}``."""
+    meta = action.metavar or "{" + ",".join(action.choices) + "}"
+    return f"{action.option_strings[0]} [{meta}]" if action.nargs == "?" else f"{action.option_strings[0]} {meta}"
+
+
+def cell_help(magic: str, parser, what: str, example: str, local_example: str) -> str:
+    """A cell magic's help (``%%horovod?``), short and plain: what it does, its options as a
+    compact table built from its ``parser``, two examples and the session's commands.
+
+    It replaces the help that ``magic_arguments`` builds (argparse's, in reST markup, three
+    times as long); the parser itself, and so every argument and its error, stays as it is.
+    """
+    options = [(_invocation(action), action.help or "") for action in parser._actions if action.option_strings]
+    width = max(len(name) for name, _ in options) + 2
+    line = magic[1:]
+    sessions = (f"Sessions: {line} start --np N starts ranks that stay up; cells without --np run on them "
+                f"and keep their state. {line} status | {line} stop | {line} env; {line}? has more.")
+    return "\n".join([
+        *textwrap.wrap(f"{magic} --np N [options]: {what}", HELP_WIDTH),
+        "",
+        *(f"  {name:<{width}}{text}" for name, text in options),
+        "",
+        "Examples:",
+        *(f"  {row}" for row in example.strip("\n").splitlines()),
+        "",
+        f"  {local_example}",
+        "",
+        *textwrap.wrap(sessions, HELP_WIDTH),
+    ]) + "\n"
+
+
+def _cell_help(what: str, example: str, local_example: str):
+    """Put ``cell_help`` in the place of the help ``magic_arguments`` built (outermost decorator)."""
+    def decorate(func):
+        func.__doc__ = cell_help("%%" + func.argcmd_name.lstrip("%"), func.parser, what, example, local_example)
+        return func
+    return decorate
+
+
 @magics_class
 class HorovodMagics(Magics):
-    @magic_arguments(name="%horovod")  # the usage line then reads %%horovod, as the cell is written
-    @_launch_arguments
-    @argument("--timeline", metavar="PATH",
-              help="Record a Horovod Timeline (a Chrome trace written by rank 0) at PATH. It costs throughput.")
-    @argument("--controller", choices=("gloo", "mpi"), default="gloo",
-              help="How the ranks talk: Gloo (the default), or Open MPI, whose mpirun starts the ranks "
-                   "through the Spark tasks (no ssh), as HorovodRunner did.")
-    @argument("--min-np", type=int, metavar="N",
-              help="Elastic training (hvd.elastic.run): the run goes on while at least N ranks remain.")
-    @argument("--max-np", type=int, metavar="N",
-              help="Elastic training: up to N ranks, added at a commit when slots come back "
-                   "(default: --np). Spark runs N tasks; --np of them must start for training to begin.")
-    @argument("--reset-limit", type=int, metavar="N",
-              help="Elastic training: fail after N resets (default: no limit).")
-    @argument("--elastic-timeout", type=float, metavar="SECONDS",
-              help="Elastic training: how long to wait for --min-np slots, at the start and after a loss, "
-                   "before failing (default 60).")
-    @line_cell_magic
-    def horovod(self, line: str, cell: str | None = None):
-        """Run the cell on Horovod ranks and return rank 0's result.
-
-        The cell is ordinary PyTorch + Horovod code: call hvd.init() in it. The notebook
-        variables it reads are shipped to every rank with cloudpickle, and the value of
-        its last expression on rank 0 is the cell's result. Inside the cell,
-        hvdmagic.progress, hvdmagic.log_metrics and hvdmagic.track feed the live
-        dashboard; afterwards hvdmagic.last_run() holds the run's record (metrics, logs,
-        timings, result). {var} on the magic line is expanded: %%horovod --np {n}.
-
-        Example:
-
-            %%horovod --np 2 --out accuracy
-            import torch, horovod.torch as hvd
-            hvd.init()
-            model = make_model()
-            for epoch in hvdmagic.track(range(5), desc="epoch"):
-                loss = train_one_epoch(model, X_train[hvd.rank()::hvd.size()])
-                hvdmagic.log_metrics(loss=loss)
-            hvd.allreduce(torch.tensor(evaluate(model))).item()
+    @_cell_help(
+        "run the cell's Horovod code on N ranks, as one Spark barrier stage (the active "
+        "SparkSession, or an embedded local one), or with --np -N as N processes here (local mode). "
+        "Notebook variables it reads go to every rank; rank 0's last expression is the result.",
         """
-        if cell is None:
-            return warm_sessions.line_magic("%horovod", line, Framework.HOROVOD)
+%%horovod --np 2 --out accuracy
+import horovod.torch as hvd
+hvd.init()
+train(model, X_train, hvd.rank(), hvd.size())    # train, model, X_train: notebook variables
+evaluate(model)                                   # rank 0's value: the result, and accuracy
+""",
+        "%%horovod --np -4 --timeout 600 --metrics history    # 4 processes here, no Spark")
+    @magic_arguments(name="%horovod")
+    @_launch_arguments
+    @argument("--timeline", metavar="PATH", help="record a Horovod Timeline (a Chrome trace) at PATH; costs speed")
+    @argument("--controller", choices=("gloo", "mpi"), default="gloo",
+              help="Gloo (the default), or Open MPI: mpirun, through the Spark tasks")
+    @argument("--min-np", type=int, metavar="N",
+              help="elastic training (hvd.elastic.run): go on while N ranks remain")
+    @argument("--max-np", type=int, metavar="N",
+              help="elastic: up to N ranks (default --np), added as slots come back")
+    @argument("--reset-limit", type=int, metavar="N", help="elastic: fail after N resets (default: no limit)")
+    @argument("--elastic-timeout", type=float, metavar="SECONDS",
+              help="elastic: how long to wait for --min-np slots (default 60)")
+    @cell_magic
+    def horovod(self, line: str, cell: str):
+        """Run the cell on Horovod ranks and return rank 0's result (its help: ``cell_help``)."""
         args = parse_argstring(self.horovod, line)
         return self._launch("%%horovod", args, cell, Framework.HOROVOD, timeline=args.timeline,
                             controller=args.controller, elastic=_elastic(args))
 
+    @line_magic("horovod")
+    def horovod_session(self, line: str):
+        return warm_sessions.line_magic("%horovod", line, Framework.HOROVOD)
+
+    horovod_session.__doc__ = warm_sessions.line_help("%horovod", Framework.HOROVOD)
+
+    @_cell_help(
+        "run the cell's torch.distributed code on N ranks with torchrun's environment (RANK, "
+        "WORLD_SIZE, MASTER_ADDR, ...), as one Spark barrier stage, or with --np -N as N processes here "
+        "(local mode); no horovod needed. The notebook variables it reads go to every rank; rank 0's "
+        "last expression is the result.",
+        """
+%%torchrun --np 2 --out accuracy
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+dist.init_process_group("gloo")                   # or "nccl" on GPUs
+model = DDP(make_model())                         # make_model: a notebook function
+evaluate(model)                                   # rank 0's value: the result, and accuracy
+""",
+        "%%torchrun --np -4 --timeout 600 --metrics history   # 4 processes here, no Spark")
     @magic_arguments(name="%torchrun")
     @_launch_arguments
-    @line_cell_magic
-    def torchrun(self, line: str, cell: str | None = None):
-        """Run the cell as torchrun would run a script on every rank, and return rank 0's result.
-
-        The cell is ordinary torch.distributed code: each rank gets the environment
-        torchrun gives (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK,
-        MASTER_ADDR, MASTER_PORT, TORCHELASTIC_*), so
-        torch.distributed.init_process_group("gloo") (or "nccl" on GPUs) joins the
-        others, and DDP, FSDP or Lightning's strategy="ddp" work as under torchrun.
-        No horovod is needed. Everything else is as with %%horovod: the notebook
-        variables the cell reads are shipped with cloudpickle, the live dashboard,
-        --out, --metrics, --data, the timeouts and local mode (--np -N).
-
-        Example:
-
-            %%torchrun --np 2 --out accuracy
-            import torch, torch.distributed as dist
-            from torch.nn.parallel import DistributedDataParallel as DDP
-            dist.init_process_group("gloo")
-            model = DDP(make_model())
-            for epoch in hvdmagic.track(range(5), desc="epoch"):
-                train_one_epoch(model, X_train[dist.get_rank()::dist.get_world_size()])
-            evaluate(model)
-        """
-        if cell is None:
-            return warm_sessions.line_magic("%torchrun", line, Framework.TORCH)
+    @cell_magic
+    def torchrun(self, line: str, cell: str):
+        """Run the cell as torchrun would run a script on every rank (its help: ``cell_help``)."""
         args = parse_argstring(self.torchrun, line)
         return self._launch("%%torchrun", args, cell, Framework.TORCH)
+
+    @line_magic("torchrun")
+    def torchrun_session(self, line: str):
+        return warm_sessions.line_magic("%torchrun", line, Framework.TORCH)
+
+    torchrun_session.__doc__ = warm_sessions.line_help("%torchrun", Framework.TORCH)
 
     def _launch(self, magic: str, args, cell: str, framework: Framework, *, controller: str = "gloo",
                 elastic: Elastic | None = None, timeline: str | None = None):

@@ -7,6 +7,7 @@ timings and the result stay reachable after the cell ends.
 
 from __future__ import annotations
 
+import queue
 import threading
 import time
 from dataclasses import dataclass, field
@@ -45,7 +46,7 @@ class Bar:
 class RankRecord:
     rank: int
     host: str = ""
-    state: str = "launching"  # launching, running, finished, failed, stopped
+    state: str = "launching"  # launching, running, finished, failed, stopped; ready: a session's, still up
     bars: dict[str, Bar] = field(default_factory=dict)
     last_bar: str | None = None
     last_line: str = ""
@@ -98,6 +99,11 @@ class RunRecord:
         self.capture = ""  # the magic's capture summary: the globals it shipped, their types and sizes
         # By rank: where each running rank was (its Python stacks) when a watchdog stopped the run.
         self.stacks: dict[int, str] = {}
+        # What the views ask of the live job (Event.STACKS: "where are the ranks?"); the job reads it.
+        self.requests: queue.SimpleQueue = queue.SimpleQueue()
+        # By rank: where it was when last asked (ask_where), trimmed to the user's frames; and when.
+        self.where: dict[int, str] = {}
+        self.where_asked: float | None = None
         # Start-up: the stage the run is in (for rank stages, the slowest rank's), and when
         # the run reached each stage, on the kernel's clock.
         self.stage: Stage | None = None
@@ -106,6 +112,13 @@ class RunRecord:
         self._lock = threading.Lock()
 
     # -- fed by the launcher ------------------------------------------------
+    def ask_where(self) -> None:
+        """Ask every running rank where it is now; the answers fill ``where`` as they come."""
+        with self._lock:
+            self.where = {}
+            self.where_asked = time.time()
+        self.requests.put(Event.STACKS)
+
     def shipping_note(self) -> str | None:
         """What went to the hosts and how fast, once it all went; None while sending or when nothing was."""
         shipping = self.shipping
@@ -136,6 +149,9 @@ class RunRecord:
                 return
             rank = event["rank"]  # the job passes on only events whose rank it checked
             record = self.ranks[rank]
+            if kind == Event.STACKS:
+                self.where[rank] = stacks.user_stacks(str(event.get("text", "")).splitlines())
+                return
             if kind == Event.WORLD:
                 record.world_rank = event.get("world_rank")
                 return
@@ -209,19 +225,23 @@ class RunRecord:
                 bar.step, bar.total, bar.time = step, total, stamp
             record.last_bar = desc
 
-    def finish(self, results: list | None = None, error: BaseException | None = None, cancelled: bool = False) -> None:
+    def finish(self, results: list | None = None, error: BaseException | None = None, cancelled: bool = False,
+               ready: bool = False) -> None:
+        """The run ended: with ``results``, an ``error``, or ``cancelled``. ``ready``: the ranks stay up
+        (a session's start, ``%horovod start``), so the record and its running ranks read "ready"."""
         with self._lock:
             self.version += 1
             self.ended = time.time()
             self.results = list(results or [])
             self.result = self.results[0] if self.results else None
             self.error = error
-            self.state = "cancelled" if cancelled else "failed" if error is not None else "finished"
+            done = "ready" if ready else "finished"
+            self.state = "cancelled" if cancelled else "failed" if error is not None else done
             for record in self.ranks:
                 if record.state == "launching" and self.elastic:
                     record.state = "unused"  # an elastic task that never got a slot or a rank
                 elif record.state in ("launching", "running"):
-                    record.state = "stopped" if error is not None or cancelled else "finished"
+                    record.state = "stopped" if error is not None or cancelled else done
 
     # -- read by views and users --------------------------------------------
     @property

@@ -48,10 +48,12 @@ def execute(payload: Shipment, placement: Placement | None, *, timeout: float | 
     view.start()
     try:
         if session is not None:
-            values = session.run_cell(payload, on_event, timeout=timeout, stall_timeout=stall_timeout)
+            values = session.run_cell(payload, on_event, timeout=timeout, stall_timeout=stall_timeout,
+                                      requests=record.requests)
         else:
             values = launch(payload, placement, timeout=timeout, stall_timeout=stall_timeout, env=env,
-                            on_event=on_event, spark=spark, data=data, results=results).results
+                            on_event=on_event, spark=spark, data=data, results=results,
+                            requests=record.requests).results
     except JobInterrupted as exc:
         record.stacks = exc.stacks
         record.finish(error=exc, cancelled=True)

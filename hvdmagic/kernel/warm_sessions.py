@@ -76,11 +76,50 @@ def _parser(magic: str) -> argparse.ArgumentParser:
     commands.add_parser("stop", add_help=False, exit_on_error=False)
     commands.add_parser("status", add_help=False, exit_on_error=False)
     commands.add_parser("env", add_help=False, exit_on_error=False)
+    commands.add_parser("where", add_help=False, exit_on_error=False)
     return parser
 
 
 USAGE = ("{magic} start --np N [--controller gloo|mpi] [--timeout S] [--idle-timeout S] [--restart] | "
-         "{magic} stop | {magic} status | {magic} env")
+         "{magic} stop | {magic} status | {magic} env | {magic} where")
+
+
+# What each of the line magic's commands does, for its help (%horovod?); "start" has its own lines there.
+COMMANDS = {
+    "status": "each rank's host, busy or idle, its memory and idle time",
+    "stop": "stop the ranks, freeing their Spark slots and GPUs",
+    "env": "this kernel's Python and packages beside each executor host's",
+    "where": "where each rank of the run under way is now (its Python stack)",
+}
+
+
+def line_help(magic: str, framework: Framework) -> str:
+    """The line magic's help (``%horovod?``): the session's commands, short and plain, in the
+    parser's order."""
+    horovod = framework == Framework.HOROVOD
+    setup = ("import horovod.torch as hvd; hvd.init()" if horovod else
+             'import torch.distributed as dist\n  dist.init_process_group("gloo")')
+    commands = list(next(action for action in _parser(magic)._actions if action.dest == "command").choices)
+    width = max(map(len, commands)) + 2
+    others = [f"  {magic} {name:<{width}}{COMMANDS.get(name, '')}".rstrip() for name in commands if name != "start"]
+    controller = " [--controller gloo|mpi]" if horovod else ""
+    return "\n".join([
+        f"{magic} {'|'.join(commands)}: warm ranks that stay up between %{magic} cells.",
+        "",
+        f"  {magic} start --np N{controller} [--timeout S] [--idle-timeout S] [--restart]",
+        "      start N ranks as one Spark barrier stage (--np -N: N processes on this machine); cells",
+        "      without --np then run on them, and keep their imports, variables and process groups.",
+        "      --timeout S: seconds they get to come up; --idle-timeout S: stop them after S idle",
+        "      seconds; --restart: stop a running session first.",
+        *others,
+        "",
+        "Example:",
+        f"  {magic} start --np 2 --idle-timeout 1800",
+        f"  %{magic}                                  # runs on the session's ranks, which keep what it does",
+        f"  {setup}",
+        "",
+        f"%{magic}? has the cell magic's arguments.",
+    ]) + "\n"
 
 
 def line_magic(magic: str, line: str, framework: Framework):
@@ -103,6 +142,11 @@ def line_magic(magic: str, line: str, framework: Framework):
         return None
     if args.command == "env":
         print(environment_table(magic))
+        return None
+    if args.command == "where":
+        from hvdmagic.kernel.api import where
+
+        print(where())
         return None
     for flag, seconds in (("--timeout", args.timeout), ("--idle-timeout", args.idle_timeout)):
         if seconds is not None and seconds <= 0:
@@ -161,7 +205,7 @@ def _start(warm: Session, make_view, record_type) -> None:
         record.finish(error=exc)
         raise
     else:
-        record.finish(results=[None] * warm.size)
+        record.finish(results=[None] * warm.size, ready=True)  # its ranks stay up: "ready", not "finished"
     finally:
         view.close()
 

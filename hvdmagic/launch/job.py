@@ -29,6 +29,7 @@ from hvdmagic.launch.shipment import Shipment
 from hvdmagic.protocol import PROGRESS_EVENTS, Event, Framework, ResultPolicy, Slot, Stage, TaskSpec
 
 ABORT_GRACE = 5.0  # seconds the other ranks get to report after the first failure
+EXIT_GRACE = 3.0  # seconds a rank that reported its error gets to exit on its own before it is aborted too
 STACKS_WAIT = 4.0  # seconds the ranks get to send their stacks (each writes within task.rank_process's 2 s)
 POLL = 0.1
 RECENT_PROGRESS = 10.0  # a rank silent for longer than this is named as "stopped progressing"
@@ -77,6 +78,17 @@ class JobState:
         return [r for r in range(self.np) if r not in self.exits]
 
 
+def serve_requests(requests: queue.SimpleQueue, send: Callable[[dict], None]) -> None:
+    """Pass on what the views asked for: the ranks' answers come back as events."""
+    while True:
+        try:
+            request = requests.get_nowait()
+        except queue.Empty:
+            return
+        if request == Event.STACKS:
+            send(protocol.bare(Event.STACKS))
+
+
 class ShippingReports:
     """The blob server's progress as SHIPPING events for the views: a few a second while bytes
     flow, then the last. A run whose hosts had every blob already sends none."""
@@ -107,7 +119,7 @@ class Job:
     def __init__(self, backend, payload: Shipment, placement: Placement, *, timeout: float | None = None,
                  stall_timeout: float | None = None, env: dict[str, str] | None = None,
                  results: ResultPolicy = ResultPolicy.ALL, session: bool = False,
-                 on_event: Callable[[dict], None] | None = None):
+                 on_event: Callable[[dict], None] | None = None, requests: queue.SimpleQueue | None = None):
         self.backend = backend
         self.np = backend.np  # the tasks: an elastic run's max_np
         self.payload = payload
@@ -124,6 +136,8 @@ class Job:
         self.blobs: blob_transfer.BlobServer | None = None  # while the job runs: the payloads' large buffers
         self.mpi: MpiDriver | None = None
         self.on_event = on_event or (lambda event: None)
+        # What the views ask while the job runs (Event.STACKS: where is every rank now?).
+        self.requests = requests if requests is not None else queue.SimpleQueue()
         self.job_id = uuid.uuid4().hex[:12]
 
     def run(self) -> JobResult:
@@ -182,6 +196,7 @@ class Job:
     def _loop(self, server: channel.ChannelServer, rendezvous, state: JobState, started: float) -> None:
         deadline = started + self.timeout if self.timeout else None
         aborted_at = None
+        aborted_all = False  # the failed ranks too (they were left to exit on their own, _abort_others)
         verdict: str | None = None  # why the job was stopped without a rank failing
         while len(state.exits) < self.np:
             now = time.monotonic()
@@ -191,14 +206,19 @@ class Job:
                     self._collect_stacks(server, state, rendezvous)
                 if state.failures or verdict:
                     # Fail fast: stop the others now, then give them a moment to report.
-                    server.broadcast(protocol.bare(Event.ABORT))
+                    aborted_all = not self._abort_others(server, state, None if verdict else
+                                                         {f.rank for f in state.failures})
                     aborted_at = now
                 elif error := self.backend.failure() or (self.mpi and self.mpi.failure()):
                     raise LaunchError(error, details=self.backend.failure_details)
             elif now - aborted_at > ABORT_GRACE:
                 break
-            if not self.session:  # a session reports each cell's shipping itself (launch.warm_ranks)
+            elif not aborted_all and now - aborted_at > EXIT_GRACE:
+                server.broadcast(protocol.bare(Event.ABORT))  # a failed rank that does not end on its own
+                aborted_all = True
+            if not self.session:  # a session serves its cells' requests itself (launch.warm_ranks)
                 self.shipping.poll()
+                serve_requests(self.requests, self.send)
             try:
                 link, event = server.events.get(timeout=POLL)
             except queue.Empty:
@@ -216,6 +236,28 @@ class Job:
                              "while others still call collectives makes those fail")
             error = JobTimeout if verdict else JobFailed
             raise error(state.failures, stopped, note="; ".join(notes), stacks=state.stacks)
+
+    def _abort_others(self, server: channel.ChannelServer, state: JobState, failed: set[int] | None) -> bool:
+        """Abort every task, or with ``failed``, every task but those whose rank failed; say
+        whether some were left out.
+
+        A rank that reported its error is ending on its own: aborting it too would kill it in
+        its last steps (atexit hooks, horovod's shutdown), and the user would see the abort's
+        signal (-15) as its exit code instead of its own. One still there after ``EXIT_GRACE``
+        is aborted too.
+        """
+        if not failed or len(state.slots) < self.np:
+            server.broadcast(protocol.bare(Event.ABORT))
+            return False
+        for task, (link, _) in state.hellos.items():
+            slot = state.slots.get(task)
+            if slot is not None and slot.rank in failed:
+                continue
+            try:
+                link.send(protocol.bare(Event.ABORT))
+            except OSError:
+                pass  # that task is gone; its missing exit ends the job
+        return True
 
     def _collect_stacks(self, server: channel.ChannelServer, state: JobState, rendezvous) -> None:
         """Ask every running rank where it is, before the watchdog stops them: the answer to a hang."""

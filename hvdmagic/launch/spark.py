@@ -94,6 +94,9 @@ class SparkBackend(Backend):
             except KeyboardInterrupt:
                 stop.set()  # a slot check left waiting would hold up every later cell's Spark calls
                 raise
+            # A session hvdmagic started on its Spark thread becomes the notebook's active one too.
+            if note := spark_session.make_active_here(self.session):
+                self.notes.append(note)
         self.sc = self.session.sparkContext
         self.bind_host, self.master, task_gpus = on_spark_thread(lambda: (
             self.sc.getConf().get("spark.driver.host", "127.0.0.1"), self.sc.master,

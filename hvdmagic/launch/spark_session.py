@@ -18,7 +18,7 @@ kernel's life. On its own thread a call always finishes; the main thread only
 waits for it, and an interrupted wait leaves it to finish in the background. One
 thread, not one per call, because in pinned-thread mode every Python thread that
 calls the JVM holds a connection of its own. The functions below that call the JVM
-expect to run on it.
+expect to run on it, but ``make_active_here``, which must run on the notebook's thread.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import signal
 import sys
 import tempfile
 import threading
@@ -40,6 +41,7 @@ _LOG4J = Path(__file__).with_name("log4j2.properties")
 _embedded = None  # the session hvdmagic started itself, which it may resize or replace
 _spark_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hvdmagic-spark")
 _starting = threading.Event()  # the Spark thread is starting an embedded session (maybe for a cell that was stopped)
+_shown = None  # the embedded session that make_active_here last made the notebook's own
 
 
 def on_spark_thread(fn: Callable, *args):
@@ -177,6 +179,49 @@ def find_or_start(slots: int, on_stage: Callable[[Stage], None] = lambda stage: 
         _embedded = _start_embedded(max(slots, os.cpu_count() or 1))
         return _embedded, True
     return session, False
+
+
+def make_active_here(session) -> str | None:
+    """Make an embedded session, once, the active SparkSession of the calling thread too (the
+    notebook's: the thread that ran the cell), and return a note that says how to reach it;
+    None for any other session, or one already made so.
+
+    pyspark keeps the active session per thread (the JVM's ``SparkSession.setActiveSession``,
+    a thread-local), and hvdmagic starts its session on its Spark thread: without this,
+    ``SparkSession.getActiveSession()`` in the notebook returns None. This one JVM call runs on
+    the calling thread, with Ctrl-C held back until it returns (``_sigint_held``), so that an
+    interrupt never lands inside it (the module doc says why that matters).
+    """
+    global _shown
+    if session is None or session is not _embedded or session is _shown:
+        return None
+    _shown = session
+    from pyspark.sql import SparkSession
+
+    with _sigint_held():
+        try:
+            SparkSession._activeSession = session
+            SparkSession._get_j_spark_session_class(session._jvm).setActiveSession(session._jsparkSession)
+        except Exception:  # the session still runs the job, and getOrCreate() still finds it
+            pass
+    return (f"hvdmagic's embedded Spark session ({session.sparkContext.master}) is the notebook's active one "
+            "too: spark = SparkSession.builder.getOrCreate()")
+
+
+@contextlib.contextmanager
+def _sigint_held():
+    """In the main thread, a Ctrl-C during the block raises KeyboardInterrupt only once it ends."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: caught.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous if previous is not None else signal.default_int_handler)
+    if caught:
+        raise KeyboardInterrupt
 
 
 def is_embedded(session) -> bool:

@@ -26,7 +26,7 @@ from hvdmagic import protocol
 from hvdmagic.errors import JobFailed, JobInterrupted, JobTimeout, LaunchError, RankFailure
 from hvdmagic.launch import make_backend, preflight
 from hvdmagic.launch.interrupts import interruptible
-from hvdmagic.launch.job import STACKS_WAIT, Job, ShippingReports, result_value
+from hvdmagic.launch.job import STACKS_WAIT, Job, ShippingReports, result_value, serve_requests
 from hvdmagic.launch.placement import Placement, PlacementError
 from hvdmagic.launch.shipment import Shipment
 from hvdmagic.protocol import Event, Payload, ResultPolicy
@@ -162,7 +162,7 @@ class Session:
 
     # -- cells ------------------------------------------------------------------
     def run_cell(self, payload: Shipment, on_event: Callable[[dict], None], *, timeout: float | None = None,
-                 stall_timeout: float | None = None) -> list:
+                 stall_timeout: float | None = None, requests=None) -> list:
         """Run a packed ``(fn, args, kwargs)`` (a CellFunction runs in the ranks' namespaces);
         return every rank's value, raising as a one-shot job would."""
         if not self.running:
@@ -172,14 +172,14 @@ class Session:
             raise LaunchError("the session is running another cell; sessions run one cell at a time.")
         try:
             with interruptible():
-                return self._run_cell(payload, on_event, timeout, stall_timeout)
+                return self._run_cell(payload, on_event, timeout, stall_timeout, requests)
         finally:
             if self._job is not None and self._job.blobs is not None:
                 self._job.blobs.withdraw(payload.buffers)
             self._busy = False
             self._lock.release()
 
-    def _run_cell(self, payload, on_event, timeout, stall_timeout) -> list:
+    def _run_cell(self, payload, on_event, timeout, stall_timeout, requests) -> list:
         self._cells += 1
         cell = self._cells
         self._busy = True
@@ -214,6 +214,8 @@ class Session:
                     self._restart_after(on_event)
                     raise JobTimeout(failures, sorted(pending), note=f"{verdict}; {LOST_STATE}", stacks=stacks)
                 shipping.poll()
+                if requests is not None:
+                    serve_requests(requests, self._job.send)
                 event = self._next_event(None, "cell", wait=POLL)
                 if event is None:
                     continue

@@ -51,10 +51,23 @@ def serve(rank: int, policy: str, stdin) -> int:
             in_cell.clear()
             telemetry.flush()
             telemetry.emit(error_event(exc, cell=cell, broken=_breaks_collectives(exc)))
-        sys.stdout.flush()
-        sys.stderr.flush()
+        _end_output()
         telemetry.emit(protocol.idle(cell, _rss()))
     return 0
+
+
+def _end_output() -> None:
+    """Flush the cell's output and mark its end on both streams (``protocol.CELL_END_MARK``):
+    on the file descriptors, which the supervisor reads, whatever the cell did to sys.stdout."""
+    for stream, fd in ((sys.stdout, 1), (sys.stderr, 2)):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+        try:
+            os.write(fd, protocol.CELL_END_MARK)
+        except OSError:
+            pass  # a closed stream: the supervisor's wait for the mark is bounded
 
 
 def _breaks_collectives(exc: BaseException) -> bool:

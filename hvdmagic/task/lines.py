@@ -69,6 +69,19 @@ def _erase(segment: str) -> str:
     return "".join(kept)
 
 
+def split_at_marks(data: bytes, mark: bytes) -> tuple[list[bytes], bytes]:
+    """``data`` cut at each ``mark``: the pieces around the marks (one more than there were
+    marks), and a tail held back from the last piece because it may be the start of a mark
+    that the next read completes."""
+    pieces = data.split(mark)
+    last = pieces[-1]
+    for keep in range(min(len(mark) - 1, len(last)), 0, -1):
+        if mark.startswith(last[-keep:]):
+            pieces[-1] = last[:-keep]
+            return pieces, last[-keep:]
+    return pieces, b""
+
+
 def relayed(line: bytes, tail: bytes) -> bytes | None:
     """A rank's event line as the frame the driver gets, ``tail`` naming the rank; None to skip it.
 

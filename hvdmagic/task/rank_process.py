@@ -12,6 +12,7 @@ events, and its own events (one JSON line each, on the pipe named by
 
 from __future__ import annotations
 
+import codecs
 import os
 import signal
 import subprocess
@@ -23,11 +24,12 @@ from collections.abc import Callable
 from pathlib import Path
 
 from hvdmagic import protocol
-from hvdmagic.protocol import EVENT_FD_ENV, STACKS_ENV, STACKS_SIGNAL, Boot
-from hvdmagic.task.lines import LineSplitter, relayed
+from hvdmagic.protocol import CELL_END_MARK, EVENT_FD_ENV, STACKS_ENV, STACKS_SIGNAL, Boot
+from hvdmagic.task.lines import LineSplitter, relayed, split_at_marks
 
 KILL_GRACE = 3.0
 STACKS_WAIT = 2.0  # seconds a rank's fault handler gets to write its stacks
+MARK_WAIT = 2.0  # seconds a cell's idle waits for its output (a rank that closed its stdout sends no mark)
 
 # Starts the rank's process with this environment, its event pipe's write end passed on;
 # returns None when the start was abandoned (an abort while mpirun had not started it yet).
@@ -58,6 +60,11 @@ class RankProcess:
         # Set by the rank's first event, which it sends after registering its fault handler:
         # before that, STACKS_SIGNAL would kill it (the signal's default action).
         self._listening = threading.Event()
+        # How many cell ends each output stream has relayed (CELL_END_MARK), and how many the
+        # rank's idle events announced: a cell's idle goes out once both streams caught up.
+        self._marks = {"stdout": 0, "stderr": 0}
+        self._cells_ended = 0
+        self._marks_changed = threading.Condition()
         self._stdin_lock = threading.Lock()
 
     def start(self, env: dict[str, str], boot: Boot, start: Starter = spawn) -> bool:
@@ -171,13 +178,34 @@ class RankProcess:
     # close them before the garbage collector ran.
     def _relay_stream(self, pipe, stream: str) -> None:
         splitter = LineSplitter()
+        decoder = codecs.getincrementaldecoder("utf-8")("replace")  # a character cut between two reads
+        held = b""
         with pipe:
             while chunk := pipe.read1(65536):
-                lines, transient = splitter.feed(chunk.decode("utf-8", "replace"), time.monotonic())
-                if lines or transient is not None:
-                    self._send(protocol.output(self.row, stream, lines, transient))
-        if tail := splitter.finish():
-            self._send(protocol.output(self.row, stream, tail))
+                pieces, held = split_at_marks(held + chunk, CELL_END_MARK)
+                for i, piece in enumerate(pieces):
+                    if i:  # a cell ended before this piece: its output, a last partial line too, is out
+                        self._send_lines(stream, splitter.finish())
+                        self._passed_mark(stream)
+                    lines, transient = splitter.feed(decoder.decode(piece), time.monotonic())
+                    self._send_lines(stream, lines, transient)
+        splitter.feed(decoder.decode(held, final=True), time.monotonic())
+        self._send_lines(stream, splitter.finish())
+
+    def _send_lines(self, stream: str, lines: list[str], transient: str | None = None) -> None:
+        if lines or transient is not None:
+            self._send(protocol.output(self.row, stream, lines, transient))
+
+    def _passed_mark(self, stream: str) -> None:
+        with self._marks_changed:
+            self._marks[stream] += 1
+            self._marks_changed.notify_all()
+
+    def _await_cell_output(self) -> None:
+        """Before a cell's idle: both streams have relayed everything the cell wrote."""
+        with self._marks_changed:
+            self._cells_ended += 1
+            self._marks_changed.wait_for(lambda: min(self._marks.values()) >= self._cells_ended, MARK_WAIT)
 
     def _relay_events(self, events) -> None:
         tail = b',"rank":%d}' % self.row
@@ -187,6 +215,8 @@ class RankProcess:
                 frame = relayed(line, tail)
                 if frame is None:
                     continue
+                if protocol.ends_a_cell(line):
+                    self._await_cell_output()
                 try:
                     self._send_raw(frame)
                 except ValueError as exc:  # over the frame limit: fail the rank, never drop silently

@@ -41,6 +41,7 @@ from collections.abc import Iterator
 import ipywidgets as widgets
 from IPython.display import display
 
+from hvdmagic import stacks
 from hvdmagic.kernel.record import RankRecord, RunRecord
 from hvdmagic.kernel.timeline import describe
 from hvdmagic.kernel.ui import charts, progress_text
@@ -274,6 +275,13 @@ class Dashboard:
         self.controls = widgets.HBox([widgets.HTML("scale", layout=widgets.Layout(width="40px")), self.scale,
                                       self.smoothing, self.overlay],
                                      layout=widgets.Layout(display="none", align_items="center", flex_flow="row wrap"))
+        # "Where are the ranks?": every running rank's Python stacks now, grouped (record.ask_where).
+        self.where_button = widgets.Button(description="where are the ranks?", icon="search",
+                                           tooltip="show where every rank's code is now (its Python stacks)",
+                                           layout=widgets.Layout(width="190px", display="none"))
+        self.where_button.on_click(lambda _button: self.record.ask_where())
+        self.where = widgets.HTML()
+        self._drawn_where: tuple | None = None
         self.charts = widgets.HTML()
         self.notes = widgets.HTML()
         self.panes = [widgets.HTML() for _ in range(record.np + 1)]  # "all ranks" first
@@ -281,7 +289,7 @@ class Dashboard:
         self.logs = widgets.Tab(children=self.panes, titles=titles)
         self.box = widgets.VBox([
             self.header, self.overall, *[row.box for row in self.rows], self.recent,
-            self.controls, self.charts, self.notes,
+            self.where_button, self.where, self.controls, self.charts, self.notes,
             widgets.Accordion(children=[self.logs], titles=("logs",), selected_index=None),
         ], _dom_classes=["hvdmagic-dashboard"])
         self.text_carrier = widgets.Box(layout=widgets.Layout(display="none"))
@@ -289,7 +297,7 @@ class Dashboard:
     # -- the view protocol ----------------------------------------------------
     def start(self) -> None:
         # The route first: a dashboard built late may show its charts, and so its controls, at the first draw.
-        self._route = _ControlRoute([self.scale, self.smoothing, self.overlay])
+        self._route = _ControlRoute([self.scale, self.smoothing, self.overlay, self.where_button])
         self._controls_work = self._route.subshell is not None
         self._draw()
         bundle = self.box._repr_mimebundle_()
@@ -412,6 +420,7 @@ class Dashboard:
                 row.draw(record, rank, epochs, now)
             self._draw_overall(now)
         self._draw_recent()
+        self._draw_where()
         self._draw_metrics(force)
         if force or version != self._drawn_version:
             self._draw_logs()
@@ -453,6 +462,24 @@ class Dashboard:
                 self.overall_bar.bar_style = "danger"
         self.overall_text.value = _mono(progress_text.overall_text(done, outer, eta))
         self.overall.layout.display = None
+
+    def _draw_where(self) -> None:
+        """The button while the run is live (and a click can reach the kernel mid-run); the answers."""
+        record = self.record
+        live = record.state in ("launching", "running") and self._controls_work
+        self.where_button.layout.display = "" if live else "none"
+        drawn = (record.where_asked, len(record.where), live)
+        if drawn == self._drawn_where:
+            return
+        self._drawn_where = drawn
+        if record.where_asked is None:
+            return
+        answers = dict(record.where)
+        lines = [f"asked at {time.strftime('%H:%M:%S', time.localtime(record.where_asked))}: "
+                 f"{len(answers)} of {record.np} ranks answered",
+                 *(stacks.describe(answers)[1:] if answers else [])]
+        self.where.value = (f"<pre class='hvdmagic-where' style='margin:2px 0;max-height:300px;overflow:auto'>"
+                            f"{html.escape(chr(10).join(lines))}</pre>")
 
     def _draw_recent(self) -> None:
         logs = self.record.all_logs

@@ -43,8 +43,9 @@ Named = tuple[str, Bar]  # (desc, bar)
 
 # -- numbers ------------------------------------------------------------------
 
-STATE_COLOURS = {"launching": "#888", "running": "#1f77b4", "finished": "#2ca02c", "failed": "#d62728",
-                 "cancelled": "#ff7f0e", "stopped": "#888", "lost": "#999", "unused": "#bbb"}
+STATE_COLOURS = {"launching": "#888", "running": "#1f77b4", "finished": "#2ca02c", "ready": "#2ca02c",
+                 "failed": "#d62728", "cancelled": "#ff7f0e", "stopped": "#888", "lost": "#999", "unused": "#bbb"}
+UP = ("finished", "ready")  # the states of a rank that ended well, or that a session keeps up
 
 
 def row_name(record: RunRecord, row: int) -> str:
@@ -55,6 +56,18 @@ def row_name(record: RunRecord, row: int) -> str:
 def row_state(rank: RankRecord) -> str:
     """A row's state, with why an elastic task's rank was lost."""
     return f"lost: {rank.lost}" if rank.state == "lost" and rank.lost else rank.state
+
+
+def where_it_ended(rank: RankRecord) -> str | None:
+    """Where a rank that failed or was stopped before it trained was: "at hvd.init", "at first step".
+
+    Its first stage, ``importing``, lasts from its start until the cell imports horovod (a
+    ``%%torchrun`` cell's rank, until its first output): a rank that ended there ended "in the
+    cell", whatever the cell was doing. None for a rank that trained, finished or stays up.
+    """
+    if rank.stage is None or rank.stage is Stage.TRAINING or rank.state in UP:
+        return None
+    return "in the cell" if rank.stage is Stage.IMPORTING else f"at {rank.stage}"
 
 
 def size_text(record: RunRecord) -> str:

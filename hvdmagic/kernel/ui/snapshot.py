@@ -27,7 +27,6 @@ import re
 from hvdmagic.kernel.noise import is_startup_noise
 from hvdmagic.kernel.record import RankRecord, RunRecord
 from hvdmagic.kernel.ui import charts, progress_text
-from hvdmagic.protocol import Stage
 
 TAIL_LINES = 20  # per rank, always visible
 TEXT_LINES = 20  # of all ranks together, in the text/plain and the compact record
@@ -106,12 +105,12 @@ def summary(record: RunRecord) -> str:
     lines = []
     for rank in record.ranks:
         progress = progress_text.progress_summary(rank)
-        stage = rank.stage is not None and rank.stage is not Stage.TRAINING and rank.state != "finished"
-        state = f"{rank.state} at {rank.stage}" if stage else progress_text.row_state(rank)
+        where = progress_text.where_it_ended(rank)
+        state = f"{rank.state} {where}" if where else progress_text.row_state(rank)
         name = progress_text.row_name(record, rank.rank)
         if progress:
             lines.append(f"{name}: {progress} [{state}]")
-        elif rank.state != "finished":
+        elif rank.state not in progress_text.UP:  # the headline says it
             lines.append(f"{name}: [{state}]")
     lines.extend(record.notes)
     latest = record.latest_metrics()
@@ -131,7 +130,7 @@ class Snapshot:
 
     def __init__(self, record: RunRecord, compact: bool = False):
         self.record = record
-        self.compact = (compact and record.state == "finished" and not len(record.history)
+        self.compact = (compact and record.state in progress_text.UP and not len(record.history)
                         and not record.timeline)
 
     # -- text ---------------------------------------------------------------
@@ -184,8 +183,8 @@ class Snapshot:
         header = (f'<div class="hvdmagic-snapshot-header" style="white-space:nowrap;overflow:hidden;'
                   f'text-overflow:ellipsis"><b>{html.escape(record.command)}</b> '
                   f"{html.escape(progress_text.size_text(record))}: "
-                  f'<span class="hvdmagic-state" style="color:{STATE_COLOURS["finished"]};font-weight:600">'
-                  f"finished</span> in {_elapsed(record.elapsed)}</div>")
+                  f'<span class="hvdmagic-state" style="color:{STATE_COLOURS[record.state]};font-weight:600">'
+                  f"{html.escape(record.state)}</span> in {_elapsed(record.elapsed)}</div>")
         pre = (f"margin:2px 0 0;padding:0;background:none;font-family:{_MONO};font-size:12px;"
                "line-height:1.35;white-space:pre-wrap;word-break:break-word")
         parts = [header]
@@ -233,8 +232,8 @@ class Snapshot:
                        f'<div style="width:{fraction * 100:.1f}%;height:6px;background-color:{colour};'
                        f'border-radius:3px"></div></div>')
             state = html.escape(progress_text.row_state(rank))
-            if rank.stage is not None and rank.stage is not Stage.TRAINING and rank.state != "finished":
-                state += f' <span style="color:#888">at {html.escape(str(rank.stage))}</span>'
+            if where := progress_text.where_it_ended(rank):
+                state += f' <span style="color:#888">{html.escape(where)}</span>'
             exit_code = "" if rank.exit_code is None else str(rank.exit_code)
             done = html.escape(progress_text.progress_summary(rank))
             rows.append(
