@@ -32,7 +32,8 @@ its modules and what they may import. Imports go one way, top to bottom:
 - ``task/``: a Spark barrier task: the supervisor of one rank;
 - ``rank/``: a rank process, and what user code calls there;
 - ``protocol`` (what travels between them), ``channel`` (the authenticated stream),
-  ``pickling`` (cloudpickle that keeps shipped code's file names), ``metric_rows``
+  ``blob_transfer`` (large buffers to each host, once), ``pickling`` (cloudpickle that keeps
+  shipped code's file names and leaves large buffers out of band), ``metric_rows``
   (the metric columns' wire form) and ``errors`` are shared;
 - ``build_horovod`` stands apart: a command that builds a horovod wheel.
 

@@ -631,3 +631,20 @@ def test_history_keeps_columns_with_gaps_and_no_python_object_per_row():
     gc.collect()
     assert len(record.history) == 100_004
     assert len(gc.get_objects()) - before < 1000, "the record keeps Python objects per metric row"
+
+
+@pytest.mark.unit
+def test_a_run_without_progress_bars_gives_the_blank_columns_width_to_the_last_line():
+    from hvdmagic.kernel.ui.dashboard import Dashboard
+
+    record = RunRecord(Placement.of(-2))
+    board = Dashboard(record)
+    for rank in (0, 1):
+        record.apply({"type": "placed", "rank": rank, "host": "vm"})
+        record.apply({"type": "output", "rank": rank, "stream": "stdout", "lines": [f"rank {rank} started"]})
+    board._draw()
+    assert [(row.left.layout.display, row.right.layout.display) for row in board.rows] == [("none", "none")] * 2
+    assert "rank 1 started" in board.rows[1].line.value
+    record.apply({"type": "report", "rank": 0, "progress": {"train": [1, 10, 5.0]}})
+    board._draw()  # a bar on one rank: every row keeps its columns, so the rows stay aligned
+    assert [(row.left.layout.display, row.right.layout.display) for row in board.rows] == [("", "")] * 2

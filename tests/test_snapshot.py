@@ -436,3 +436,26 @@ def test_charts_never_import_widgets():
                 if isinstance(node, ast.Import | ast.ImportFrom)
                 for alias in (node.names if isinstance(node, ast.Import) else [ast.alias(node.module or "")])}
     assert imported <= {"__future__", "html", "math", "bisect", "collections"}, imported
+
+
+def test_framework_notices_fold_into_one_line_unless_the_rank_failed():
+    """TensorFlow's start-up chatter stays in last_run().logs but not among a finished rank's lines."""
+    record = RunRecord(Placement.of(-2))
+    notices = ["WARNING: All log messages before absl::InitializeLog() is called are written to STDERR",
+               "I0000 00:00:1732560000.000000   123 cpu_feature_guard.cc:182] This TensorFlow binary is "
+               "optimized to use available CPU instructions"]
+    for rank in (0, 1):
+        record.apply({"type": "placed", "rank": rank, "host": "vm"})
+        record.apply({"type": "output", "rank": rank, "stream": "stderr", "lines": notices})
+        record.apply({"type": "output", "rank": rank, "stream": "stdout", "lines": [f"epoch 1 on rank {rank}"]})
+    record.apply({"type": "exit", "rank": 0, "code": 0, "aborted": False})
+    record.apply({"type": "error", "rank": 1, "exc_type": "ValueError", "message": "x", "traceback": ""})
+    record.apply({"type": "exit", "rank": 1, "code": 1, "aborted": False})
+    record.finish(error=JobFailed([RankFailure(1, "ValueError: x", "", "vm")], []))
+    markup = Snapshot(record)._repr_html_()
+    logs = markup[markup.index('class="hvdmagic-log"'):]
+    finished, failed = logs.split('class="hvdmagic-log" data-rank="1"')
+    assert "framework notices (2)" in finished and "1 line<" in finished, finished
+    assert "epoch 1 on rank 0" in finished and finished.count("cpu_feature_guard") == 1  # in the fold only
+    assert "framework notices" not in failed and "cpu_feature_guard" in failed  # a failed rank shows them all
+    assert len(record.ranks[0].logs) == 3  # nothing lost from the record

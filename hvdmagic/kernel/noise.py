@@ -20,6 +20,8 @@ _NOISE = re.compile("|".join([
     r"Unable to register cu(DNN|FFT|BLAS) factory",
     r"TF-TRT Warning: Could not find TensorRT",
     r"failed call to cuInit",
+    # Keras, when a callback (hvdmagic's dashboard one included) takes longer than a tiny batch.
+    r"Callback method `on_\w+` is slow compared to the batch time",
     # Horovod's echo, in every other rank, of a rank that died: the run names the lost rank itself.
     r"Horovod background loop uncaught exception: .*(Connection reset by peer|Connection closed by peer)",
 ]))

@@ -83,7 +83,9 @@ class _RankRow:
         self.meter = progress_text.Meter()
         self._bar_key: tuple | None = None
 
-    def draw(self, run: RunRecord, record: RankRecord, epochs: bool, now: float) -> None:
+    def draw(self, run: RunRecord, record: RankRecord, epochs: bool, now: float, counted: bool = True) -> None:
+        """``counted``: some rank of the run has a progress bar; when none has, the blank step,
+        rate and time columns give their width to the last line (a cell that only prints)."""
         host = f" <small>@ {html.escape(record.host)}</small>" if record.host else ""
         name = progress_text.row_name(run, record.rank)
         if run.elastic and record.world_rank is not None:
@@ -102,6 +104,8 @@ class _RankRow:
         left, _, right = progress_text.row_parts(record, rate=rate, epochs=epochs, now=now)
         self.left.value = _mono(left, grey[7:])
         self.right.value = _mono(right, grey[7:])
+        for part, text in ((self.left, left), (self.right, right)):
+            part.layout.display = "none" if not counted and not text.strip() else ""
         with self.bar.hold_sync():
             if inner is not None:
                 bar = inner[1]
@@ -416,8 +420,9 @@ class Dashboard:
         if force or version != self._drawn_version or record.state in ("launching", "running"):
             bars = [dict(rank.bars) for rank in record.ranks]
             epochs = any(progress_text.pick_bars(b)[0] is not None for b in bars)
+            counted = any(bars)
             for row, rank in zip(self.rows, record.ranks):
-                row.draw(record, rank, epochs, now)
+                row.draw(record, rank, epochs, now, counted)
             self._draw_overall(now)
         self._draw_recent()
         self._draw_where()

@@ -268,16 +268,25 @@ class Snapshot:
         pre = (f"margin:0;padding:4px 6px;background-color:#f7f7f7;border-radius:3px;font-family:{_MONO};"
                "font-size:11.5px;line-height:1.35;white-space:pre-wrap;word-break:break-word")
         for rank in self.record.ranks:
-            count = len(rank.logs)
+            logs, notices = rank.logs, []
+            if rank.state != "failed":  # a failed rank's notices may say why: shown among its lines
+                logs = [(stream, line) for stream, line in rank.logs if not is_startup_noise(line)]
+                notices = [line for stream, line in rank.logs if is_startup_noise(line)]
+            count = len(logs)
             where = f"hvdmagic.last_run().logs[{rank.rank}]"
             host = f" @ {html.escape(rank.host)}" if rank.host else ""
             name = progress_text.row_name(self.record, rank.rank)
+            folded = ""
+            if notices:
+                folded = (f'<details class="hvdmagic-notices" style="margin-top:2px"><summary style="font-size:11px;'
+                          f'color:#888;cursor:pointer">framework notices ({len(notices)})</summary>'
+                          f'<pre style="{pre};color:#888">{html.escape(chr(10).join(notices))}</pre></details>')
             if not count:
                 blocks.append(f'<div class="hvdmagic-log" data-rank="{rank.rank}" style="margin:4px 0">'
                               f'<span style="font-size:12px"><b>{name}</b>{host}</span> '
-                              f'<span style="font-size:11px;color:#888">no output</span></div>')
+                              f'<span style="font-size:11px;color:#888">no output</span>{folded}</div>')
                 continue
-            tail = _lines(rank.logs[-TAIL_LINES:])
+            tail = _lines(logs[-TAIL_LINES:])
             shown = min(count, TAIL_LINES)
             caption = (f"{count} lines, the last {shown} below; every line is in <code>{where}</code>"
                        if count > shown else f"{count} line{'s' if count != 1 else ''}")
@@ -292,9 +301,9 @@ class Snapshot:
                          if count > longer else "")
                 block += (f'<details style="margin-top:2px"><summary style="font-size:12px;cursor:pointer">'
                           f"{name}: {count} lines</summary>{older}"
-                          f'<pre style="{pre};max-height:400px;overflow-y:auto">{_lines(rank.logs[-LOG_LINES:])}'
+                          f'<pre style="{pre};max-height:400px;overflow-y:auto">{_lines(logs[-LOG_LINES:])}'
                           f"</pre></details>")
-            blocks.append(block + "</div>")
+            blocks.append(block + folded + "</div>")
         return "".join(blocks)
 
 
