@@ -68,6 +68,11 @@ def train(steps: int, *, commit_every: int = 5, kill: tuple[int, int] | None = N
             if state.step % commit_every == 0:
                 state.commit()
             if ready_at is not None and state.step == ready_at and hvd.rank() == 0:
+                # The test kills a worker once the marker is there, maybe this rank's own: its metric
+                # rows must be on their way first, or the step's row dies with it.
+                from hvdmagic.rank import telemetry
+
+                telemetry.flush()
                 open(marker, "w").close()
             if kill and task_index() == kill[0] and state.step == kill[1]:
                 try:
