@@ -52,6 +52,15 @@ class Progress:
         return f"sent {what} to {hosts}: {_megabytes(self.sent)} in {elapsed:.1f} s, {rate}"
 
 
+def format_size(size: float) -> str:
+    """A size in bytes as messages give it: "512 B", "16.0 MiB", "2.0 GiB"."""
+    for unit in ("B", "KiB", "MiB"):
+        if size < 1024:
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{size:.1f} GiB"
+
+
 def _megabytes(size: int) -> str:
     return f"{size / 1e6:.0f} MB" if size < 1e9 else f"{size / 1e9:.1f} GB"
 

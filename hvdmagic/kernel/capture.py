@@ -27,6 +27,7 @@ from pathlib import Path
 import cloudpickle
 
 from hvdmagic import pickling
+from hvdmagic.blob_transfer import format_size
 from hvdmagic.errors import CaptureError, CellSyntaxError
 from hvdmagic.launch import shipment
 from hvdmagic.launch.shipment import Shipment
@@ -434,14 +435,6 @@ class Capture:
                           for name, size in sorted(self.sizes.items(), key=lambda kv: -kv[1]))
         return (f"hvdmagic: captured {len(self.sizes)} global(s){': ' + names if names else ''}; "
                 f"payload {format_size(self.payload.size)}")
-
-
-def format_size(size: int) -> str:
-    for unit in ("B", "KiB", "MiB"):
-        if size < 1024:
-            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1024
-    return f"{size:.1f} GiB"
 
 
 def capture_cell(source: str, user_ns: dict, hidden: set[str] | frozenset[str] = frozenset(),

@@ -28,7 +28,7 @@ import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-from hvdmagic.blob_transfer import BlobError, fetch
+from hvdmagic.blob_transfer import BlobError, fetch, format_size
 from hvdmagic.protocol import Blob
 
 DIR_ENV = "HVDMAGIC_BLOB_CACHE"
@@ -149,25 +149,21 @@ class BlobCache:
     def _no_room(self, blob: Blob) -> NoRoom:
         free = shutil.disk_usage(self.directory).free
         return NoRoom(
-            f"{blob.label or 'a value the cell reads'} ({_size(blob.size)}) does not fit on this host: "
-            f"{self.directory} has {_size(free)} free. Pass large data with --data (a Spark DataFrame, "
+            f"{blob.label or 'a value the cell reads'} ({format_size(blob.size)}) does not fit on this host: "
+            f"{self.directory} has {format_size(free)} free. Pass large data with --data (a Spark DataFrame, "
             f"sharded across the ranks), or load it inside the cell from a file every rank can read; "
             f"or point {DIR_ENV} at a larger directory.")
-
-
-def _size(size: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if size < 1024 or unit == "GiB":
-            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1024
-    raise AssertionError
 
 
 def fetched_in_background(cache: BlobCache, blobs: Iterable[Blob], address: tuple[str, int], secret: bytes):
     """Start fetching now; the returned function waits for it and raises what it raised."""
     import concurrent.futures
 
+    blobs = list(blobs)
+    if not blobs:  # most payloads: no thread for nothing
+        return lambda: None
+
     executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hvdmagic-blob-fetch")
-    future = executor.submit(cache.ensure, list(blobs), address, secret)
+    future = executor.submit(cache.ensure, blobs, address, secret)
     executor.shutdown(wait=False)
     return future.result

@@ -141,7 +141,7 @@ class Supervisor:
                 fetched()
             else:
                 self._blobs.ensure(payload.blobs, self._blob_server, self.spec.secret)
-        except (BlobError, OSError) as exc:
+        except OSError as exc:  # a BlobError, or the link or disk failing under it
             reason = str(exc) if isinstance(exc, BlobError) else f"fetching the cell's data from the kernel: {exc}"
             payload = Payload(pickle.dumps((fail, (f"{reason} (host {socket.gethostname()})",), {})))
         self.rank.feed(payload, cell_id)
