@@ -21,6 +21,10 @@ horovod 0.28.1's sdist does not build against today's frameworks as it is:
     other hosts are told to connect to 127.0.0.1 and the first collective aborts. The
     fix uses the global context's interface (HOROVOD_GLOO_IFACE), as every other
     context already does (tests/test_multihost.py).
+  * Gloo's stall inspector: the Gloo controller reserves its list of the process set's
+    ranks instead of sizing it, so the list stays empty and Horovod's "Missing ranks"
+    warning never comes under Gloo (MPI sizes it). The fix sizes it; ``--stall-check``
+    and the dashboard's hang notices depend on it (tests/test_hang_reports.py).
   * TensorFlow >= 2.18 (XLA moved out of tensorflow/compiler): xla_mpi_ops.cc includes
     tensorflow/compiler/xla/client/xla_builder.h, now xla/hlo/builder/xla_builder.h,
     and XLA's headers include highwayhash and farmhash from directories TF ships but
@@ -128,6 +132,11 @@ PATCHES = [
      "  attr device_attr;\n  device_attr.iface = gloo_iface_;\n  device_attr.ai_family = AF_UNSPEC;\n"
      "  auto dev = CreateDevice(device_attr);\n\n  global_ctx = global_context.ctx;",
      "the Gloo interface of process sets"),
+    # reserve() leaves size() 0: CheckForStalledTensors then loops over no rank and never warns.
+    ("horovod/common/gloo/gloo_controller.cc",
+     "  global_ranks_.reserve(size_);\n",
+     "  global_ranks_.resize(size_);  // hvdmagic: sized, so that the stall inspector sees every rank\n",
+     "the Gloo controller's rank list (the stall inspector's)"),
     ("horovod/tensorflow/xla_mpi_ops.cc",
      '#include "tensorflow/compiler/xla/client/xla_builder.h"\n',
      '#if __has_include("tensorflow/compiler/xla/client/xla_builder.h")\n'

@@ -1,14 +1,44 @@
 """Horovod's own Gloo RendezvousServer, bound to the one address the ranks use.
 
 RendezvousServer.start() listens on every interface of the driver. We keep
-horovod's class (its init/stop and its HTTP handler) and override only start()
-so the key-value store is reachable on the driver address alone.
+horovod's class (its init/stop and its HTTP handler) and override start(), so
+the key-value store is reachable on the driver address alone, and the handler's
+DELETE, which in horovod 0.28.1 forgets other scopes' progress (``ScopedHandler``).
 """
 
 from __future__ import annotations
 
-from horovod.runner.http.http_server import RendezvousHandler, RendezvousHTTPServer, RendezvousServer
+from horovod.runner.http.http_server import OK, RendezvousHandler, RendezvousHTTPServer, RendezvousServer
 from horovod.runner.util.threads import in_thread
+
+
+class ScopedHandler(RendezvousHandler):
+    """horovod's handler, but a Gloo scope whose ranks have all finalized clears its own list only.
+
+    Each rank DELETEs its key of a scope (``global``, ``local_<host>``, ``cross_<n>``) when
+    ``hvd.shutdown()`` finalizes its Gloo context; once the scope's last rank has, the server
+    drops the scope's addresses. horovod 0.28.1 then clears every scope's list of finalized
+    ranks: a scope still half finalized (two ranks of ``local_<host>``, while a one-rank
+    ``cross_<n>`` completes at once) never completes, and its addresses outlive it. The next
+    ``hvd.init()`` in the same processes (``hvd.shutdown(); hvd.init()``, as horovod's own test
+    suite does between tests) may read a dead peer's address: Gloo's connect throws in horovod's
+    background thread and the rank dies of SIGABRT (docs/frameworks.md).
+    """
+
+    def do_DELETE(self):
+        parts = self.path.split("/")
+        server = self.server
+        if len(parts) != 3 or parts[1] not in server.scope_size:
+            return super().do_DELETE()  # a malformed path, or an ad-hoc scope: horovod's own handling
+        _, scope, key = parts
+        with server.finished_list_lock:
+            finished = server.finished_list[scope]
+            finished.append(key)
+            if len(finished) == server.scope_size[scope]:
+                with server.cache_lock:
+                    server.cache.get(scope, {}).clear()
+                finished.clear()
+        self.send_status_code(OK)
 
 
 class Rendezvous(RendezvousServer):
@@ -27,7 +57,7 @@ class Rendezvous(RendezvousServer):
 
         self.init(horovod_plan(layout))
 
-    def start(self, handler_cls=RendezvousHandler) -> int:
+    def start(self, handler_cls=ScopedHandler) -> int:
         self._httpd = RendezvousHTTPServer((self._host, 0), handler_cls, self._verbose)
         # stop() must not wait for requests still being served: an elastic driver stops the
         # rendezvous from the very barrier that a rank's request waits at.

@@ -1,0 +1,65 @@
+"""The Gloo rendezvous keeps each scope's progress apart: hvd.init() after hvd.shutdown() does not abort.
+
+horovod 0.28.1's handler clears every scope's list of finalized ranks when one scope completes,
+so a scope still half finalized keeps its addresses, and the next hvd.init() in the same
+processes may connect to a dead peer and die of SIGABRT (docs/frameworks.md).
+"""
+
+from __future__ import annotations
+
+import urllib.request
+
+import pytest
+from conftest import run
+
+import hvdmagic
+from hvdmagic.launch.layout import compute_layout
+from hvdmagic.launch.rendezvous import Rendezvous
+
+
+def _request(port: int, method: str, path: str, body: bytes | None = None) -> bytes:
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/{path}", data=body, method=method)
+    with urllib.request.urlopen(request, timeout=10) as response:
+        return response.read()
+
+
+@pytest.mark.unit
+def test_a_scope_that_completes_leaves_a_half_finalized_scopes_progress_alone():
+    """Two ranks on one host: ``local_vm`` has both, each ``cross_<n>`` one. Rank 0 finalizes
+    ``local_vm``, then ``cross_1`` (rank 1's, one rank) completes, then rank 1 finalizes
+    ``local_vm``: its addresses must go, or the next init reads them."""
+    slots = compute_layout(["vm", "vm"])
+    server = Rendezvous("127.0.0.1")
+    try:
+        server.place(slots)
+        for rank in (0, 1):
+            _request(server.port, "PUT", f"local_vm/rank_{rank}", f"address of rank {rank}".encode())
+            _request(server.port, "PUT", f"cross_{rank}/rank_0", b"its cross address")
+        _request(server.port, "DELETE", "local_vm/rank_0")
+        _request(server.port, "DELETE", "cross_1/rank_0")  # a one-rank scope: complete at once
+        _request(server.port, "DELETE", "local_vm/rank_1")
+        cache = server._httpd.cache
+        assert not cache.get("local_vm") and not cache.get("cross_1"), f"addresses outlived their scope: {cache}"
+        assert cache.get("cross_0"), "a scope nobody finalized lost its keys"
+    finally:
+        server.stop()
+
+
+# hvd.shutdown() then hvd.init() in the same ranks, as horovod's own test suite does between tests.
+_REINIT = """%%horovod --np -2
+import torch
+import horovod.torch as hvd
+for round in range(25):
+    hvd.init()
+    hvd.allreduce(torch.ones(2), name=f"round{round}")
+    hvd.barrier()
+    hvd.shutdown()
+round + 1
+"""
+
+
+def test_ranks_that_init_again_after_shutdown_keep_running(ip):
+    result, error = run(ip, _REINIT)
+    assert error is None, error  # before the fix, about one re-init in ten aborted a rank (SIGABRT)
+    assert result == 25
+    assert hvdmagic.last_run().state == "finished"
