@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from hvdmagic import rank_ranges
 from hvdmagic import stacks as rank_stacks
 
 
@@ -49,6 +50,9 @@ class CellSyntaxError(CaptureError):
 
 # Errors a rank raises because another rank failed first: never the root cause.
 FALLOUT = ("HorovodInternalError",)
+# What torch.distributed's Gloo raises (a RuntimeError or DistBackendError) in a rank whose peer is
+# gone: the peer's death is the news, and it may reach the driver after this error does.
+PEER_GONE = ("Connection closed by peer", "Connection reset by peer")
 
 
 @dataclass
@@ -61,7 +65,8 @@ class RankFailure:
 
     @property
     def is_fallout(self) -> bool:
-        return self.summary.split(":", 1)[0] in FALLOUT
+        kind = self.summary.split(":", 1)[0]
+        return kind in FALLOUT or (kind.endswith("Error") and any(sign in self.summary for sign in PEER_GONE))
 
 
 class JobFailed(HvdmagicError, RuntimeError):
@@ -90,9 +95,9 @@ class JobFailed(HvdmagicError, RuntimeError):
             parts.append(f"rank {first.rank}{where} failed: {first.summary}")
         others = sorted({f.rank for f in self.failures[1:]})
         if others:
-            parts.append(f"rank(s) {', '.join(map(str, others))} failed too")
+            parts.append(f"rank(s) {rank_ranges.compress(others)} failed too")
         if self.stopped:
-            parts.append(f"rank(s) {', '.join(map(str, self.stopped))} were stopped")
+            parts.append(f"rank(s) {rank_ranges.compress(self.stopped)} were stopped")
         if self.note:
             parts.append(self.note)
         return "; ".join(parts) + "."
@@ -107,7 +112,7 @@ class JobFailed(HvdmagicError, RuntimeError):
                 lines.append(f"... and {len(shown) - i} more distinct failure(s)")
                 break
             lines.append("")
-            lines.append(f"--- rank {', '.join(map(str, ranks))} ---")
+            lines.append(f"--- rank {rank_ranges.compress(ranks)} ---")
             for rank in ranks:
                 if quiet := self.quiet_output.get(rank):
                     lines.append(f"(rank {rank}'s start-up messages, hidden while it ran:)")

@@ -25,6 +25,7 @@ class Event(StrEnum):
     HELLO = "hello"  # task index, host address, GPUs, shard rows: the driver places every task from these
     OUTPUT = "output"  # a rank's stdout/stderr lines, and its latest \r update
     EXIT = "exit"  # a rank's exit code; "aborted" when the supervisor's own signal ended it
+    RESOURCES = "resources"  # what a rank's processes use (CPU, RSS, GPUs), sampled by its supervisor
     READY = "ready"  # --controller mpi: the task listens for its rank's shim
     # rank -> driver (relayed by the supervisor, which appends "rank")
     REPORT = "report"  # progress bars and metric rows
@@ -92,6 +93,9 @@ LEGACY_KERAS_SET_ENV = "HVDMAGIC_SET_LEGACY_KERAS"  # hvdmagic, not the user, ch
 STACKS_ENV = "HVDMAGIC_STACKS_FILE"  # where the rank's fault handler writes its stacks when asked
 BLOB_DIR_ENV = "HVDMAGIC_BLOB_DIR"  # the host's blob cache (task.blob_cache), where a rank maps its payload's blobs
 STACKS_SIGNAL = signal.SIGUSR2
+# In a STACKS event's text, after the fault handler's dump: py-spy's JSON dump of the rank with
+# its native frames (task.native_stacks), or one line saying why py-spy could not read it.
+NATIVE_STACKS_MARK = "--- hvdmagic: py-spy dump --native ---"
 # What a session's rank writes to its stdout and stderr (the file descriptors, after flushing
 # them) when a cell ends, just before its "idle": its supervisor relays that idle only once both
 # streams have passed the mark, so a cell's last lines are never counted in the next cell.
@@ -250,6 +254,14 @@ class Ready(TypedDict):
     task: int
 
 
+class Resources(TypedDict):
+    type: Literal[Event.RESOURCES]
+    rank: int
+    cpu: float  # percent of one core, summed over the rank's process tree (200 = two cores busy)
+    rss: int  # bytes, summed over the rank's process tree
+    gpus: list[dict]  # per GPU the rank uses (task.resources.gpu_usage): index, util, used, total, rank_used
+
+
 # rank -> driver (a rank's own events; "rank" is added by its supervisor)
 class Result(TypedDict, total=False):
     type: Literal[Event.RESULT]
@@ -353,6 +365,7 @@ class Launching(TypedDict):
     description: str
     job_group: str | None
     channel: list  # [host, port]
+    backend: str  # where the tasks run, as the run's header names it: "spark", "spark connect", "local"
 
 
 class Placed(TypedDict):
@@ -377,7 +390,9 @@ class World(TypedDict):
 class Stacks(TypedDict):
     type: Literal[Event.STACKS]
     rank: int
-    text: str  # what the rank's fault handler wrote: every thread's stack; "" if it wrote nothing
+    # What the rank's fault handler wrote: every thread's stack ("" if it wrote nothing), then,
+    # where py-spy is installed, NATIVE_STACKS_MARK and its dump.
+    text: str
 
 
 class Shipping(TypedDict):
@@ -398,6 +413,7 @@ hello = _builder(Hello, Event.HELLO)
 output = _builder(Output, Event.OUTPUT, transient=None)
 exit_ = _builder(Exit, Event.EXIT)
 ready = _builder(Ready, Event.READY)
+resources = _builder(Resources, Event.RESOURCES)
 result = _builder(Result, Event.RESULT)
 error = _builder(Error, Event.ERROR)
 note = _builder(Note, Event.NOTE)

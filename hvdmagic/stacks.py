@@ -2,16 +2,25 @@
 
 A rank's ``faulthandler`` writes every thread's stack when a crash signal kills it, and
 when its supervisor asks (``protocol.STACKS_SIGNAL``), with no help from the user's code
-and even while a thread waits in C++ (a collective). This module reads that text in the
-kernel: standard library only.
+and even while a thread waits in C++ (a collective). Where py-spy is installed beside the
+task, the supervisor adds its dump (``task.native_stacks``): the native frames above each
+thread's innermost Python call, shown under the Python stacks. This module reads that text
+in the kernel: standard library only.
 """
 
 from __future__ import annotations
+
+import json
+
+from hvdmagic import rank_ranges
+from hvdmagic.protocol import NATIVE_STACKS_MARK
 
 FATAL_ERROR = "Fatal Python error: "  # how faulthandler starts what it writes for a dying process
 _THREAD = ("Thread 0x", "Current thread 0x")
 # Frames of hvdmagic's own start-up and threads (its flusher, its parent watch), not the user's.
 _OURS = ("/hvdmagic/", "<frozen runpy>", '/threading.py"')
+NATIVE = "native frames (py-spy), most recent call first, down to the Python call:"
+NATIVE_FRAMES = 12  # per thread, the innermost: where it waits, and the library calls that led there
 
 
 def user_stacks(lines: list[str]) -> str:
@@ -19,6 +28,10 @@ def user_stacks(lines: list[str]) -> str:
     each as ``Thread``/``Current thread`` and its frames (most recent call first); hvdmagic's
     frames and threads left out, as they are from a raised exception's traceback. A first line
     that is not a thread's (``Fatal Python error: Aborted``) is kept as the headline."""
+    if NATIVE_STACKS_MARK in lines:
+        at = lines.index(NATIVE_STACKS_MARK)
+        python, native = user_stacks(lines[:at]), _native("\n".join(lines[at + 1:]))
+        return "\n\n".join(part for part in (python, native and f"{NATIVE}\n{native}") if part)
     headline, threads = [], []
     for line in lines:
         if line.startswith(_THREAD):
@@ -33,6 +46,53 @@ def user_stacks(lines: list[str]) -> str:
     return "\n\n".join([*headline, *("\n".join(t) for t in threads)])
 
 
+def _native(dump: str) -> str:
+    """py-spy's JSON dump as text: for each thread that runs the user's Python, the native frames
+    above its innermost Python frame (where a collective waits), without the binding glue; the
+    note the supervisor sent instead of a dump as it is; "" when no such thread is in C."""
+    dump = dump.strip()
+    try:
+        threads = json.loads(dump)
+    except ValueError:
+        return dump.splitlines()[0] if dump else ""
+    shown = []
+    for thread in threads if isinstance(threads, list) else []:
+        frames = thread.get("frames") or []
+        # py-spy names the library of a native frame (its "module"), and none for a Python frame.
+        python = [i for i, frame in enumerate(frames) if frame.get("module") is None]
+        if not python or all(_ours(frames[i].get("filename") or "") for i in python):
+            continue  # no Python frame, or only hvdmagic's: not a thread of the user's code
+        native = [_frame(frame) for frame in frames[:python[0]] if not _glue(frame)]
+        if native:
+            more = [f"  … {len(native) - NATIVE_FRAMES} more"] if len(native) > NATIVE_FRAMES else []
+            name = thread.get("thread_name")  # none where the process never imported threading
+            shown.append("\n".join([f'Thread "{name}":' if name else "Thread:",
+                                    *("  " + line for line in native[:NATIVE_FRAMES]), *more]))
+    return "\n".join(shown)
+
+
+def _ours(filename: str) -> bool:
+    return "/hvdmagic/" in filename or filename.startswith("<frozen runpy>") or filename.endswith("/threading.py")
+
+
+def _glue(frame: dict) -> bool:
+    """A frame that says nothing of where the thread is: an address py-spy could not name, pybind11's
+    call machinery, CPython's inline helpers (``Py_INCREF``) that the debug info puts in the stack."""
+    name, filename = str(frame.get("name", "")), str(frame.get("filename", ""))
+    return name.startswith(("0x", "pybind11::")) or "/include/python3" in filename
+
+
+def _frame(frame: dict) -> str:
+    where = frame.get("short_filename") or frame.get("module") or "?"
+    return f"{frame.get('name')} ({where}{f':{line}' if (line := frame.get('line')) else ''})"
+
+
+def split(text: str) -> tuple[str, str]:
+    """A rank's trimmed stacks as (its Python stacks, its native frames or ""), as ``user_stacks`` joined them."""
+    python, _, native = ("\n\n" + text).partition(f"\n\n{NATIVE}\n")
+    return python[2:], native
+
+
 def trimmed(dumps: dict[int, str] | None) -> dict[int, str]:
     """By rank, ``user_stacks`` of each rank's whole dump."""
     return {rank: user_stacks(text.splitlines()) for rank, text in (dumps or {}).items()}
@@ -45,18 +105,38 @@ def where_it_died(stderr: list[str]) -> str:
 
 
 def grouped(stacks: dict[int, str]) -> list[tuple[list[int], str]]:
-    """Ranks whose stacks read the same, together: ``[([0, 2], stack), ([1], other)]``, by first rank."""
+    """Ranks whose Python stacks read the same, together: ``[([0, 2], stack), ([1], other)]``, by
+    first rank. Their native frames (``split``) are not compared: ``describe`` groups them within."""
+    return _alike({rank: split(text)[0] for rank, text in stacks.items()})
+
+
+def _alike(texts: dict[int, str]) -> list[tuple[list[int], str]]:
     groups: dict[str, list[int]] = {}
-    for rank in sorted(stacks):
-        groups.setdefault(stacks[rank], []).append(rank)
+    for rank in sorted(texts):
+        groups.setdefault(texts[rank], []).append(rank)
     return [(ranks, text) for text, ranks in groups.items()]
 
 
-def describe(stacks: dict[int, str]) -> list[str]:
-    """The grouped stacks as lines for an error or a view."""
+def describe(stacks: dict[int, str], noun: str = "rank") -> list[str]:
+    """The grouped stacks as lines for an error or a view: each group's Python stacks, then its
+    native frames, once if every rank of the group has the same, else grouped again by rank.
+    ``noun``: what the keys are, "task" for an elastic run's rows (its ranks change at resets)."""
     lines = ["where the ranks were (most recent call first):"]
     for ranks, text in grouped(stacks):
-        label = "rank" if len(ranks) == 1 else "ranks"
-        lines.append(f"{label} {', '.join(map(str, ranks))}:")
-        lines.extend("  " + line if line else "" for line in (text or "(no stack came back)").splitlines())
+        lines.append(f"{rank_ranges.label(ranks, noun)}:")
+        lines.extend(_indented(text or "(no stack came back)", 2))
+        natives = {rank: native for rank in ranks if (native := split(stacks[rank])[1])}
+        if natives:
+            lines.append("  " + NATIVE)
+            alike = _alike(natives)
+            if len(alike) == 1 and alike[0][0] == ranks:
+                lines.extend(_indented(alike[0][1], 4))
+            else:
+                for some, native in alike:
+                    lines.append(f"    {rank_ranges.label(some, noun)}:")
+                    lines.extend(_indented(native, 6))
     return lines
+
+
+def _indented(text: str, by: int) -> list[str]:
+    return [" " * by + line if line else "" for line in text.splitlines()]

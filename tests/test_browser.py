@@ -3,8 +3,8 @@
 nbclient and nbval only see a cell's final outputs; these tests drive JupyterLab and check
 the page, each saving a screenshot under artifacts/screenshots/:
 
-- a live run: the rank bars and the overall bar move while the ranks train, a metric chart
-  and the newest output lines appear, a chart control works mid-run, and the end of the
+- a live run: the status bar says Busy throughout; the rank bars and the overall bar move while
+  the ranks train, a metric chart and the newest output lines appear, a chart control works mid-run, and the end of the
   run replaces the widgets by the static snapshot (running.png, dashboard.png, finished.png);
 - a failing rank: the snapshot's header says failed and the traceback is shown once, in
   the cell's error output (failed.png);
@@ -29,6 +29,7 @@ docs/images/dashboard.png, which the README shows.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import os
 import re
@@ -63,6 +64,7 @@ STAGE = f"{DASHBOARD} .hvdmagic-stage"
 CHART = f"{DASHBOARD} .hvdmagic-chart svg"
 RECENT = f"{DASHBOARD} .hvdmagic-recent"
 SNAPSHOT = ".hvdmagic-snapshot"
+KERNEL_STATUS = ".jp-StatusBar-TextItem[title^='Change kernel']"  # "Python 3 (…) | Busy"
 ERROR_OUTPUT = ".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr']"
 NOTEBOOK_CELLS = ".jp-NotebookPanel .jp-Notebook .jp-Cell"
 NO_KERNEL = """() => {
@@ -275,6 +277,15 @@ def watch_live_run(page, seen: dict) -> None:
     # through the whole launch, which takes over 30 s on a loaded 2-core machine.
     wait_for(page, f"() => document.querySelectorAll({json.dumps(RANK_BARS)}).length === {NP}", timeout=150,
              failure=f"The dashboard ({DASHBOARD}) did not show {NP} rank progress bars")
+    # From now until the snapshot, what the status bar says about the kernel, every 100 ms.
+    page.evaluate(f"""() => {{
+        window.hvdmagicStatuses = [];
+        window.hvdmagicStatusTimer = setInterval(() => {{
+            if (document.querySelector({json.dumps(SNAPSHOT)})) return clearInterval(window.hvdmagicStatusTimer);
+            const item = document.querySelector({json.dumps(KERNEL_STATUS)});
+            window.hvdmagicStatuses.push(item ? item.innerText.split("|").pop().trim() : "(none)");
+        }}, 100);
+    }}""")
     first = wait_for(page, f"() => {{ const w = ({rank_widths()})(); return w.some(x => parseFloat(x) > 0) && w; }}",
                      timeout=150, failure="No rank reported any progress")
     seen["first"] = first
@@ -318,6 +329,7 @@ def watch_live_run(page, seen: dict) -> None:
         }}""", timeout=20, failure="Ticking 'all ranks' did not overlay rank 1 on the chart")
 
     seen["state"] = wait_for_snapshot(page, 1, timeout=120, what="The run did not end")
+    seen["statuses"] = page.evaluate("() => window.hvdmagicStatuses")
     wait_until_idle(page, timeout=30, what="After the run")
     seen["final_widths"] = page.evaluate(rank_widths(f"{SNAPSHOT} .hvdmagic-rank td div > div"))
     seen["snapshot_text"] = page.locator(SNAPSHOT).inner_text()
@@ -338,6 +350,11 @@ def test_live_dashboard_in_jupyterlab(live_run):
     print(f"progress bars moved from {seen['first']} to {seen['later']}; overall: {seen['overall']}")
     assert not all(w == "100%" for w in seen["first"]), f"the run had already finished when first seen: {seen}"
     assert seen["running_header"] == "running", seen
+    # ipykernel answers JupyterLab's subshell request and the control's clicks mid-run, each with an
+    # idle status (kernel/busy_status.py): the status bar must still say Busy all along.
+    said = [(status, len(list(run))) for status, run in itertools.groupby(seen["statuses"])]
+    assert len(seen["statuses"]) > 20 and {status for status, _ in said} == {"Busy"}, (
+        f"the status bar did not say Busy all through the run (status, samples 100 ms apart): {said}")
     assert seen["overlay"]["running"], f"the chart control only took effect after the run: {seen['overlay']}"
     assert seen["state"] == "finished", f"the run ended as {seen['state']!r}, not finished.\n{seen['cell_text']}"
     assert seen["dashboards_left"] == 0, "the live widgets were not replaced by the snapshot"

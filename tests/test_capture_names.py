@@ -143,6 +143,21 @@ def test_capture_does_not_pickle_a_global_the_cell_assigns_first():
 
 
 @pytest.mark.unit
+def test_a_long_capture_summary_breaks_between_globals_never_inside_one():
+    user_ns = {f"feature_matrix_{i}": list(range(10 * i)) for i in range(1, 9)}
+    capture = capture_cell(" + ".join(user_ns) + "\n", user_ns, shell=False)
+    summary = capture.summary()
+    lines = summary.splitlines()
+    assert lines[0] == "hvdmagic: captured 8 global(s):", summary
+    assert len(lines) > 2 and all(len(line) <= 100 and line.startswith("  ") for line in lines[1:]), summary
+    assert all(line.endswith(",") for line in lines[1:-1]) and "; payload " in lines[-1], summary
+    for name in user_ns:  # each global whole, on one line, with its type and size
+        assert sum(f"{name} (list, " in line for line in lines) == 1, summary
+    short = capture_cell("scale\n", {"scale": 3}, shell=False).summary()
+    assert "\n" not in short and short.startswith("hvdmagic: captured 1 global(s): scale (int, ")
+
+
+@pytest.mark.unit
 def test_capture_still_pickles_a_global_assigned_on_one_branch_only():
     with pytest.raises(CaptureError, match=r"'lock' \(_thread.lock\)"):
         capture_cell("if flag:\n    lock = 'x'\nlock\n", {"lock": threading.Lock(), "flag": False}, shell=False)

@@ -262,7 +262,7 @@ def test_dashboard_draws_rows_overall_bar_recent_lines_charts_and_logs():
     assert board.rows[0].bar.value == 5 and board.rows[0].bar.max == 10
     assert "train" in board.rows[0].left.value and "5/10" in board.rows[0].right.value
     # A single bar with a total spans the run: the overall bar shows the slowest rank's fraction.
-    assert board.overall.layout.display is None and board.overall_bar.value == 0.5
+    assert board.overall.layout.visibility == "visible" and board.overall_bar.value == 0.5
     assert 'class="hvdmagic-chart" data-metric="loss"' in board.charts.value
     for points in board.charts.value.split('points="')[1:]:
         assert len(points.split('"')[0].split()) <= CHART_POINTS + 1  # downsampled for the screen ...
@@ -271,7 +271,7 @@ def test_dashboard_draws_rows_overall_bar_recent_lines_charts_and_logs():
     assert "hvdmagic-abc" in board.header.value
     # The newest lines of every rank, always visible, without the collapsed logs.
     recent = board.recent.value
-    assert board.recent.layout.display is None and recent.count("\n") == RECENT_LINES
+    assert recent.count("\n") == RECENT_LINES
     assert "[0] rank zero&#x27;s newest" in recent and "[1] hello" in recent
     # Rows keep one height: fixed, with every text on one line.
     for row in board.rows:
@@ -324,24 +324,24 @@ def test_the_header_and_rows_show_each_start_up_stage():
     record.apply({"type": "stage", "stage": Stage.SPARK_STARTING})
     record.stage_reached[Stage.SPARK_STARTING] -= 7  # reached 7 s ago
     board._draw()
-    assert "starting the embedded Spark · 0:07" in board.header.value
+    assert "starting the embedded Spark for 0:07" in board.header.value
     for stage in (Stage.WAITING_FOR_SLOTS, Stage.SUBMITTED, Stage.RANKS_STARTING):
         record.apply({"type": "stage", "stage": stage})
         board._draw()
-        assert f'<span class="hvdmagic-stage">{stage} · 0:00</span>' in board.header.value
+        assert f'<span class="hvdmagic-stage">{stage} for 0:00</span>' in board.header.value
     for rank in (0, 1):
         record.apply({"type": "placed", "rank": rank, "host": "127.0.0.1"})
     record.apply({"type": "stage", "rank": 0, "stage": Stage.HVD_INIT})
     record.apply({"type": "stage", "rank": 1, "stage": Stage.IMPORTING})
     record.ranks[1].stage_since -= 3
     board._draw()
-    assert "importing · 0:0" in board.header.value  # the slowest rank's stage
+    assert "importing for 0:0" in board.header.value  # the slowest rank's stage
     assert "hvd.init" in board.rows[0].left.value and "importing" in board.rows[1].left.value
     assert "0:03" in board.rows[1].right.value  # the time the rank has spent in its stage
     record.apply({"type": "stage", "rank": 1, "stage": Stage.FIRST_STEP})
     record.apply({"type": "report", "rank": 0, "progress": {"train": [1, 10, 5.0]}})
     board._draw()
-    assert "first step · 0:0" in board.header.value  # rank 0 trains: rank 1 is the slowest
+    assert "first step for 0:0" in board.header.value  # rank 0 trains: rank 1 is the slowest
     assert "train" in board.rows[0].left.value and "first step" in board.rows[1].left.value
     record.apply({"type": "report", "rank": 1, "progress": {"train": [1, 10, 5.0]}})
     board._draw()
@@ -374,6 +374,64 @@ def test_chart_controls_redraw_the_charts_at_the_next_frame():
     loss = board.charts.value.split('data-metric="loss"')[1].split('data-metric="')[0]
     assert "rank 0" in loss and "rank 1" in loss, "every rank's loss should be overlaid"
     assert board.draw_error is None
+
+
+@pytest.mark.unit
+def test_the_first_frame_keeps_room_for_what_training_will_show():
+    """While the run launches, the parts training fills later already take their room (laid out,
+    not shown: ``visibility: hidden``, never ``display: none``), so the cell does not jump."""
+    from hvdmagic.kernel.ui.dashboard import RECENT_LINES, Dashboard
+
+    record = RunRecord(Placement.of(2))
+    record.charts_expected = True  # the magic saw log_metrics in the cell
+    board = Dashboard(record)
+    board._draw()
+    assert board.overall.layout.display is None and board.overall.layout.visibility == "hidden"
+    assert f"height:{RECENT_LINES * 17}px" in board.recent.value and board.recent.layout.display is None
+    assert "height:130px" in board.charts.value  # a chart's own height (charts.chart_html)
+    assert board.controls.layout.display is None and board.controls.layout.visibility == "hidden"
+    fed = _fed_record()
+    fed.charts_expected = True
+    board = Dashboard(fed)
+    board._controls_work = True
+    board._draw()
+    assert board.overall.layout.visibility == "visible"
+    assert 'data-metric="loss"' in board.charts.value and board.controls.layout.visibility == "visible"
+    # A cell that logs nothing keeps no room for charts.
+    board = Dashboard(RunRecord(Placement.of(2)))
+    board._draw()
+    assert board.charts.value == "" and board.controls.layout.display == "none"
+
+
+@pytest.mark.unit
+def test_the_snapshot_keeps_the_scale_the_live_chart_had():
+    from hvdmagic.kernel.ui.dashboard import Dashboard
+    from hvdmagic.kernel.ui.snapshot import Snapshot
+
+    def chart_scale(html_text: str) -> str:
+        return html_text.split('data-metric="loss"')[1].split('data-scale="')[1].split('"')[0]
+
+    record = _fed_record()  # rank 0's loss spans three decades: "auto" draws it on a log scale
+    board = Dashboard(record)
+    board._draw()
+    assert chart_scale(board.charts.value) == "log"
+    board.scale.value = "linear"  # the user's choice, live
+    board._draw()
+    record.finish(results=[1, 1])
+    assert chart_scale(Snapshot(record)._repr_html_()) == "linear"
+
+    # "auto" saw two points within a decade (linear); the end adds one that would make auto pick log.
+    record = RunRecord(Placement.of(2))
+    record.apply({"type": "report", "rank": 0, "metrics": metric_batch([0, 1], [1.0, 2.0], {"loss": [2.0, 1.0]})})
+    board = Dashboard(record)
+    board._draw()
+    assert chart_scale(board.charts.value) == "linear"
+    record.apply({"type": "report", "rank": 0, "metrics": metric_batch([2], [3.0], {"loss": [0.001]})})
+    record.finish(results=[1, 1])
+    assert chart_scale(Snapshot(record)._repr_html_()) == "linear"
+    # A run nobody watched (the text view, a quick cell) keeps "auto"'s choice for the whole series.
+    record.chart_scales = {}
+    assert chart_scale(Snapshot(record)._repr_html_()) == "log"
 
 
 @pytest.mark.unit

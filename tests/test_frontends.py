@@ -9,6 +9,7 @@ no widget view left in it. ``HVDMAGIC_NONINTERACTIVE`` is left unset throughout.
 
 from __future__ import annotations
 
+import queue
 import time
 
 from helpers import execute, iopub_messages, shell_reply
@@ -118,6 +119,45 @@ def test_a_kernel_without_a_jupyter_server_shows_widgets_then_the_snapshot(kerne
                            "transient": {"display_id": text["transient"]["display_id"]}}, updates[-1]
     closed = {m["content"]["comm_id"] for m in messages[end:] if m["msg_type"] == "comm_close"}
     assert set(models) <= closed, f"{len(set(models) - closed)} widget(s) left open after the run"
+
+
+def test_the_kernel_reads_busy_while_a_run_answers_other_requests(kernel_factory):
+    """JupyterLab asks for a subshell (on the control channel) when the dashboard's first widget
+    appears, and a click on a control is answered on a subshell: each answer ends with an idle
+    status, which the status bar, VS Code and idle cullers take for the kernel's. A busy on the
+    cell's behalf must follow it, so the last status before the cell's own idle says busy."""
+    _, client = kernel_factory(interactive=True)
+    reply, texts = execute(client, "%load_ext hvdmagic", timeout=60)
+    assert reply["status"] == "ok", texts
+    if not _subshells(client):
+        # ipykernel 6 answers nothing while a cell runs: there is no idle to follow.
+        return
+    asked: dict = {}
+
+    def ask_for_a_subshell_once_the_dashboard_shows(msg):
+        if msg["msg_type"] == "display_data" and not asked:
+            request = client.session.msg("create_subshell_request", {})
+            asked["id"] = request["header"]["msg_id"]
+            client.control_channel.send(request)
+
+    statuses = []
+    msg_id = client.execute("%%horovod --np -2\nimport time\ntime.sleep(3)\n")
+    deadline = time.monotonic() + 240
+    while not (statuses and statuses[-1] == (msg_id, "idle")):
+        assert time.monotonic() < deadline, f"the cell did not end in 240 s; statuses so far: {statuses}"
+        try:
+            msg = client.get_iopub_msg(timeout=1)
+        except queue.Empty:
+            continue
+        ask_for_a_subshell_once_the_dashboard_shows(msg)
+        if msg["msg_type"] == "status":
+            statuses.append((msg["parent_header"].get("msg_id"), msg["content"]["execution_state"]))
+    assert shell_reply(client, msg_id)["status"] == "ok"
+    assert asked, "the dashboard never showed, so no subshell was asked for"
+    answered = statuses.index((asked["id"], "idle"))
+    assert (msg_id, "busy") in statuses[answered:-1], (
+        f"after answering the subshell request the kernel said idle and never busy again: {statuses}")
+    assert statuses[-2] == (msg_id, "busy"), f"the last status before the cell's end was not busy: {statuses}"
 
 
 def _subshells(client) -> bool:

@@ -249,7 +249,7 @@ def test_the_live_text_is_the_rows_and_goes_out_at_most_once_a_second():
     board = dashboard.Dashboard(record)
     text = board.fallback_text(now=record.started + 65)
     head, first, second = text.splitlines()
-    assert head == "%%horovod np=2 (local): running · 1:05"
+    assert head == "%%horovod np=2 (local): running · elapsed 1:05"
     assert first.startswith("rank 0 train") and " 30% " in first and "3/10" in first and "running" in first
     assert second.startswith("rank 1 ") and second.endswith("running   rank one's line"), second
 

@@ -296,3 +296,17 @@ def test_a_cell_end_mark_is_found_even_cut_between_two_reads():
     pieces, held = split_at_marks(held + mark[5:] + b"next cell\n" + mark + b"\x1e", mark)
     assert (pieces, held) == ([b"", b"next cell\n", b""], b"\x1e")
     assert split_at_marks(b"plain \x1e text", mark) == ([b"plain \x1e text"], b"")
+
+
+@pytest.mark.unit
+def test_a_peers_closed_connection_is_fallout_and_the_dead_rank_is_the_root_cause():
+    """Rank 1 died of SIGKILL (its exit carries no rank-side time); rank 0's Gloo error about the
+    closed connection came with one. The death is the news."""
+    gloo = RankFailure(0, "RuntimeError: [gloo/transport/tcp/pair.cc:553] Connection closed by peer "
+                          "[127.0.0.1]:36052. This is typically caused by a remote worker crashing.", time=1.0)
+    killed = RankFailure(1, "killed by SIGKILL")
+    assert gloo.is_fallout and not killed.is_fallout
+    assert [f.rank for f in JobFailed([gloo, killed], []).failures] == [1, 0]
+    # A rank's own error that merely mentions a connection is not fallout.
+    own = RankFailure(0, "ValueError: bad shard", time=1.0)
+    assert [f.rank for f in JobFailed([own, killed], []).failures] == [0, 1]

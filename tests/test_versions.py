@@ -96,5 +96,12 @@ def test_an_executor_with_another_cloudpickle_fails_before_any_rank_starts(tmp_p
         assert row == ["cloudpickle", here()["cloudpickle"], "3.0.0", "*"], table
         assert next(line.split() for line in table if line.startswith("python ")) == ["python", here()["python"],
                                                                                        here()["python"]], table
+        # An elastic run compares each task as it joins (launch.elastic): the first one fails it alike.
+        with pytest.raises(LaunchError) as caught:
+            hvdmagic.run(lambda: 1, 2, min_np=1)
+        message = str(caught.value)
+        assert message.startswith("the executors cannot unpickle what this kernel sends: cloudpickle 3.0.0 on "), \
+            message
+        assert hvdmagic.last_run().ranks[0].stage is None, "a rank started"
     finally:
         spark.stop()

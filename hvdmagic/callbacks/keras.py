@@ -22,21 +22,11 @@ except ImportError as exc:
                       "run the README's set-up command, which installs it and builds horovod for it "
                       "(docs/frameworks.md).") from exc
 
+from hvdmagic.rank.framework_bars import callback_reports
+from hvdmagic.rank.framework_bars import keras_numbers as _numbers
 from hvdmagic.rank.telemetry import log_metrics, progress
 
 _Callback = _tf.keras.callbacks.Callback
-
-
-def _numbers(logs, prefix: str = "") -> dict[str, float]:
-    """The numeric entries of Keras' ``logs``; a tensor or numpy scalar becomes a float."""
-    numbers = {}
-    for name, value in (logs or {}).items():
-        try:
-            number = float(value)
-        except (TypeError, ValueError):
-            continue  # e.g. a learning-rate schedule object
-        numbers[name if name.startswith("val_") or not prefix else prefix + name] = number
-    return numbers
 
 
 class HvdmagicCallback(_Callback):
@@ -69,6 +59,8 @@ class HvdmagicCallback(_Callback):
         progress(0, self.params.get("epochs"), self.epoch_desc)
 
     def on_epoch_begin(self, epoch: int, logs=None) -> None:
+        if self.params.get("verbose") == 1:  # fit(verbose=1)'s adopted bar (rank.framework_bars) then stays silent
+            callback_reports(self.model)
         progress(0, self.params.get("steps"), self.batch_desc)
 
     def on_train_batch_end(self, batch: int, logs=None) -> None:

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 from hvdmagic.kernel.capture import users_module_by_value, with_notebook_sources
+from hvdmagic.kernel.hang_notices import stall_check_env
 from hvdmagic.kernel.runner import execute
 from hvdmagic.launch import Elastic, Placement, ResultPolicy, Where, shipment
 from hvdmagic.launch.shipment import Shipment
@@ -23,7 +24,7 @@ _VERBOSITIES = ("all", "log_callback_only")
 def run(fn: Callable, np: int | None = None, *args, timeout: float | None = None,
         stall_timeout: float | None = None, data=None, controller: str = "gloo", backend: str = "horovod",
         session=None, min_np: int | None = None, max_np: int | None = None, reset_limit: int | None = None,
-        elastic_timeout: float | None = None, **kwargs) -> list:
+        elastic_timeout: float | None = None, stall_check: int | None = None, **kwargs) -> list:
     """Run ``fn(*args, **kwargs)`` on |np| ranks and return every rank's result in rank order.
 
     The Python twin of a ``%%horovod`` cell: the same launcher, live dashboard and error
@@ -57,6 +58,10 @@ def run(fn: Callable, np: int | None = None, *args, timeout: float | None = None
         reset_limit: elastic training: fail after this many resets. None: no limit.
         elastic_timeout: elastic training: seconds to wait for ``min_np`` slots, at the start
             and after a loss, before failing. Default 60.
+        stall_check: Horovod's stall check, in whole seconds (``HOROVOD_STALL_CHECK_TIME_SECONDS``;
+            Horovod's default is 60): when some ranks have waited this long in a collective that
+            others have not entered, the dashboard shows which (``last_run().hang_notices``).
+            Horovod ranks only, and new ones: not with ``backend="torch"`` or ``session``.
         **kwargs: keyword arguments for ``fn``; they must be picklable, and cannot be named
             as the arguments above.
 
@@ -99,13 +104,17 @@ def run(fn: Callable, np: int | None = None, *args, timeout: float | None = None
                              "it starts with")
         elastic = Elastic.from_arguments(np, min_np=min_np, max_np=max_np, reset_limit=reset_limit,
                                          timeout=elastic_timeout)
+    env = stall_check_env(stall_check, "stall_check")
+    if env and (framework != Framework.HOROVOD or session is not None):
+        raise ValueError("stall_check sets Horovod's stall check as new ranks start: it needs backend='horovod' "
+                         "and np (a session's ranks are already running)")
     placement = None
     if session is None:
         placement = Placement.of(np, framework=framework, controller=controller, elastic=elastic, name="np")
         placement.check_options(data=data, stall_timeout=stall_timeout)
     payload = _dumps((fn, args, kwargs), fn)
     return execute(payload, placement, timeout=timeout, stall_timeout=stall_timeout, data=data, session=session,
-                   command="hvdmagic.run").results
+                   command="hvdmagic.run", env=env).results
 
 
 def _dumps(obj, fn: Callable) -> Shipment:
@@ -237,12 +246,14 @@ class TorchDistributor:
         return execute(payload, placement, results=ResultPolicy.RANK0, command="TorchDistributor").result
 
 
-def where(timeout: float = 5.0) -> str:
-    """Where every rank of the live run is now: each one's Python stacks, ranks in the same place grouped.
+def where(timeout: float = 10.0) -> str:
+    """Where every rank of the live run is now: each one's Python stacks (and, where py-spy is
+    installed, its native frames), ranks in the same place grouped.
 
     A running cell holds the kernel, so this is for another thread or a kernel subshell; in
     JupyterLab the dashboard's "where are the ranks?" button does the same. The answers also
-    stay in ``last_run().where``. ``timeout``: seconds to wait for the ranks' answers.
+    stay in ``last_run().where``. ``timeout``: seconds to wait for the ranks' answers (py-spy
+    takes about a second, more on a busy host; it ends once every rank answered).
     """
     from hvdmagic import stacks
     from hvdmagic.kernel.record import last_run
@@ -256,4 +267,4 @@ def where(timeout: float = 5.0) -> str:
     deadline = time.monotonic() + timeout
     while not running <= record.where.keys() and time.monotonic() < deadline:
         time.sleep(0.05)  # the answers arrive on the job's thread; there is no event to wait on here
-    return "\n".join(stacks.describe(dict(record.where)))
+    return "\n".join(stacks.describe(dict(record.where), "task" if record.elastic else "rank"))

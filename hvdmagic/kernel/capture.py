@@ -63,6 +63,9 @@ def names_read_before_assigned(tree: ast.Module) -> set[str]:
 _SWALLOWING = {"suppress", "raises", "assertRaises", "assertRaisesRegex"}
 
 
+# Past this, the capture summary is broken between globals, not wherever a front end wraps it.
+SUMMARY_WIDTH = 100
+
 class _CellFlow(ast.NodeVisitor):
     """Walks the cell's top-level statements (or a class body) in the order they run.
 
@@ -430,11 +433,27 @@ class Capture:
     types: dict[str, str]  # type name per captured global
     sizes: dict[str, int]  # bytes per captured global, its out-of-band buffers included
 
-    def summary(self) -> str:
-        names = ", ".join(f"{name} ({self.types[name]}, {format_size(size)})"
-                          for name, size in sorted(self.sizes.items(), key=lambda kv: -kv[1]))
-        return (f"hvdmagic: captured {len(self.sizes)} global(s){': ' + names if names else ''}; "
-                f"payload {format_size(self.payload.size)}")
+    def summary(self, width: int = SUMMARY_WIDTH) -> str:
+        """One line, or, past ``width`` characters, one global per comma-ended line.
+
+        Broken between globals by hvdmagic: a front end would break the long line anywhere,
+        even inside a name (JupyterLab wraps output text at any character)."""
+        items = [f"{name} ({self.types[name]}, {format_size(size)})"
+                 for name, size in sorted(self.sizes.items(), key=lambda kv: -kv[1])]
+        head = f"hvdmagic: captured {len(self.sizes)} global(s)"
+        tail = f"payload {format_size(self.payload.size)}"
+        line = f"{head}{': ' + ', '.join(items) if items else ''}; {tail}"
+        if len(line) <= width:
+            return line
+        lines, current = [f"{head}:"], "  "
+        for i, item in enumerate(items):
+            item += "," if i < len(items) - 1 else f"; {tail}"
+            if current.strip() and len(current) + 1 + len(item) > width:
+                lines.append(current)
+                current = "  "
+            current += (" " if current.strip() else "") + item
+        return "\n".join([*lines, current])
+
 
 
 def capture_cell(source: str, user_ns: dict, hidden: set[str] | frozenset[str] = frozenset(),

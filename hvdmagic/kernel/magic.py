@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import re
 import textwrap
 
 from IPython.core.error import UsageError
@@ -12,12 +13,16 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 from hvdmagic.kernel import warm_sessions
 from hvdmagic.kernel.capture import capture_cell, parse_cell
 from hvdmagic.kernel.framework_check import check_cell
+from hvdmagic.kernel.hang_notices import stall_check_env
 from hvdmagic.kernel.runner import execute
 from hvdmagic.launch import Elastic, Placement, PlacementError, ResultPolicy
 from hvdmagic.protocol import Framework
 
 # A payload from this size on is worth a line even on a session's quick cell: it takes time to send.
 LARGE_PAYLOAD = 1 << 20
+# A cell that seems to log metrics (ours, Keras' fit, a callback of ours) gets room for its charts
+# from the dashboard's first frame; a wrong guess costs an empty band while the run is live.
+LOGS_METRICS = re.compile(r"\blog_metrics\b|\bHvdmagicCallback\b|\.fit\(")
 HELP_WIDTH = 100  # the help's prose, wrapped (%%horovod?)
 
 
@@ -44,6 +49,8 @@ def _launch_arguments(func):
 
 def _invocation(action) -> str:
     """An option as the help's table shows it: ``--np N``, ``--mlflow [EXPERIMENT]``, ``--controller {gloo,mpi}``."""
+    if action.nargs == 0:  # a switch: --debug
+        return action.option_strings[0]
     meta = action.metavar or "{" + ",".join(action.choices) + "}"
     return f"{action.option_strings[0]} [{meta}]" if action.nargs == "?" else f"{action.option_strings[0]} {meta}"
 
@@ -98,6 +105,8 @@ evaluate(model)                                   # rank 0's value: the result, 
         "%%horovod --np -4 --timeout 600 --metrics history    # 4 processes here, no Spark")
     @magic_arguments(name="%horovod")
     @_launch_arguments
+    @argument("--stall-check", type=float, metavar="SECONDS",
+              help="after SECONDS, name the ranks a collective waits for (default 60)")
     @argument("--timeline", metavar="PATH", help="record a Horovod Timeline (a Chrome trace) at PATH; costs speed")
     @argument("--controller", choices=("gloo", "mpi"), default="gloo",
               help="Gloo (the default), or Open MPI: mpirun, through the Spark tasks")
@@ -112,8 +121,12 @@ evaluate(model)                                   # rank 0's value: the result, 
     def horovod(self, line: str, cell: str):
         """Run the cell on Horovod ranks and return rank 0's result (its help: ``cell_help``)."""
         args = parse_argstring(self.horovod, line)
+        try:
+            env = stall_check_env(args.stall_check)
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
         return self._launch("%%horovod", args, cell, Framework.HOROVOD, timeline=args.timeline,
-                            controller=args.controller, elastic=_elastic(args))
+                            controller=args.controller, elastic=_elastic(args), env=env)
 
     @line_magic("horovod")
     def horovod_session(self, line: str):
@@ -137,11 +150,16 @@ evaluate(model)                                   # rank 0's value: the result, 
         "%%torchrun --np -4 --timeout 600 --metrics history   # 4 processes here, no Spark")
     @magic_arguments(name="%torchrun")
     @_launch_arguments
+    @argument("--debug", action="store_true",
+              help="TORCH_DISTRIBUTED_DEBUG=DETAIL: a mismatched collective fails, naming it")
     @cell_magic
     def torchrun(self, line: str, cell: str):
         """Run the cell as torchrun would run a script on every rank (its help: ``cell_help``)."""
         args = parse_argstring(self.torchrun, line)
-        return self._launch("%%torchrun", args, cell, Framework.TORCH)
+        # DETAIL wraps every process group in a checker that compares each collective's kind,
+        # shapes and order across the ranks before running it (torch's ProcessGroupWrapper).
+        env = {"TORCH_DISTRIBUTED_DEBUG": "DETAIL"} if args.debug else {}
+        return self._launch("%%torchrun", args, cell, Framework.TORCH, env=env)
 
     @line_magic("torchrun")
     def torchrun_session(self, line: str):
@@ -150,15 +168,16 @@ evaluate(model)                                   # rank 0's value: the result, 
     torchrun_session.__doc__ = warm_sessions.line_help("%torchrun", Framework.TORCH)
 
     def _launch(self, magic: str, args, cell: str, framework: Framework, *, controller: str = "gloo",
-                elastic: Elastic | None = None, timeline: str | None = None):
+                elastic: Elastic | None = None, timeline: str | None = None, env: dict[str, str] | None = None):
         """Check the arguments, capture the cell, run it, and store what --out and --metrics name."""
         session = placement = None
         if args.np is None:
+            # The rank environment (--stall-check, --debug) is read when the ranks start, as --timeline is.
+            for flag in ("data", "timeline", "stall_check", "debug"):
+                if getattr(args, flag, None) not in (None, False):
+                    raise UsageError(f"--{flag.replace('_', '-')} needs ranks of its own: give the cell --np N "
+                                     "(a session's ranks are already running).")
             session = warm_sessions.for_cell(magic, framework)
-            for flag in ("data", "timeline"):
-                if getattr(args, flag, None) is not None:
-                    raise UsageError(f"--{flag} needs ranks of its own: give the cell --np N (a session's ranks "
-                                     "are already running).")
         else:
             try:
                 placement = Placement.of(args.np, framework=framework, controller=controller, elastic=elastic)
@@ -196,7 +215,8 @@ evaluate(model)                                   # rank 0's value: the result, 
             print(capture.summary(), flush=True)
         record = execute(capture.payload, placement, timeout=args.timeout, stall_timeout=args.stall_timeout,
                          data=data, results=ResultPolicy.ALL_OR_REPR, session=session, command=magic,
-                         timeline=timeline, captured=capture.summary())
+                         timeline=timeline, captured=capture.summary(), env=env,
+                         charts_expected=bool(args.metrics or LOGS_METRICS.search(source)))
         if args.out:
             self.shell.user_ns[args.out] = record.result
         if args.metrics:

@@ -14,8 +14,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hvdmagic import metric_rows, stacks
+from hvdmagic.kernel.hang_notices import HangNotice, HangNotices
 from hvdmagic.kernel.history import MetricHistory
 from hvdmagic.kernel.noise import is_startup_noise
+from hvdmagic.kernel.stragglers import Straggler, StragglerDetector
 from hvdmagic.launch.placement import Placement
 from hvdmagic.protocol import STAGE_ORDER, Event, Stage
 
@@ -57,6 +59,19 @@ class RankRecord:
     stage_since: float | None = None  # when it reached that stage, on the kernel's clock
     world_rank: int | None = None  # elastic: its Horovod rank now (rows are tasks; ranks change at resets)
     lost: str = ""  # elastic: why its last rank was lost, e.g. "killed by SIGKILL"
+    # Every bar's advances added up (a restarted bar's from 0), and the rank's clock at the latest:
+    # kernel.stragglers turns them into step rates.
+    steps: float = 0.0
+    steps_time: float = 0.0
+    steps_waited: float = 0.0  # its seconds waited in collectives by then, where timed (rank.collective_wait)
+    step_rate: float | None = None  # its steps a second in the latest straggler window it took part in
+    straggler: Straggler | None = None  # its flag while it is a straggler (kernel.stragglers), else None
+    # Sampled by its supervisor each second while it runs (task.resources): CPU % of one core and
+    # RSS (bytes) of its process tree, the most RSS seen, and each GPU it uses (a dict per GPU).
+    cpu: float | None = None
+    rss: int | None = None
+    peak_rss: int = 0
+    gpus: list = field(default_factory=list)
 
     def where_it_died(self) -> str:
         """Where a crash signal killed the rank (its fault handler's stacks), or ""."""
@@ -97,6 +112,11 @@ class RunRecord:
         # host), or None when every host had them already.
         self.shipping: dict | None = None
         self.capture = ""  # the magic's capture summary: the globals it shipped, their types and sizes
+        # Whether the cell looks like it logs metrics (kernel.magic reads its source): the dashboard
+        # keeps room for the charts from its first frame, so that nothing below them jumps.
+        self.charts_expected = False
+        # metric -> "linear" or "log": the scale its live chart had last, which the snapshot keeps.
+        self.chart_scales: dict[str, str] = {}
         # By rank: where each running rank was (its Python stacks) when a watchdog stopped the run.
         self.stacks: dict[int, str] = {}
         # What the views ask of the live job (Event.STACKS: "where are the ranks?"); the job reads it.
@@ -104,6 +124,8 @@ class RunRecord:
         # By rank: where it was when last asked (ask_where), trimmed to the user's frames; and when.
         self.where: dict[int, str] = {}
         self.where_asked: float | None = None
+        self._hangs = HangNotices()  # Horovod's stall reports, read from the ranks' stderr
+        self._stragglers = StragglerDetector()
         # Start-up: the stage the run is in (for rank stages, the slowest rank's), and when
         # the run reached each stage, on the kernel's clock.
         self.stage: Stage | None = None
@@ -131,6 +153,7 @@ class RunRecord:
             if kind == Event.LAUNCHING:
                 self.description = event.get("description", "")
                 self.job_group = event.get("job_group")
+                self.mode = event.get("backend") or self.mode  # "spark connect" on a Connect session
                 return
             if kind == Event.STAGE and "rank" not in event:
                 self._reach(Stage(event["stage"]))
@@ -149,6 +172,10 @@ class RunRecord:
                 return
             rank = event["rank"]  # the job passes on only events whose rank it checked
             record = self.ranks[rank]
+            if kind == Event.RESOURCES:
+                record.cpu, record.rss, record.gpus = event.get("cpu"), event.get("rss"), event.get("gpus") or []
+                record.peak_rss = max(record.peak_rss, record.rss or 0)
+                return
             if kind == Event.STACKS:
                 self.where[rank] = stacks.user_stacks(str(event.get("text", "")).splitlines())
                 return
@@ -172,6 +199,8 @@ class RunRecord:
                 stream = event.get("stream", "stdout")
                 record.logs.extend((stream, line) for line in lines)
                 record.quiet.extend(line for line in lines if is_startup_noise(line))
+                if stream == "stderr":  # Horovod's stall reports: a notice says them, the live lines need not
+                    lines = self._hangs.read(rank, lines, size=self.world_size, now=time.time())
                 lines = [line for line in lines if not is_startup_noise(line)]
                 self.all_logs.extend((rank, stream, line) for line in lines)
                 shown = event.get("transient") or (lines[-1] if lines else None)
@@ -217,13 +246,39 @@ class RunRecord:
             except (KeyError, TypeError, ValueError, AttributeError) as exc:
                 # A dashboard problem must not end the training run; say what was dropped instead.
                 self.notes.append(f"rank {rank} sent a malformed metrics batch, which was dropped: {exc}")
-        for desc, (step, total, stamp) in (event.get("progress") or {}).items():
+        for desc, (step, total, stamp, *waited) in (event.get("progress") or {}).items():
             bar = record.bars.get(desc)
             if bar is None or step < bar.step:  # a new bar, or the same name restarted (next epoch)
                 record.bars[desc] = Bar(step, total, step, stamp, stamp, bar.restarts + 1 if bar else 0)
+                record.steps += step  # it counts from 0: its steps so far were made since the last report
             else:
+                record.steps += step - bar.step
                 bar.step, bar.total, bar.time = step, total, stamp
             record.last_bar = desc
+            if stamp >= record.steps_time:
+                record.steps_time = stamp
+                record.steps_waited = waited[0] if waited else record.steps_waited
+        if event.get("progress"):
+            now = time.time()
+            if self._stragglers.due(now):
+                self._check_stragglers(now)
+
+    def _check_stragglers(self, now: float) -> None:
+        """Close the straggler window, from the steps of the ranks that train now (kernel.stragglers)."""
+        training, open_ended = {}, set()
+        for record in self.ranks:
+            bars = record.bars.values()
+            finished = all(bar.total is not None and bar.step >= bar.total for bar in bars)
+            if record.state == "running" and bars and not finished:
+                training[record.rank] = (record.steps, record.steps_time, record.steps_waited)
+                if (bar := record.bar) is not None and bar.total is None:
+                    open_ended.add(record.rank)
+        self._stragglers.check(now, training, {record.rank: record.host for record in self.ranks}, open_ended)
+        for rank, rate in self._stragglers.rates.items():
+            self.ranks[rank].step_rate = rate
+        flagged = {flag.rank: flag for flag in self._stragglers.current}
+        for record in self.ranks:
+            record.straggler = flagged.get(record.rank)
 
     def finish(self, results: list | None = None, error: BaseException | None = None, cancelled: bool = False,
                ready: bool = False) -> None:
@@ -247,6 +302,29 @@ class RunRecord:
     @property
     def elapsed(self) -> float:
         return (self.ended or time.time()) - self.started
+
+    @property
+    def stragglers(self) -> list[Straggler]:
+        """Every rank flagged as a straggler in this run, in the order flagged: its ``rank`` (row),
+        ``host``, how far below the median step rate it was (``slower``, 0.35 for 35 %; ``worst``),
+        its ``rate`` and the ``median``'s in steps a second, and ``since``/``until`` (epoch seconds;
+        ``until`` None: it lagged to the end). See ``kernel.stragglers`` for the rule."""
+        with self._lock:
+            return list(self._stragglers.flags)
+
+    @property
+    def flag_count(self) -> int:
+        """How many straggler flags the run has raised: a view's cheap test for a new one."""
+        return len(self._stragglers.flags)
+
+    @property
+    def hang_notices(self) -> list[HangNotice]:
+        """Horovod's stall reports in the user's terms, one per stall in the order they came
+        (``kernel.hang_notices.HangNotice``): ``text()`` ("rank 1 has not submitted
+        `allreduce.grad` for 60 s; ranks 0, 2 are waiting"), ``missing`` (Horovod rank -> tensor
+        names), ``waiting``, ``seconds``, ``reports`` and ``first_seen``/``last_seen``."""
+        with self._lock:
+            return list(self._hangs.notices)
 
     def latest_metrics(self) -> dict[str, tuple[int | float, float]]:
         """name -> (step, value): the newest value of each of rank 0's metrics."""
@@ -301,6 +379,11 @@ def last_run() -> RunRecord | None:
         history as a pandas DataFrame; ``logs[rank]`` every output line of that rank;
         ``result`` and ``results`` rank 0's and every returned value; ``error`` the
         exception the run ended with; ``timings`` and ``notes`` (e.g. a scaled learning rate).
+        ``hang_notices`` holds Horovod's stall reports, in the user's terms ("rank 1 has not
+        submitted `allreduce.grad` for 60 s; ranks 0, 2 are waiting").
+        ``stragglers`` lists the ranks flagged as slower than the median (``Straggler``: rank,
+        host, how much slower, since when); each of ``ranks`` has its ``step_rate``, and its
+        ``cpu`` (%), ``rss`` and ``peak_rss`` (bytes) and ``gpus`` as its supervisor last sampled them.
         An elastic run's ``resets`` lists every reset: ``time``, ``reason``, ``size_before``,
         ``size_after`` and the ``commit`` it resumed from; ``world_size`` is its size now.
 

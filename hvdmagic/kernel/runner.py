@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from hvdmagic.errors import JobFailed, JobInterrupted
+from hvdmagic.kernel.busy_status import kernel_stays_busy
 from hvdmagic.kernel.record import RunRecord, set_last
 from hvdmagic.kernel.ui import make_view
 from hvdmagic.launch import Placement, ResultPolicy, UnsentResult, launch
@@ -17,7 +18,7 @@ from hvdmagic.launch.shipment import Shipment
 def execute(payload: Shipment, placement: Placement | None, *, timeout: float | None = None,
             stall_timeout: float | None = None, timeline: str | None = None, data=None, spark=None, view=None,
             results: ResultPolicy = ResultPolicy.ALL, session=None, command: str = "%%horovod",
-            captured: str = "") -> RunRecord:
+            captured: str = "", env: dict[str, str] | None = None, charts_expected: bool = False) -> RunRecord:
     """Run a packed ``(fn, args, kwargs)`` (``launch.shipment.pack``) where ``placement`` says; return its record.
 
     ``timeline``: a path where rank 0 records a Horovod Timeline. ``results``: which
@@ -28,19 +29,28 @@ def execute(payload: Shipment, placement: Placement | None, *, timeout: float | 
     new ones (``placement`` is then the session's). ``command`` names the run in its views.
     An elastic placement's record has a row per task (``max_np``) and lists the resets.
     ``captured``: what the magic captured (``Capture.summary``), kept in the record.
+    ``charts_expected``: the run will likely log metrics; its dashboard keeps room for the charts.
+    ``env``: variables for every rank's environment (``--stall-check``, ``--debug``); a new
+    job's only, since a session's ranks run with the environment they started with.
     """
     if session is not None:
         placement = session.placement
     record = RunRecord(placement, command)
     record.capture = captured
-    env = {}
+    record.charts_expected = charts_expected
+    env = dict(env or {})
     if timeline:
         record.timeline = str(Path(timeline).expanduser().resolve())
         Path(record.timeline).parent.mkdir(parents=True, exist_ok=True)
         env["HOROVOD_TIMELINE"] = record.timeline
     set_last(record)
     view = view or make_view(record)
+    with kernel_stays_busy():
+        return _run(payload, placement, record, view, timeout=timeout, stall_timeout=stall_timeout, env=env,
+                    spark=spark, data=data, results=results, session=session)
 
+
+def _run(payload, placement, record, view, *, timeout, stall_timeout, env, spark, data, results, session):
     def on_event(event: dict) -> None:
         record.apply(event)
         view.on_event(event)

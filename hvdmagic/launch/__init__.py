@@ -10,10 +10,12 @@ its ``Placement`` says; the modules:
 - ``elastic``: ``ElasticJob``, Horovod's elastic driver with Spark tasks as its hosts.
 - ``warm_ranks``: ``Session``, one job whose ranks stay up and run cells as they come.
 - ``backend``: what a job asks of a backend (``Backend``); ``make_backend`` picks one.
-  ``spark`` (a Spark stage) and ``local`` (threads on the driver) are the two today;
-  a Spark Connect backend would be a third.
+  ``spark`` (a Spark stage, on a classic or a Spark Connect session) and ``local``
+  (threads on the driver).
 - ``spark_session``: finds, starts or replaces the SparkSession ``spark`` runs on (the
-  Java check, the JVM's log); ``slots`` counts a Spark cluster's task slots.
+  Java check, the JVM's log); ``spark_connect``: what differs on a Spark Connect session
+  (the session, the kernel's address, the slot count); ``slots`` counts a Spark cluster's
+  task slots.
 - ``shipment``: what a run ships: the payload, its large buffers out of band and named by
   content, for the job's blob server (``hvdmagic.blob_transfer``) to send once per host.
 - ``layout``: Horovod's ranks, local ranks and cross ranks from the tasks' hosts.

@@ -4,10 +4,9 @@ Runs in the kernel. ``Job`` (launch.job), ``ElasticJob`` (launch.elastic) and a 
 session's job (launch.warm_ranks) use a backend only through ``Backend``, and
 ``launch.make_backend`` is the one place that chooses one: ``spark.SparkBackend`` (a
 barrier stage on the kernel's SparkSession) or ``local.LocalBackend`` (threads on the
-driver). Another place for the tasks, such as Spark Connect's thin client, which has no
-SparkContext in the kernel, is one more class that matches ``Backend`` and one more
-branch in ``make_backend``; the job core stays as it is. Imports ``hvdmagic.protocol``
-only.
+driver). A Spark Connect session, which has no SparkContext in the kernel, is the Spark
+backend with a small seam (``spark.SparkBackend.connect``); the job core stays as it is.
+Imports ``hvdmagic.protocol`` only.
 """
 
 from __future__ import annotations
@@ -27,7 +26,8 @@ class Backend(Protocol):
     """
 
     name: str
-    """A short name for messages; ``"local"`` also says that no cluster job exists to cancel."""
+    """A short name for messages and the run's header (``"spark"``, ``"spark connect"``, ``"local"``);
+    ``"local"`` also says that no cluster job exists to cancel."""
 
     np: int
     """How many task supervisors ``start`` runs: the job's ranks (an elastic job's ``max_np``)."""

@@ -30,8 +30,9 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
 from hvdmagic import protocol
-from hvdmagic.errors import JobFailed, JobTimeout, RankFailure
-from hvdmagic.launch.job import POLL, Job, JobState, describe_exit, result_value
+from hvdmagic.errors import JobFailed, JobTimeout, LaunchError, RankFailure
+from hvdmagic.launch import versions
+from hvdmagic.launch.job import POLL, STACKS_WAIT, Job, JobState, describe_exit, result_value, serve_requests
 from hvdmagic.launch.placement import Elastic, Placement
 from hvdmagic.launch.shipment import Shipment
 from hvdmagic.protocol import Event, Slot, Stage
@@ -45,6 +46,7 @@ class _Task:
     link: object
     gpus: list[str]
     exit_code: int | None = None  # of its current rank
+    rank: int | None = None  # the Horovod rank its current slot gave it; None while it has no rank
     gone: bool = False
     ended: threading.Event = field(default_factory=threading.Event)  # its current rank exited, or it is gone
 
@@ -86,6 +88,9 @@ class ElasticJob(Job):
         self._errors: list[RankFailure] = []  # exceptions raised in the cell: they fail the run
         self._size = 0
         self._world: dict[int, int] = {}  # row -> world rank
+        self._ranks_started = False  # a go went out: a task that cannot run the cell no longer fails the run
+        self._hosts_checked: set[str] = set()  # the hosts whose versions were compared with the kernel's
+        self._stacks: dict[int, str] | None = None  # by row, while the --timeout collects where the ranks are
 
     # -- the driver Horovod talks to --------------------------------------------
     def _make_rendezvous(self):
@@ -117,8 +122,9 @@ class ElasticJob(Job):
         """Horovod's create_worker_fn: run a rank in the task named by ``slot_info.hostname``
         and return its exit code when it ends (Horovod calls this on a thread of its own)."""
         task = self._tasks[slot_info.hostname]
+        self._ranks_started = True
         with self._lock:
-            task.exit_code = None
+            task.exit_code, task.rank = None, slot_info.rank
             if not task.gone:
                 task.ended.clear()
         slot = Slot(slot_info.rank, slot_info.size, slot_info.local_rank, slot_info.local_size, slot_info.cross_rank,
@@ -140,6 +146,7 @@ class ElasticJob(Job):
                 except OSError:
                     break
         with self._lock:
+            task.rank = None
             return (1 if task.exit_code is None else task.exit_code), time.time()
 
     # -- the job loop --------------------------------------------------------------
@@ -148,12 +155,15 @@ class ElasticJob(Job):
         deadline = started + self.timeout if self.timeout else None
         while not self._done.is_set():
             if deadline is not None and time.monotonic() > deadline:
+                ranks = self._ranks_now()
+                stacks = self._collect_stacks(server, state, ranks)  # before anything is stopped
                 self._driver.stop(error_message="timeout")
                 failed = self._failed(f"the run exceeded --timeout {self.timeout:g} s")
-                raise JobTimeout(failed.failures, sorted(self._world), note=failed.note)
+                raise JobTimeout(failed.failures, sorted(ranks.values()), note=failed.note, stacks=stacks)
             if error := self.backend.failure():
                 self._driver.stop(error_message=error)
                 break
+            serve_requests(self.requests, self.send)  # "where are the ranks?": the answers come back as events
             self._handle_next(server, state, wait=POLL)
         while self._handle_next(server, state, wait=None):
             pass  # the last results and exits, already sent
@@ -168,6 +178,23 @@ class ElasticJob(Job):
                    f"--elastic-timeout {self.settings.timeout:g} s" if self._losses else "its ranks failed")
         if why:
             raise self._failed(f"Horovod's elastic driver stopped the run: {str(why).strip()}")
+
+    def _ranks_now(self) -> dict[int, int]:
+        """By row, the Horovod rank of each task that runs one (``hvd.rank()``, what the cell's code
+        knows: a reset's new rank, else its slot's); tasks that wait for a slot have none."""
+        with self._lock:
+            return {task.row: self._world.get(task.row, task.rank) for task in self._tasks.values()
+                    if task.rank is not None and not task.gone}
+
+    def _collect_stacks(self, server, state: JobState, ranks: dict[int, int]) -> dict[int, str]:
+        """Where the ranks ``_ranks_now`` named are now, by Horovod rank."""
+        self._stacks = {}
+        server.broadcast(protocol.bare(Event.STACKS))
+        deadline = time.monotonic() + STACKS_WAIT
+        while set(ranks) - set(self._stacks) and time.monotonic() < deadline:
+            self._handle_next(server, state, wait=POLL)
+        stacks, self._stacks = self._stacks, None
+        return {ranks[row]: text for row, text in stacks.items() if row in ranks}
 
     def _handle_next(self, server, state: JobState, wait: float | None) -> bool:
         """Handle the next event, waiting up to ``wait`` seconds for one (None: not at all)."""
@@ -218,6 +245,8 @@ class ElasticJob(Job):
             return
         if kind == Event.RESULT:
             state.results[int(event.get("world_rank", rank))] = result_value(event)
+        elif kind == Event.STACKS and self._stacks is not None:
+            self._stacks[rank] = str(event.get("text", ""))
         elif kind == Event.ERROR:
             # An exception in the cell is a bug to show, not a lost machine to train around:
             # the run fails as a fixed-size one would (Horovod's own errors never get here,
@@ -247,12 +276,39 @@ class ElasticJob(Job):
             return
         task = _Task(row, f"t{row}.{int(event.get('attempt') or 0)}", str(event.get("hostname", "")), link,
                      list(event.get("gpus") or []))
+        if not self._versions_fit(task, event):
+            return
         with self._lock:
             self._tasks[task.host] = task
             self._by_link[link] = task
         if state.go_at is None:
             state.go_at = time.monotonic()
             self.on_event(protocol.stage_reached(Stage.RANKS_STARTING))
+
+    def _versions_fit(self, task: _Task, hello: dict) -> bool:
+        """Compare the task's Python and packages with the kernel's, as a fixed-size run does for all
+        its tasks at once (``launch.versions``); here each task as it joins, since tasks join late.
+
+        A task that cannot unpickle the cell fails the run while no rank has started; after that the
+        run goes on without it (it gets no slot), with a note: tasks that join later are replacements
+        (a lost executor's task run again elsewhere), and the ranks that run should not pay for one.
+        """
+        problem, notices = versions.compare({task.row: (task.hostname or str(hello.get("host", "")),
+                                                        hello.get("versions"))})
+        if problem and not self._ranks_started:
+            raise LaunchError(problem)  # no rank has started: the shutdown ends the tasks
+        if problem:
+            self.on_event(protocol.note(f"hvdmagic: task {task.row} was left out of the elastic run: {problem}"))
+            try:
+                task.link.send(protocol.bare(Event.ABORT))
+            except OSError:
+                pass  # gone already
+            return False
+        if task.hostname not in self._hosts_checked:  # one notice per host, not per task on it
+            self._hosts_checked.add(task.hostname)
+            for text in notices:
+                self.on_event(protocol.note(text))
+        return True
 
     def _set_world(self, row: int, event: dict) -> None:
         if isinstance(event.get("world_rank"), int):
@@ -330,7 +386,9 @@ def _driver_class():
         def release_waiters(self) -> None:
             """Wake the rendezvous requests and worker threads still waiting at the registry's
             barrier of a stopped run, which nothing else would ever complete."""
-            self._worker_registry._barrier.abort()
+            barrier = self._worker_registry._barrier
+            if barrier is not None:  # None until the driver starts its first workers
+                barrier.abort()
 
     return Driver
 

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from hvdmagic import blob_transfer, channel, protocol
+from hvdmagic import blob_transfer, channel, protocol, rank_ranges
 from hvdmagic.errors import JobFailed, JobInterrupted, JobTimeout, LaunchError, RankFailure
 from hvdmagic.launch import versions
 from hvdmagic.launch.interrupts import interruptible
@@ -30,7 +30,9 @@ from hvdmagic.protocol import PROGRESS_EVENTS, Event, Framework, ResultPolicy, S
 
 ABORT_GRACE = 5.0  # seconds the other ranks get to report after the first failure
 EXIT_GRACE = 3.0  # seconds a rank that reported its error gets to exit on its own before it is aborted too
-STACKS_WAIT = 4.0  # seconds the ranks get to send their stacks (each writes within task.rank_process's 2 s)
+# Seconds the ranks get to send their stacks: the fault handler's (task.rank_process's 2 s at most),
+# then py-spy's native frames (task.native_stacks's 6 s at most). The wait ends once all answered.
+STACKS_WAIT = 9.0
 POLL = 0.1
 RECENT_PROGRESS = 10.0  # a rank silent for longer than this is named as "stopped progressing"
 
@@ -163,7 +165,8 @@ class Job:
                 controller=self.controller, results=self.results, framework=self.framework,
                 session=self.session, elastic=self.elastic,
             )
-            self.on_event(protocol.launching(self.backend.describe(), self.backend.job_group, list(server.address)))
+            self.on_event(protocol.launching(self.backend.describe(), self.backend.job_group, list(server.address),
+                                             self.backend.name))
             self.backend.start(spec)
             self._loop(server, rendezvous, state, started)
         except KeyboardInterrupt:
@@ -232,7 +235,7 @@ class Job:
                              if r not in failed and r not in finished and state.exits.get(r) != 0)
             notes = [verdict] if verdict else []
             if finished:
-                notes.append(f"rank(s) {', '.join(map(str, finished))} had finished the cell; a rank that ends "
+                notes.append(f"rank(s) {rank_ranges.compress(finished)} had finished the cell; a rank that ends "
                              "while others still call collectives makes those fail")
             error = JobTimeout if verdict else JobFailed
             raise error(state.failures, stopped, note="; ".join(notes), stacks=state.stacks)
@@ -280,7 +283,7 @@ class Job:
             stalled = [r for r in state.running()
                        if r in state.last_progress and now - state.last_progress[r] > self.stall_timeout]
             if stalled:
-                return (f"rank(s) {', '.join(map(str, stalled))} made no progress for "
+                return (f"rank(s) {rank_ranges.compress(stalled)} made no progress for "
                         f"{self.stall_timeout:g} s (--stall-timeout){self._stuck(state, now)}")
         return None
 
@@ -313,7 +316,8 @@ class Job:
         if not isinstance(rank, int) or not 0 <= rank < self.np:
             return
         now = time.monotonic()
-        state.last_heard[rank] = now
+        if kind != Event.RESOURCES:  # sampled by the task's supervisor: says nothing of the rank's own life
+            state.last_heard[rank] = now
         if kind in PROGRESS_EVENTS:
             state.last_progress[rank] = now
         if self.session and kind in (Event.RESULT, Event.ERROR):

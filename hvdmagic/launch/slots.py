@@ -62,7 +62,8 @@ class Waited:
         if self.coming:
             return (f"and the {self.coming.slots} more on their way ({self.coming.what}) would not make {np}, "
                     f"after {waited}")
-        return f"and no more were on their way after {waited}"
+        # A local master has every slot from the start: the check did not wait at all.
+        return "and no more were on their way" + (f" after {waited}" if self.seconds >= 0.5 else "")
 
     def note(self) -> str | None:
         """For the run's record, when the cell waited for slots on their way."""

@@ -175,6 +175,13 @@ def find_or_start(slots: int, on_stage: Callable[[Stage], None] = lambda stage: 
         if notes is not None:
             notes.append(f"the embedded Spark session was unusable ({problem}); hvdmagic started a new one")
     if session is None:
+        from hvdmagic.launch import spark_connect
+
+        if spark_connect.remote_mode():  # pyspark would refuse a local session here: CONNECT_URL_NOT_SET
+            raise LaunchError(
+                "this kernel is in Spark Connect mode (a session was made with SparkSession.builder.remote(...)), "
+                "and no Spark Connect session is active now: create one again, e.g. spark = SparkSession.builder"
+                ".remote('sc://host:15002').getOrCreate(), and run the cell; or use local mode (--np -N).")
         on_stage(Stage.SPARK_STARTING)
         _embedded = _start_embedded(max(slots, os.cpu_count() or 1))
         return _embedded, True

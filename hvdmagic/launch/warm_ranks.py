@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from hvdmagic import protocol
+from hvdmagic import protocol, rank_ranges
 from hvdmagic.errors import JobFailed, JobInterrupted, JobTimeout, LaunchError, RankFailure
 from hvdmagic.launch import make_backend, preflight
 from hvdmagic.launch.interrupts import interruptible
@@ -222,7 +222,7 @@ class Session:
                 kind, rank = event.get("type"), event.get("rank")
                 if event.get("cell", cell) != cell:
                     continue  # a late answer to an earlier, interrupted cell
-                if isinstance(rank, int):
+                if isinstance(rank, int) and kind != Event.RESOURCES:  # the supervisor's sample is not the rank's
                     last_progress[rank] = time.monotonic()
                 if kind == Event.IDLE:
                     pending.discard(rank)
@@ -245,7 +245,7 @@ class Session:
                 except KeyboardInterrupt:
                     stacks = {}  # Stop pressed again: restart without them
                 self._restart_after(on_event)
-                raise JobInterrupted(f"interrupted: rank(s) {', '.join(map(str, stuck))} did not stop within "
+                raise JobInterrupted(f"interrupted: rank(s) {rank_ranges.compress(stuck)} did not stop within "
                                      f"{INTERRUPT_GRACE:g} s (stuck in a collective?), so {LOST_STATE}.",
                                      stacks=stacks) from None
             raise JobInterrupted("interrupted: every rank stopped the cell; the session keeps its ranks and "
@@ -302,7 +302,7 @@ class Session:
         if stall_timeout:
             stalled = sorted(r for r in pending if now - last_progress[r] > stall_timeout)
             if stalled:
-                return (f"rank(s) {', '.join(map(str, stalled))} made no progress for {stall_timeout:g} s "
+                return (f"rank(s) {rank_ranges.compress(stalled)} made no progress for {stall_timeout:g} s "
                         "(--stall-timeout)")
         return None
 

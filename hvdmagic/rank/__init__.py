@@ -7,6 +7,8 @@
 - ``outcome``: the cell's result or error, as the events the driver reads.
 - ``telemetry``: what user code calls to report (``progress``, ``log_metrics``, ``track``),
   batched onto the rank's event pipe with its stages and heartbeats.
+- ``framework_bars``: tqdm's and Keras' own progress bars report through ``telemetry``
+  instead of printing; adopted as they are imported.
 - ``training``: checkpoints and ``scale_lr``; ``shards``: ``hvdmagic.shard()`` (``--data``).
 - ``elastic``: Horovod elastic's hooks, so resets and worker addresses reach the driver.
 - ``mpi_shim``: under ``--controller mpi``, hands the process mpirun started to its task.

@@ -18,7 +18,7 @@ import threading
 
 from hvdmagic import protocol
 from hvdmagic.protocol import STACKS_ENV, STACKS_SIGNAL, Stage
-from hvdmagic.rank import telemetry
+from hvdmagic.rank import framework_bars, telemetry
 from hvdmagic.rank.outcome import error_event, report_result
 
 _stacks_file = None
@@ -65,6 +65,7 @@ def main() -> int:
     telemetry.open_events()
     # The first event: it also tells the supervisor that the stacks handler is in place.
     telemetry.emit(protocol.stage_reached(Stage.IMPORTING))
+    framework_bars.install()  # tqdm's and Keras' bars drive this rank's row, and print nothing
     if boot.session:
         from hvdmagic.rank.cell_loop import serve
 

@@ -22,6 +22,9 @@ def report_result(value, rank: int, policy: str, **fields) -> None:
     """Send the cell's value as the policy says; ``fields`` tag the event (a session's cell id)."""
     from hvdmagic import pickling
 
+    # The rows first: pickling a value can take seconds (a Keras History holds its model), and the
+    # rank's last steps must not wait for it.
+    telemetry.flush()
     event = protocol.result(None, **fields)
     if policy != ResultPolicy.RANK0 or rank == 0:  # under RANK0 the others' values would be thrown away
         try:
@@ -33,7 +36,7 @@ def report_result(value, rank: int, policy: str, **fields) -> None:
                                 f"{exc}") from None
             # The training has finished: a value only the notebook would have displayed must not fail it.
             event.update(unpicklable=kind, repr=_short_repr(value), reason=f"{type(exc).__name__}: {exc}"[:300])
-    telemetry.flush()  # every metric reaches the driver before the result does
+    telemetry.flush()  # anything the pickling logged, before the result
     telemetry.emit(event)
 
 

@@ -35,7 +35,14 @@ _rows_lock = threading.Lock()
 _rows = MetricRows()
 _progress: dict = {}  # desc -> [step, total, time]: only the newest state matters
 _progress_sent: dict = {}
+# A bar that restarts (a step below its last: the next epoch) queues how every bar stood just
+# before, then its restart, for the next flush to send first, in order: later steps overwrite
+# ``_progress`` before the flush, and the kernel, which sees a restart only as a step going
+# down, would miss an epoch shorter than a flush, and the epoch's last step.
+_pending: list[dict] = []
+_restarted: set = set()  # the bars that restarted since the last flush: one restart each is enough
 _metric_steps = 0
+_waited = 0.0  # seconds this rank has waited in collectives (rank.collective_wait), 0 where not timed
 _flusher: threading.Thread | None = None
 _wake = threading.Event()
 
@@ -83,7 +90,15 @@ def progress(step: int, total: int | None = None, desc: str | None = None) -> No
             hvdmagic.progress(step + 1, total=steps, desc="train")
     """
     if _events is not None:
-        _progress[desc or ""] = [step, total, time.time()]
+        key = desc or ""
+        # With the seconds waited in collectives so far, where they are timed (rank.collective_wait).
+        state = [step, total, time.time(), _waited] if _waited else [step, total, time.time()]
+        previous = _progress.get(key)
+        if previous is not None and step < previous[0] and key not in _restarted:
+            _restarted.add(key)
+            _pending.append(dict(_progress))
+            _pending.append({key: state})
+        _progress[key] = state
 
 
 def log_metrics(step: int | None = None, **metrics: float) -> None:
@@ -195,6 +210,12 @@ def _take_rows() -> MetricRows:
     return taken
 
 
+def add_wait(seconds: float) -> None:
+    """Count ``seconds`` spent waiting in a collective (``rank.collective_wait``)."""
+    global _waited
+    _waited += seconds
+
+
 def report_line(bars: dict, rows: MetricRows) -> str:
     """The event line of one flush: the progress bars that changed and the rows taken."""
     return protocol.report_line(json.dumps(bars, separators=(",", ":")), rows.to_json() if rows else None)
@@ -206,11 +227,21 @@ def flush() -> None:
     if _events is None:
         return
     with _write_lock:  # take and write as one step, so two flushes cannot reorder batches
+        pending = _pending[:]
+        del _pending[: len(pending)]
+        _restarted.clear()
+        sent = _progress_sent
+        for then in pending:  # a line each, before the bars' newest states
+            if changed := {desc: state for desc, state in then.items() if sent.get(desc) != state}:
+                _events.write(report_line(changed, MetricRows()))
+                sent = {**sent, **changed}
         snapshot = dict(_progress)
-        bars = {desc: state for desc, state in snapshot.items() if _progress_sent.get(desc) != state}
+        bars = {desc: state for desc, state in snapshot.items() if sent.get(desc) != state}
         _progress_sent = snapshot
         rows = _take_rows()
         if not rows and not bars:
+            if pending:
+                _events.flush()
             return
         _events.write(report_line(bars, rows))
         _events.flush()

@@ -8,6 +8,7 @@
 - ``environment`` and ``network``: the rank's variables, and the interface it uses.
 - ``shards``: writes and pads the task's ``--data`` shard.
 - ``versions``: this task's Python and package versions, for the driver's check.
+- ``native_stacks``: the rank's native frames, through py-spy where it is installed.
 - ``mpi``: adopts a rank that mpirun started (``--controller mpi``).
 
 Modules here may import ``hvdmagic.protocol``, ``hvdmagic.channel`` and ``hvdmagic.rank``

@@ -24,8 +24,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 from hvdmagic import protocol
-from hvdmagic.protocol import CELL_END_MARK, EVENT_FD_ENV, STACKS_ENV, STACKS_SIGNAL, Boot
+from hvdmagic.protocol import CELL_END_MARK, EVENT_FD_ENV, NATIVE_STACKS_MARK, STACKS_ENV, STACKS_SIGNAL, Boot
+from hvdmagic.task import native_stacks
 from hvdmagic.task.lines import LineSplitter, relayed, split_at_marks
+from hvdmagic.task.resources import Sampler
 
 KILL_GRACE = 3.0
 STACKS_WAIT = 2.0  # seconds a rank's fault handler gets to write its stacks
@@ -66,6 +68,7 @@ class RankProcess:
         self._cells_ended = 0
         self._marks_changed = threading.Condition()
         self._stdin_lock = threading.Lock()
+        self._usage: Sampler | None = None  # samples the rank's CPU, memory and GPUs while it runs a cell
 
     def start(self, env: dict[str, str], boot: Boot, start: Starter = spawn) -> bool:
         """Start the rank and hand it its Boot; False when ``start`` gave up."""
@@ -88,11 +91,14 @@ class RankProcess:
         ]
         for thread in self._relays:
             thread.start()
+        self._usage = Sampler(self.proc.pid, self.row, self._send, env)
         self._write(protocol.write_boot, boot)
         return True
 
     def feed(self, payload: protocol.Payload, cell_id: int | None = None) -> None:
         """A payload for the rank to run: the one-shot cell, or a session's next cell."""
+        if self._usage is not None:
+            self._usage.busy()
         self._write(protocol.write_payload, payload, cell_id)
 
     def _write(self, write, *args) -> None:
@@ -106,6 +112,8 @@ class RankProcess:
     def wait(self) -> int:
         """Relay until the rank exits, report its exit, and return its code."""
         code = self.proc.wait()
+        if self._usage is not None:
+            self._usage.stop()
         for thread in self._relays:
             thread.join(timeout=10)
         try:
@@ -123,7 +131,8 @@ class RankProcess:
         """Ask the rank's fault handler for every thread's stack and send what it wrote (a STACKS event).
 
         The rank writes from a C signal handler, so the dump is complete once the file stops
-        growing; a rank that is gone, or that never registered the handler, sends "".
+        growing; a rank that is gone, or that never registered the handler, sends "". Where
+        py-spy is installed, its dump with the native frames follows (``task.native_stacks``).
         """
         text, proc = "", self.proc
         if proc is not None and proc.poll() is None and self._stacks_path and self._listening.is_set():
@@ -140,6 +149,9 @@ class RankProcess:
                 text = path.read_text(errors="replace")
             except OSError:
                 pass  # the rank ended meanwhile: its exit says the rest
+            # After the fault handler, not beside it: py-spy would catch the rank inside the handler.
+            if proc.poll() is None and (native := native_stacks.dump(proc.pid)):
+                text += f"\n{NATIVE_STACKS_MARK}\n{native}\n"
         self._send(protocol.stacks(self.row, text))
 
     def _forget_stacks(self) -> None:
@@ -216,6 +228,8 @@ class RankProcess:
                 if frame is None:
                     continue
                 if protocol.ends_a_cell(line):
+                    if self._usage is not None:
+                        self._usage.idle()
                     self._await_cell_output()
                 try:
                     self._send_raw(frame)

@@ -11,11 +11,12 @@ snapshot's text. All read the run's ``RunRecord``. ``make_view`` (here) picks th
 - ``text``: ``TextView``, rank output and epoch lines as plain text, for terminals and plain Python;
 - ``snapshot``: ``Snapshot``, a finished run as static HTML and text without timings, and its ``summary``;
 - ``progress_text``: progress as text (rows, stages, overall progress, rates), shared by all three;
+- ``grouping``: a run of more than eight ranks grouped: rows of ranks that read the same, each line once;
 - ``charts``: inline SVG charts of metric series, for the dashboard and the snapshot.
 
 Runs in the notebook kernel. Within ``ui`` the arrows go one way: ``live`` → ``dashboard``
 (only once the delay has passed) and ``snapshot``; ``dashboard`` and ``text`` →
-``snapshot``; all three → ``progress_text``; ``dashboard`` and ``snapshot`` → ``charts``,
+``snapshot``; all three → ``grouping`` → ``progress_text``; ``dashboard`` and ``snapshot`` → ``charts``,
 which imports only the standard library. Besides each other these modules may import
 ``kernel.record``, ``kernel.timeline``, ``kernel.noise``, ``protocol`` and
 ``metric_rows``. Only ``dashboard`` imports ipywidgets (and numpy, when it draws);

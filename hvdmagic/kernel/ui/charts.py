@@ -215,6 +215,12 @@ def _scale_for(values: list[float], scale: str) -> str:
     return "linear"
 
 
+def scales_shown(series_by_metric: dict[str, list[Series]], scale: str = "auto") -> dict[str, str]:
+    """The scale each metric's chart is drawn with under ``scale``: "auto" resolved to "linear" or "log"."""
+    return {name: _scale_for([float(v) for _, _, values in lines for v in values], scale)
+            for name, lines in series_by_metric.items()}
+
+
 def _points(xs: list[float], ys: list[float], ok, sx, sy) -> list[tuple[float, float]]:
     return [(sx(x), sy(y)) for x, y in zip(xs, ys) if ok(y)]
 
@@ -490,14 +496,15 @@ def latest_table_html(series: dict[str, list[Series]], *, smoothing: float = 0.0
             f"<tbody>{''.join(rows)}</tbody></table>")
 
 
-def metrics_html(series_by_metric: dict[str, list[Series]], *, scale: str = "auto", smoothing: float = 0.0,
-                 table: bool = True, width: int = 320, height: int = 130) -> str:
+def metrics_html(series_by_metric: dict[str, list[Series]], *, scale: str | dict[str, str] = "auto",
+                 smoothing: float = 0.0, table: bool = True, width: int = 320, height: int = 130) -> str:
     """Every metric: a grid of charts, a compact row per constant metric, and the latest-values table.
 
     Args:
         series_by_metric: metric name -> ``[(label, steps, values), ...]``, one line per series;
             ``series_by_metric(record.rank0_series)`` gives rank 0's.
-        scale, smoothing: as for ``chart_html``, for every chart.
+        scale, smoothing: as for ``chart_html``, for every chart; ``scale`` may also give each
+            metric its own (metric -> scale; "auto" for one it does not name).
         table: whether to add the latest-values table (beside the charts, or under them when narrow).
     """
     series = {name: lines for name, lines in series_by_metric.items()
@@ -505,7 +512,9 @@ def metrics_html(series_by_metric: dict[str, list[Series]], *, scale: str = "aut
     if not series:
         return ""
     constant = _constants(series)
-    charts = "".join(chart_html(name, lines, scale=scale, smoothing=smoothing, width=width, height=height)
+    scales = scale if isinstance(scale, dict) else dict.fromkeys(series, scale)
+    charts = "".join(chart_html(name, lines, scale=scales.get(name, "auto"), smoothing=smoothing,
+                                width=width, height=height)
                      for name, lines in sorted(series.items()) if name not in constant)
     constants = "".join(constant_row(name, value, count) for name, (value, count) in sorted(constant.items()))
     left = ""

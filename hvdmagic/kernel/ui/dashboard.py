@@ -5,7 +5,10 @@ ranks start, elapsed time, np, the Spark job group); the run's overall bar with 
 when the ranks' bars say how far the run is; a row per rank (``progress_text.row_parts``: epoch,
 bar, steps, rate, ETA, state, last line; the rank's own stage until it trains); the newest
 lines of every rank; rank 0's metric charts with their controls (scale, smoothing, every
-rank overlaid); notes; and the full per-rank logs, collapsed.
+rank overlaid); notes; and the full per-rank logs, collapsed. A run of more than eight ranks
+(``grouping.is_grouped``) has a row per group of ranks that read the same instead, drawn from
+a pool of rows that grows to the number of groups, every rank's row as text in a folded
+section, and three log panes (every line, each line once, one rank's picked) for a tab per rank.
 
 The job loop only updates the RunRecord. A helper thread redraws from it at most
 ``MAX_FPS`` times a second; a change of a chart control makes its next redraw redraw the
@@ -44,7 +47,8 @@ from IPython.display import display
 from hvdmagic import stacks
 from hvdmagic.kernel.record import RankRecord, RunRecord
 from hvdmagic.kernel.timeline import describe
-from hvdmagic.kernel.ui import charts, progress_text
+from hvdmagic.kernel.ui import charts, grouping, progress_text
+from hvdmagic.kernel.ui.snapshot import hang_notices_html
 from hvdmagic.metric_rows import GAP_BITS
 
 MAX_FPS = 10
@@ -52,10 +56,21 @@ FALLBACK_INTERVAL = 1.0  # seconds between updates of the live text/plain
 CHART_POINTS = charts.CHART_POINTS  # per series on screen; the record keeps the full history
 LOG_LINES = 200  # per pane of the collapsed logs
 RECENT_LINES = 10  # the newest lines of every rank, always visible
+GROUPED_TAIL = 20  # per rank, grouped in a many-rank run's "each line once" pane: 200 of 256 ranks cost 50 ms
 _STATE_COLOURS = progress_text.STATE_COLOURS
 _MONO = "SFMono-Regular,Menlo,Consolas,'DejaVu Sans Mono',monospace"
 _ONE_LINE = "white-space:pre;overflow:hidden;text-overflow:ellipsis;line-height:20px"
 _ANSI = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b[@-Z\\-_]")
+
+
+def _recent_html(lines: str) -> str:
+    """The newest lines' pane, at its fixed height from the dashboard's first frame: what lies below
+    it (the controls, the charts) neither jumps when the first line arrives nor moves as lines do."""
+    body = lines or '<span style="color:#999">the ranks\' newest output lines appear here</span>'
+    return (f'<pre class="hvdmagic-recent" style="margin:4px 0;padding:2px 6px;'
+            f'background-color:#f7f7f7;font-family:{_MONO};font-size:12px;line-height:17px;'
+            f'height:{RECENT_LINES * 17}px;box-sizing:content-box;white-space:pre;'
+            f'overflow:hidden">{body}</pre>')
 
 
 def _mono(text: str, colour: str = "") -> str:
@@ -75,23 +90,28 @@ class _RankRow:
         self.bar = widgets.FloatProgress(value=0, min=0, max=1, layout=widgets.Layout(width="180px", flex="0 0 auto"))
         self.right = widgets.HTML(layout=widgets.Layout(flex="0 0 auto", overflow="hidden", margin="0 4px"))
         self.state = widgets.HTML(layout=widgets.Layout(width="70px", flex="0 0 auto", overflow="hidden"))
+        # The straggler marker, then CPU, memory and GPUs (progress_text.usage_text); empty, it takes no room.
+        self.usage = widgets.HTML(layout=widgets.Layout(flex="0 0 auto", overflow="hidden", margin="0 4px 0 0"))
         self.line = widgets.HTML(layout=widgets.Layout(flex="1 1 0", min_width="0", overflow="hidden"))
-        self.box = widgets.HBox([self.label, self.left, self.bar, self.right, self.state, self.line],
+        self.box = widgets.HBox([self.label, self.left, self.bar, self.right, self.state, self.usage, self.line],
                                 layout=widgets.Layout(height="30px", flex_flow="row nowrap", align_items="center",
                                                       overflow="hidden"),
                                 _dom_classes=["hvdmagic-rank"])
         self.meter = progress_text.Meter()
         self._bar_key: tuple | None = None
 
-    def draw(self, run: RunRecord, record: RankRecord, epochs: bool, now: float, counted: bool = True) -> None:
+    def draw(self, run: RunRecord, record: RankRecord, epochs: bool, now: float, counted: bool = True, *,
+             label: str | None = None, line: str | None = None) -> None:
         """``counted``: some rank of the run has a progress bar; when none has, the blank step,
-        rate and time columns give their width to the last line (a cell that only prints)."""
+        rate and time columns give their width to the last line (a cell that only prints).
+        ``label``, ``line``: the row's name and last line as HTML, in place of the rank's own (a
+        group's row): each widget is set once a redraw, so no message carries a value it replaces."""
         host = f" <small>@ {html.escape(record.host)}</small>" if record.host else ""
         name = progress_text.row_name(run, record.rank)
         if run.elastic and record.world_rank is not None:
             name += f" · rank {record.world_rank}"
         grey = ";color:#999" if record.state in ("lost", "unused") else ""
-        self.label.value = f'<div style="{_ONE_LINE}{grey}"><b>{name}</b>{host}</div>'
+        self.label.value = label if label is not None else f'<div style="{_ONE_LINE}{grey}"><b>{name}</b>{host}</div>'
         _, inner = progress_text.pick_bars(dict(record.bars))
         rate = None
         if inner is not None:
@@ -120,8 +140,39 @@ class _RankRow:
             self.bar.style.bar_color = "#bbb" if grey else None  # a lost task's bar stops, greyed out
         colour = _STATE_COLOURS.get(record.state, "#888")
         self.state.value = f'<div style="{_ONE_LINE};color:{colour}">{record.state}</div>'
-        line = record.lost if record.state == "lost" else _clean(record.last_line[-300:])
-        self.line.value = _mono(line, "#999" if grey else "#555")
+        last = record.lost if record.state == "lost" else _clean(record.last_line[-300:])
+        self.line.value = line if line is not None else _mono(last, "#999" if grey else "#555")
+        marker, usage = progress_text.straggler_text(record), progress_text.usage_text(record)
+        self.usage.value = ((f'<span class="hvdmagic-straggler" style="color:#d62728;font-weight:600" '
+                             f'title="{html.escape(record.straggler.describe())}">{html.escape(marker)}</span> '
+                             if marker else "")
+                            + (f'<span class="hvdmagic-usage" style="font-family:{_MONO};font-size:12px;'
+                               f'color:#555">{html.escape(usage)}</span>' if usage else ""))
+
+    def draw_group(self, run: RunRecord, group: grouping.Group, epochs: bool, now: float, counted: bool) -> None:
+        """A many-rank run's row for ``group``: drawn as the rank that stands for it (its slowest),
+        named by the rank list, and the last line says the members' step range and whose line it is."""
+        record = group.slowest
+        if record.rank != getattr(self, "_stands_for", None):  # another rank's steps: its own rate from here
+            self._stands_for, self.meter, self._bar_key = record.rank, progress_text.Meter(), None
+        name = html.escape(group.name(run))
+        hosts = group.hosts()
+        where = f" <small>@ {html.escape(hosts[0])}</small>" if len(hosts) == 1 else (
+            f" <small>· {len(hosts)} hosts</small>" if hosts else "")
+        reason = (f' <span class="hvdmagic-reason" style="color:#b26b00">{html.escape(group.reason)}</span>'
+                  if group.reason else "")
+        label = (f'<div style="{_ONE_LINE}" title="{name}"><b>{name}</b>{reason}'
+                 f"{where if not group.reason else ''}</div>")
+        steps = group.steps()
+        last = record.lost if record.state == "lost" else _clean(record.last_line[-300:])
+        shown = " · ".join(part for part in (f"steps {steps}" if steps else "",
+                                            f"[{record.rank}] {last}" if last and len(group.members) > 1 else last)
+                           if part)
+        self.draw(run, record, epochs, now, counted, label=label, line=_mono(shown, "#555"))
+        if len(group.members) > 1:
+            self.box.add_class("hvdmagic-group")
+        else:
+            self.box.remove_class("hvdmagic-group")
 
 
 class _AllRanks:
@@ -245,7 +296,7 @@ class Dashboard:
         self._drawn_version = -1
         self._drawn_metrics: tuple | None = None
         self._drawn_logs: tuple | None = None
-        self._drawn_recent = 0
+        self._drawn_recent = -1  # the first frame draws the pane, with or without lines
         self._last_done: float | None = None
         self._controls_version = 0
         self._route: _ControlRoute | None = None
@@ -256,15 +307,28 @@ class Dashboard:
         self._text_due = 0.0  # time.monotonic() of the next update of the live text/plain
 
         self.header = widgets.HTML(layout=widgets.Layout(overflow="hidden"))
+        # Horovod's stall reports (record.hang_notices), under the header: a hang is the news of the run.
+        self.hangs = widgets.HTML(layout=widgets.Layout(display="none"))
+        self._drawn_hangs: tuple | None = None
         self.overall_bar = widgets.FloatProgress(value=0, min=0, max=1, layout=widgets.Layout(width="300px"))
         self.overall_text = widgets.HTML()
         self.overall = widgets.HBox(
             [widgets.HTML("<b>overall</b>", layout=widgets.Layout(width="120px")), self.overall_bar,
              self.overall_text],
-            layout=widgets.Layout(display="none", height="30px", align_items="center", overflow="hidden"))
+            layout=widgets.Layout(visibility="hidden", height="30px", align_items="center", overflow="hidden"))
         # An elastic run's label holds its task and its rank now: "task 2 · rank 1 @ host".
-        self.rows = [_RankRow(r, "180px" if record.elastic else "120px") for r in range(record.np)]
-        self.recent = widgets.HTML(layout=widgets.Layout(display="none"))
+        # A many-rank run (grouping.is_grouped) gets grouped rows instead, from a pool that grows
+        # to the number of groups, and every rank's own row as text one click away.
+        self.grouped = grouping.is_grouped(record)
+        self.rows = [] if self.grouped else [_RankRow(r, "180px" if record.elastic else "120px")
+                                             for r in range(record.np)]
+        # Made only for a many-rank run: a widget made and not shown would be left open at the end.
+        self.group_rows = widgets.VBox(layout=widgets.Layout(overflow="hidden")) if self.grouped else None
+        self.every_rank = widgets.HTML() if self.grouped else None
+        self._every_rank_shown = ""
+        self._group_pool: list[_RankRow] = []
+        self._logs_due = 0.0  # time.monotonic() from which a many-rank run's log panes may redraw
+        self.recent = widgets.HTML()  # drawn at the first frame, empty or not (_draw_recent)
         self.scale = widgets.ToggleButtons(options=list(charts.SCALES), value="auto",
                                            tooltips=["log when a metric spans two decades", "linear", "log"],
                                            style={"button_width": "64px"})
@@ -287,12 +351,32 @@ class Dashboard:
         self.where = widgets.HTML()
         self._drawn_where: tuple | None = None
         self.charts = widgets.HTML()
+        if record.charts_expected:  # room for a row of charts and their controls from the first frame
+            self.charts.value = ('<div style="height:130px;box-sizing:border-box;padding:4px;color:#999;'
+                                 "font-size:12px\">rank 0's metrics are charted here as it logs them</div>")
+            self.controls.layout.display, self.controls.layout.visibility = None, "hidden"
         self.notes = widgets.HTML()
-        self.panes = [widgets.HTML() for _ in range(record.np + 1)]  # "all ranks" first
-        titles = ["all ranks"] + [progress_text.row_name(record, r) for r in range(record.np)]
-        self.logs = widgets.Tab(children=self.panes, titles=titles)
+        if self.grouped:  # three panes, not a tab per rank: every line, each line once, one rank's chosen
+            self.panes = [widgets.HTML() for _ in range(3)]
+            noun = "task" if record.elastic else "rank"
+            self.log_rank = widgets.Dropdown(options=[(f"{noun} {r}", r) for r in range(record.np)], value=0,
+                                             description=noun, layout=widgets.Layout(width="180px"),
+                                             style={"description_width": "40px"})
+            # The next redraw draws the chosen rank's log (the helper thread draws; this runs in a subshell's).
+            self.log_rank.observe(lambda _change: setattr(self, "_drawn_logs", None), names="value")
+            tabs = [self.panes[0], self.panes[1], widgets.VBox([self.log_rank, self.panes[2]])]
+            titles = ["all ranks", "each line once", f"one {noun}"]
+            rows = [self.group_rows, widgets.Accordion(children=[self.every_rank], selected_index=None,
+                                                       titles=(f"every {noun} ({record.np})",),
+                                                       _dom_classes=["hvdmagic-every-rank"])]
+        else:
+            self.panes = [widgets.HTML() for _ in range(record.np + 1)]  # "all ranks" first
+            tabs = self.panes
+            titles = ["all ranks"] + [progress_text.row_name(record, r) for r in range(record.np)]
+            rows = [row.box for row in self.rows]
+        self.logs = widgets.Tab(children=tabs, titles=titles)
         self.box = widgets.VBox([
-            self.header, self.overall, *[row.box for row in self.rows], self.recent,
+            self.header, self.hangs, self.overall, *rows, self.recent,
             self.where_button, self.where, self.controls, self.charts, self.notes,
             widgets.Accordion(children=[self.logs], titles=("logs",), selected_index=None),
         ], _dom_classes=["hvdmagic-dashboard"])
@@ -301,7 +385,8 @@ class Dashboard:
     # -- the view protocol ----------------------------------------------------
     def start(self) -> None:
         # The route first: a dashboard built late may show its charts, and so its controls, at the first draw.
-        self._route = _ControlRoute([self.scale, self.smoothing, self.overlay, self.where_button])
+        self._route = _ControlRoute([self.scale, self.smoothing, self.overlay, self.where_button,
+                                     *([self.log_rank] if self.grouped else [])])
         self._controls_work = self._route.subshell is not None
         self._draw()
         bundle = self.box._repr_mimebundle_()
@@ -351,7 +436,9 @@ class Dashboard:
             self._route.close()
 
     def _close_widgets(self) -> None:
-        for widget in [*_descendants(self.box), *_descendants(self.text_carrier)]:
+        # The group rows a many-rank run no longer shows are in its pool, not in the box: closed too.
+        pooled = [widget for row in self._group_pool for widget in _descendants(row.box)]
+        for widget in [*_descendants(self.box), *_descendants(self.text_carrier), *pooled]:
             widget.close()
 
     def placeholder_text(self) -> str:
@@ -370,17 +457,42 @@ class Dashboard:
         stage = progress_text.run_stage(record, now)
         if stage is not None:
             head.append(stage)
-        head.append(progress_text.duration((record.ended or now) - record.started))
+        head.append(progress_text.elapsed_text((record.ended or now) - record.started))
         ranks = list(record.ranks)
         epochs = any(progress_text.pick_bars(dict(rank.bars))[0] is not None for rank in ranks)
         width = max(len(progress_text.row_name(record, rank.rank)) for rank in ranks) if ranks else 0
         lines = [" · ".join(head)]
+        lines.extend(notice.line() for notice in record.hang_notices)
+        if lagging := progress_text.stragglers_line(record, live=record.ended is None):
+            lines.append(lagging)
+        if self.grouped:
+            return "\n".join(lines + self._group_text(epochs, now))
         for rank in ranks:
             row = progress_text.row(rank, epochs=epochs, now=now, bar_width=10)
             last = rank.lost if rank.state == "lost" else _clean(rank.last_line)[-80:]
+            usage = " ".join(part for part in (progress_text.straggler_text(rank), progress_text.usage_text(rank))
+                             if part)
             lines.append(f"{progress_text.row_name(record, rank.rank):<{width}} {row} "
-                         f"{progress_text.row_state(rank):<9} {last}".rstrip())
+                         f"{progress_text.row_state(rank):<9} {usage + '  ' if usage else ''}{last}".rstrip())
         return "\n".join(lines)
+
+    def _group_text(self, epochs: bool, now: float) -> list[str]:
+        """A many-rank run's rows as text: a row per group (grouping.rows), as its slowest rank reads."""
+        record = self.record
+        groups = grouping.rows(record)
+        names = [group.name(record) for group in groups]
+        width = max(map(len, names), default=0)
+        lines = []
+        for name, group in zip(names, groups):
+            rank = group.slowest
+            row = progress_text.row(rank, epochs=epochs, now=now, bar_width=10)
+            state = progress_text.row_state(rank) + (f", {group.reason}" if group.reason else "")
+            steps = group.steps()
+            last = rank.lost if rank.state == "lost" else _clean(rank.last_line)[-80:]
+            if last and len(group.members) > 1:
+                last = f"[{rank.rank}] {last}"
+            lines.append(f"{name:<{width}} {row} {state:<9} {'steps ' + steps + '  ' if steps else ''}{last}".rstrip())
+        return lines
 
     def _text_bundle(self, text: str) -> dict:
         bundle = self.text_carrier._repr_mimebundle_()
@@ -394,6 +506,8 @@ class Dashboard:
         if self.text_handle is None or now < self._text_due:
             return
         self._text_due = now + FALLBACK_INTERVAL
+        if self.grouped:  # every rank's row, folded away: as often as the text, not at every redraw
+            self._draw_every_rank()
         text = self.fallback_text()
         if text != self._text_shown:
             self._text_shown = text
@@ -423,6 +537,8 @@ class Dashboard:
             counted = any(bars)
             for row, rank in zip(self.rows, record.ranks):
                 row.draw(record, rank, epochs, now, counted)
+            if self.grouped:
+                self._draw_groups(epochs, now, counted)
             self._draw_overall(now)
         self._draw_recent()
         self._draw_where()
@@ -430,7 +546,51 @@ class Dashboard:
         if force or version != self._drawn_version:
             self._draw_logs()
             self._draw_notes()
+            self._draw_hangs()
+        elif self._drawn_logs is None:  # another rank chosen for the "one rank" pane
+            self._draw_logs()
+        if force and self.grouped:
+            self._draw_every_rank(now)
         self._drawn_version = version
+
+    def _draw_groups(self, epochs: bool, now: float, counted: bool) -> None:
+        """A many-rank run's rows: a row per group of ranks that read the same (grouping.rows)."""
+        groups = grouping.rows(self.record)
+        while len(self._group_pool) < len(groups):
+            self._group_pool.append(_RankRow(0, "200px"))
+        if len(self._group_pool) > len(groups) or len(self.group_rows.children) != len(groups):
+            self.group_rows.children = [row.box for row in self._group_pool[:len(groups)]]
+        for row, group in zip(self._group_pool, groups):
+            row.draw_group(self.record, group, epochs, now, counted)
+
+    def every_rank_text(self, now: float | None = None) -> str:
+        """Every rank's own row as text, a line each: a many-rank run's full detail, one click away."""
+        record = self.record
+        now = time.time() if now is None else now
+        ranks = list(record.ranks)
+        epochs = any(progress_text.pick_bars(dict(rank.bars))[0] is not None for rank in ranks)
+        width = max((len(progress_text.row_name(record, rank.rank)) for rank in ranks), default=0)
+        return "\n".join(
+            f"{progress_text.row_name(record, rank.rank):<{width}} {progress_text.row(rank, epochs=epochs, now=now)} "
+            f"{progress_text.row_state(rank):<9} {rank.lost if rank.state == 'lost' else _clean(rank.last_line)[-80:]}"
+            .rstrip() for rank in ranks)
+
+    def _draw_every_rank(self, now: float | None = None) -> None:
+        text = self.every_rank_text(now)
+        if text != self._every_rank_shown:
+            self._every_rank_shown = text
+            self.every_rank.value = (f'<pre class="hvdmagic-every-rank-rows" style="margin:0;font-family:{_MONO};'
+                                     f'font-size:12px;line-height:17px;max-height:400px;overflow:auto">'
+                                     f"{html.escape(text)}</pre>")
+
+    def _draw_hangs(self) -> None:
+        notices = self.record.hang_notices
+        drawn = tuple((notice.text(), notice.reports) for notice in notices)
+        if drawn == self._drawn_hangs:
+            return
+        self._drawn_hangs = drawn
+        self.hangs.value = hang_notices_html(self.record)
+        self.hangs.layout.display = None if notices else "none"
 
     def _draw_header(self, now: float) -> None:
         record = self.record
@@ -443,11 +603,14 @@ class Dashboard:
         stage = progress_text.run_stage(record, now)
         if stage is not None:
             items.append(f'<span class="hvdmagic-stage">{html.escape(stage)}</span>')
-        items.append(progress_text.duration((record.ended or now) - record.started))
+        items.append(progress_text.elapsed_text((record.ended or now) - record.started))
         items.append(progress_text.size_text(record))
         if record.job_group:
             items.append(f"Spark job group <code>{html.escape(record.job_group)}</code>")
-        self.header.value = f'<div style="{_ONE_LINE}">' + " · ".join(items) + "</div>"
+        header = f'<div style="{_ONE_LINE}">' + " · ".join(items) + "</div>"
+        if lagging := progress_text.stragglers_line(record, live=record.ended is None):
+            header += f'<div class="hvdmagic-stragglers" style="{_ONE_LINE};color:#d62728">{html.escape(lagging)}</div>'
+        self.header.value = header
 
     def _draw_overall(self, now: float) -> None:
         found = progress_text.run_fraction(self.record)
@@ -466,7 +629,7 @@ class Dashboard:
             elif self.record.state == "failed":
                 self.overall_bar.bar_style = "danger"
         self.overall_text.value = _mono(progress_text.overall_text(done, outer, eta))
-        self.overall.layout.display = None
+        self.overall.layout.visibility = "visible"
 
     def _draw_where(self) -> None:
         """The button while the run is live (and a click can reach the kernel mid-run); the answers."""
@@ -489,18 +652,18 @@ class Dashboard:
     def _draw_recent(self) -> None:
         logs = self.record.all_logs
         count = len(logs)
-        if not count or count == self._drawn_recent:
+        if count == self._drawn_recent:
             return
         self._drawn_recent = count
         width = len(str(self.record.np - 1))
-        lines = "".join(html.escape(f"[{rank:>{width}}] {_clean(line)}") + "\n"
-                        for rank, _, line in logs[-RECENT_LINES:])
-        # A fixed height, so that what lies below (the chart controls) does not move as lines arrive.
-        self.recent.value = (f'<pre class="hvdmagic-recent" style="margin:4px 0;padding:2px 6px;'
-                             f'background-color:#f7f7f7;font-family:{_MONO};font-size:12px;line-height:17px;'
-                             f'height:{RECENT_LINES * 17}px;box-sizing:content-box;white-space:pre;'
-                             f'overflow:hidden">{lines}</pre>')
-        self.recent.layout.display = None
+        if self.grouped:  # each line once, with the ranks that printed it
+            blocks, _ = grouping.grouped_lines(self.record, per_rank=RECENT_LINES, limit=RECENT_LINES)
+            lines = "".join(html.escape(f"[{block.name()}] {_clean(line)}") + "\n"
+                            for block in blocks for _, line in block.lines)
+        else:
+            lines = "".join(html.escape(f"[{rank:>{width}}] {_clean(line)}") + "\n"
+                            for rank, _, line in logs[-RECENT_LINES:])
+        self.recent.value = _recent_html(lines)
 
     def series(self) -> dict[str, list[charts.Series]]:
         """What the charts show: rank 0's series of each metric, or every rank's with "all ranks"."""
@@ -514,21 +677,35 @@ class Dashboard:
         if not rows or (key == self._drawn_metrics and not force):
             return
         self._drawn_metrics = key
-        html_text = charts.metrics_html(self.series(), scale=self.scale.value, smoothing=self.smoothing.value)
+        series = self.series()
+        html_text = charts.metrics_html(series, scale=self.scale.value, smoothing=self.smoothing.value)
+        # The snapshot keeps the scale each chart had here last, chosen or "auto"'s, not auto's pick for the end.
+        self.record.chart_scales = charts.scales_shown(series, self.scale.value)
         if html_text:
             self.charts.value = html_text
             if self._controls_work:
-                self.controls.layout.display = None
+                self.controls.layout.display, self.controls.layout.visibility = None, "visible"
 
     def _draw_logs(self) -> None:
         record = self.record
         counts = (len(record.all_logs), *(len(rank.logs) for rank in record.ranks))
         if counts == self._drawn_logs:
             return
+        if self.grouped and self._drawn_logs is not None and time.monotonic() < self._logs_due and record.ended is None:
+            return  # grouping every rank's last lines costs a pass over them all: once a second is enough here
+        self._logs_due = time.monotonic() + FALLBACK_INTERVAL
         self._drawn_logs = counts
         merged = [(f"[{rank}] ", line) for rank, _, line in record.all_logs[-LOG_LINES:]]
         panes = [(merged, counts[0], "hvdmagic.last_run().logs")]
-        for rank in record.ranks:
+        if self.grouped:
+            blocks, left_out = grouping.grouped_lines(record, per_rank=GROUPED_TAIL, limit=LOG_LINES)
+            panes.append(([(f"[{block.name()}] ", line) for block in blocks for _, line in block.lines],
+                          sum(len(block.lines) for block in blocks) + left_out,
+                          "hvdmagic.last_run().logs"))
+            chosen = record.ranks[self.log_rank.value]
+            panes.append(([("", line) for _, line in chosen.logs[-LOG_LINES:]], len(chosen.logs),
+                          f"hvdmagic.last_run().logs[{chosen.rank}]"))
+        for rank in record.ranks if not self.grouped else ():
             panes.append(([("", line) for _, line in rank.logs[-LOG_LINES:]], len(rank.logs),
                           f"hvdmagic.last_run().logs[{rank.rank}]"))
         for widget, (lines, count, where) in zip(self.panes, panes):

@@ -26,6 +26,7 @@ from __future__ import annotations
 import math
 import time
 
+from hvdmagic.kernel import stragglers
 from hvdmagic.kernel.record import Bar, RankRecord, RunRecord
 from hvdmagic.protocol import Stage
 
@@ -275,8 +276,15 @@ def run_fraction(record: RunRecord) -> tuple[float, Named | None] | None:
 # -- rows ----------------------------------------------------------------------------
 
 def stage_text(stage: Stage | str, seconds: float | None) -> str:
-    """A start-up stage and the time spent in it: "starting the embedded Spark · 0:07"."""
-    return f"{stage} · {duration(seconds)}" if seconds is not None else str(stage)
+    """A start-up stage and the time spent in it: "starting the embedded Spark for 0:07".
+
+    Said in words, as ``elapsed_text`` is, because the header shows both times side by side."""
+    return f"{stage} for {duration(seconds)}" if seconds is not None else str(stage)
+
+
+def elapsed_text(seconds: float) -> str:
+    """The run's time so far, or in all once it ended: "elapsed 0:12"."""
+    return f"elapsed {duration(seconds)}"
 
 
 def state_text(state: str) -> str:
@@ -371,3 +379,53 @@ def overall_text(done: float, outer: Named | None, eta: float | None) -> str:
     if eta is not None:
         parts.append(f"ETA {duration(math.ceil(eta))}")
     return " · ".join(parts)
+
+
+# -- what a rank uses, and whether it holds the others back ----------------------------
+
+STRAGGLER_SIGN = "⚠"
+SLOWER_TEXT = f"{round(stragglers.SLOWER * 100)} % or more"
+
+
+def _bytes(size: float) -> str:
+    return f"{size / 1e6:.0f} MB" if size < 1e9 else f"{size / 1e9:.1f} GB"
+
+
+def usage_text(rank: RankRecord) -> str:
+    """A rank's process tree as its supervisor last sampled it: "CPU 98 % · 312 MB", then each GPU
+    it uses, "GPU 0 87 % 3.1/16 GB" (the rank's own memory where NVML tells it, else the device's);
+    "" before the first sample (a quick cell has none), and once the rank has ended: its last
+    sample would read as now, and a lost or failed rank's row says why instead."""
+    if rank.cpu is None or rank.rss is None or rank.state != "running":
+        return ""
+    parts = [f"CPU {rank.cpu:.0f} %", _bytes(rank.rss)]
+    for gpu in rank.gpus:
+        used = gpu.get("rank_used")
+        used = gpu.get("used", 0) if used is None else used
+        parts.append(f"GPU {gpu.get('index', '?')} {gpu.get('util', 0):.0f} % "
+                     f"{used / 1e9:.1f}/{gpu.get('total', 0) / 1e9:.0f} GB")
+    return " · ".join(parts)
+
+
+def straggler_text(rank: RankRecord) -> str:
+    """The marker on a straggler's row, "⚠ 35 % slower"; "" for a rank that keeps up."""
+    flag = rank.straggler
+    return f"{STRAGGLER_SIGN} {round(flag.slower * 100)} % slower" if flag is not None else ""
+
+
+def straggler_reason(record: RunRecord, rank: RankRecord) -> str:
+    """Why a straggler keeps a row of its own in a grouped view (``grouping.OWN_ROW``): "straggler,
+    35 % slower" while the run is live; "straggler" once it ended, so the final text stays the same."""
+    flag = rank.straggler
+    if flag is None:
+        return ""
+    return "straggler" if record.ended is not None else f"straggler, {round(flag.slower * 100)} % slower"
+
+
+def stragglers_line(record: RunRecord, live: bool = True) -> str:
+    """The header's line on the stragglers: "⚠ rank 3 is 35 % slower than the median: host …"; ""
+    when none lags. Live, the ranks flagged now; at the end, every rank flagged in the run."""
+    flags = [flag for flag in record.stragglers if flag.until is None or not live]
+    flags = list({flag.rank: flag for flag in flags}.values())  # a rank flagged twice: its latest flag
+    return (f"{STRAGGLER_SIGN} " + "; ".join(flag.describe(row_name(record, flag.rank), live) for flag in flags)
+            if flags else "")

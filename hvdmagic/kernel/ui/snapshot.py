@@ -17,6 +17,10 @@ timeline keep the full record; every run's full record is ``hvdmagic.last_run()`
 The text/plain, what a front end without HTML shows and ``nbconvert --to markdown``
 keeps, is the headline, the last ``TEXT_LINES`` lines of the ranks' output as the text
 view prefixes them, and the text view's closing summary.
+
+A run of more than eight ranks is grouped (``grouping``): a row per group of ranks that
+ended alike, each distinct output line once with its rank list, and every rank's own row
+and log in a folded ``<details>`` below; a failed rank's log is also shown unfolded.
 """
 
 from __future__ import annotations
@@ -26,14 +30,17 @@ import re
 
 from hvdmagic.kernel.noise import is_startup_noise
 from hvdmagic.kernel.record import RankRecord, RunRecord
-from hvdmagic.kernel.ui import charts, progress_text
+from hvdmagic.kernel.ui import charts, grouping, progress_text
 
 TAIL_LINES = 20  # per rank, always visible
 TEXT_LINES = 20  # of all ranks together, in the text/plain and the compact record
 LOG_LINES = 200  # per rank, in its collapsed section
+GROUPED_LINES = 40  # distinct lines of a many-rank run's grouped log, always visible
 STATE_COLOURS = progress_text.STATE_COLOURS
 _FONT = "-apple-system,BlinkMacSystemFont,'Segoe UI',Helvetica,Arial,sans-serif"
 _MONO = "SFMono-Regular,Menlo,Consolas,'DejaVu Sans Mono',monospace"
+_PRE = (f"margin:0;padding:4px 6px;background-color:#f7f7f7;border-radius:3px;font-family:{_MONO};"
+        "font-size:11.5px;line-height:1.35;white-space:pre-wrap;word-break:break-word")
 _ANSI = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b[@-Z\\-_]")
 
 
@@ -90,7 +97,18 @@ def output_tail(record: RunRecord, limit: int = TEXT_LINES) -> list[tuple[int, i
 
 
 def tail_lines(record: RunRecord, limit: int = TEXT_LINES) -> list[tuple[str, str]]:
-    """``output_tail`` as the text view prints lines, ``[rank r] line``, with where the left-out ones are."""
+    """``output_tail`` as the text view prints lines, ``[rank r] line``, with where the left-out ones are.
+
+    A many-rank run's (``grouping.is_grouped``): each rank's last ``limit`` lines, every distinct
+    line once, labelled with the ranks that printed it (``[ranks 0–10, 12–15] line``), ``limit``
+    distinct lines in all."""
+    if grouping.is_grouped(record):
+        blocks, left_out = grouping.grouped_lines(record, per_rank=limit, limit=limit)
+        lines = [("stdout", f"... {left_out} earlier distinct line{'s' if left_out != 1 else ''} "
+                            "in hvdmagic.last_run().logs")] if left_out else []
+        for block in blocks:
+            lines.extend((stream, f"[{block.name()}] {_ANSI.sub('', line)}") for stream, line in block.lines)
+        return lines
     lines = []
     for rank, earlier, tail in output_tail(record, limit):
         if earlier:
@@ -100,18 +118,38 @@ def tail_lines(record: RunRecord, limit: int = TEXT_LINES) -> list[tuple[str, st
     return lines
 
 
+def _state_words(rank: RankRecord, reason: str = "") -> str:
+    where = progress_text.where_it_ended(rank)
+    state = f"{rank.state} {where}" if where else progress_text.row_state(rank)
+    return f"{state}, {reason}" if reason else state
+
+
 def summary(record: RunRecord) -> str:
-    """Deterministic: each rank's final progress and state, the notes, rank 0's latest metrics."""
+    """Deterministic: each rank's final progress and state (a many-rank run's grouped, as
+    ``grouping.rows`` groups them), the notes, rank 0's latest metrics."""
     lines = []
-    for rank in record.ranks:
-        progress = progress_text.progress_summary(rank)
-        where = progress_text.where_it_ended(rank)
-        state = f"{rank.state} {where}" if where else progress_text.row_state(rank)
-        name = progress_text.row_name(record, rank.rank)
+    if grouping.is_grouped(record):
+        rows = [(group.name(record), group.progress(), group.slowest, group.reason)
+                for group in grouping.rows(record)]
+    else:
+        rows = [(progress_text.row_name(record, rank.rank), progress_text.progress_summary(rank), rank, "")
+                for rank in record.ranks]
+    flagged = {flag.rank for flag in record.stragglers}
+    if flagged:  # deterministic, unlike the live header's figures: who, not how much
+        who = ", ".join(progress_text.row_name(record, rank) for rank in sorted(flagged))
+        lines.append(f"{progress_text.STRAGGLER_SIGN} straggler: {who} (a step rate {progress_text.SLOWER_TEXT} "
+                     "below the median; hvdmagic.last_run().stragglers has the figures)")
+    lines.extend(notice.line() for notice in record.hang_notices)  # no clock in them: deterministic
+    for name, progress, rank, reason in rows:
+        state = _state_words(rank, reason)
+        # The rank's own row, not a group's; a grouped view's straggler has one, named by its reason
+        # (grouping.OWN_ROW), which says it already.
+        own_row = name == progress_text.row_name(record, rank.rank) and not reason
+        marker = f" [{progress_text.STRAGGLER_SIGN} straggler]" if own_row and rank.rank in flagged else ""
         if progress:
-            lines.append(f"{name}: {progress} [{state}]")
-        elif rank.state not in progress_text.UP:  # the headline says it
-            lines.append(f"{name}: [{state}]")
+            lines.append(f"{name}: {progress} [{state}]{marker}")
+        elif rank.state not in progress_text.UP or reason or marker:  # the headline says it
+            lines.append(f"{name}: [{state}]{marker}")
     lines.extend(record.notes)
     latest = record.latest_metrics()
     if latest:
@@ -155,7 +193,9 @@ class Snapshot:
             return self._compact_html()
         record = self.record
         parts = [self._header(), self._ranks()]
-        metrics = charts.metrics_html(charts.series_by_metric(record.rank0_series))
+        if record.hang_notices:
+            parts.append(_section("hang notices", hang_notices_html(record)))
+        metrics = charts.metrics_html(charts.series_by_metric(record.rank0_series), scale=record.chart_scales)
         if metrics:
             parts.append(_section("metrics (rank 0)", metrics))
         notes = self._notes()
@@ -207,7 +247,7 @@ class Snapshot:
         if record.state == "failed":
             state += f'<span style="color:{colour}">: see the error below</span>'
         items = [f"<b>{html.escape(record.command)}</b>", state]
-        items += [progress_text.duration(record.elapsed), html.escape(progress_text.size_text(record))]
+        items += [progress_text.elapsed_text(record.elapsed), html.escape(progress_text.size_text(record))]
         if record.job_group:
             items.append(f"Spark job group <code>{html.escape(record.job_group)}</code>")
         header = ('<div class="hvdmagic-snapshot-header" style="font-size:14px;margin-bottom:4px">'
@@ -216,37 +256,31 @@ class Snapshot:
         if stages:
             steps = " → ".join(f"{html.escape(name)} {_seconds(seconds)}" for name, seconds in stages.items())
             header += f'<div class="hvdmagic-stages" style="font-size:11px;color:#777;margin-bottom:4px">{steps}</div>'
+        if lagging := progress_text.stragglers_line(record, live=False):
+            header += (f'<div class="hvdmagic-stragglers" style="font-size:12px;color:#d62728;margin-bottom:4px">'
+                       f"{html.escape(lagging)}</div>")
         return header
 
     def _ranks(self) -> str:
-        cell = "padding:2px 10px 2px 0;text-align:left;white-space:nowrap;vertical-align:middle"
-        head = "".join(f'<th style="{cell}">{title}</th>'
-                       for title in ("rank", "host", "progress", "", "state", "exit code"))
+        """A row per rank; a many-rank run's grouped rows, with every rank's row one click away."""
+        record = self.record
+        if not grouping.is_grouped(record):
+            return _rank_table("hvdmagic-ranks", [
+                _rank_row(rank, progress_text.row_name(record, rank.rank), html.escape(rank.host),
+                          progress_text.progress_summary(rank)) for rank in record.ranks])
         rows = []
-        for rank in self.record.ranks:
-            colour = STATE_COLOURS.get(rank.state, "#888")
-            fraction = _fraction(rank)
-            bar = ""
-            if fraction is not None:
-                bar = (f'<div style="width:120px;height:6px;background-color:#eee;border-radius:3px">'
-                       f'<div style="width:{fraction * 100:.1f}%;height:6px;background-color:{colour};'
-                       f'border-radius:3px"></div></div>')
-            state = html.escape(progress_text.row_state(rank))
-            if where := progress_text.where_it_ended(rank):
-                state += f' <span style="color:#888">{html.escape(where)}</span>'
-            exit_code = "" if rank.exit_code is None else str(rank.exit_code)
-            done = html.escape(progress_text.progress_summary(rank))
-            rows.append(
-                f'<tr class="hvdmagic-rank" data-rank="{rank.rank}">'
-                f'<td style="{cell}"><b>{progress_text.row_name(self.record, rank.rank)}</b></td>'
-                f'<td style="{cell}">{html.escape(rank.host)}</td>'
-                f'<td style="{cell};font-variant-numeric:tabular-nums">{done}</td>'
-                f'<td style="{cell}">{bar}</td>'
-                f'<td style="{cell};color:{colour}">{state}</td>'
-                f'<td style="{cell}">{exit_code}</td></tr>')
-        return (f'<table class="hvdmagic-ranks" style="border-collapse:collapse;font-size:12px;margin:2px 0 6px">'
-                f'<thead><tr style="border-bottom:1px solid #ddd">{head}</tr></thead>'
-                f"<tbody>{''.join(rows)}</tbody></table>")
+        for group in grouping.rows(record):
+            hosts = group.hosts()
+            host = html.escape(hosts[0]) if len(hosts) == 1 else f"{len(hosts)} hosts" if hosts else ""
+            rows.append(_rank_row(group.slowest, group.name(record), host, group.progress(), group.reason,
+                                  ranks=group.ranks, exit_codes={m.exit_code for m in group.members}))
+        every = _rank_table("hvdmagic-ranks hvdmagic-every-rank", [
+            _rank_row(rank, progress_text.row_name(record, rank.rank), html.escape(rank.host),
+                      progress_text.progress_summary(rank)) for rank in record.ranks])
+        return (_rank_table("hvdmagic-ranks hvdmagic-grouped", rows)
+                + f'<details class="hvdmagic-every-rank" style="margin:0 0 6px"><summary style="font-size:12px;'
+                  f'cursor:pointer">every {"task" if record.elastic else "rank"} ({record.np})</summary>'
+                  f"{every}</details>")
 
     def _notes(self) -> str:
         record = self.record
@@ -264,10 +298,34 @@ class Snapshot:
                        f'font-size:12px">{html.escape(note)}</pre>' for note in notes)
 
     def _logs(self) -> str:
+        """Each rank's last lines; a many-rank run's distinct lines once with their rank lists,
+        and each rank's own log one click away."""
+        record = self.record
+        if not grouping.is_grouped(record):
+            return self._rank_logs()
+        blocks, left_out = grouping.grouped_lines(record, per_rank=TAIL_LINES, limit=GROUPED_LINES)
+        if not blocks:
+            return self._rank_logs()
+        caption = (f"each rank's last {TAIL_LINES} lines, every distinct line once"
+                   + (f"; {left_out} earlier distinct lines left out" if left_out else ""))
+        parts = [f'<div style="font-size:11px;color:#888;margin:2px 0">{caption}</div>']
+        for block in blocks:
+            parts.append(f'<div class="hvdmagic-log-group" data-ranks="{" ".join(map(str, block.ranks))}" '
+                         f'style="margin:4px 0"><div style="font-size:12px"><b>{html.escape(block.name())}</b></div>'
+                         f'<pre style="{_PRE}">{_lines(block.lines)}</pre></div>')
+        failed = [rank for rank in record.ranks if rank.state == "failed"]
+        if failed:  # what a failed rank printed last says why: its own block, outside the fold
+            parts.append(self._rank_logs(failed))
+        noun = "task" if record.elastic else "rank"
+        parts.append(f'<details class="hvdmagic-every-log" style="margin-top:4px"><summary style="font-size:12px;'
+                     f'cursor:pointer">each {noun}’s log ({record.np})</summary>{self._rank_logs()}</details>')
+        return "".join(parts)
+
+    def _rank_logs(self, ranks: list[RankRecord] | None = None) -> str:
+        """Each rank's log block (of ``ranks``; by default every rank's)."""
         blocks = []
-        pre = (f"margin:0;padding:4px 6px;background-color:#f7f7f7;border-radius:3px;font-family:{_MONO};"
-               "font-size:11.5px;line-height:1.35;white-space:pre-wrap;word-break:break-word")
-        for rank in self.record.ranks:
+        pre = _PRE
+        for rank in self.record.ranks if ranks is None else ranks:
             logs, notices = rank.logs, []
             if rank.state != "failed":  # a failed rank's notices may say why: shown among its lines
                 logs = [(stream, line) for stream, line in rank.logs if not is_startup_noise(line)]
@@ -307,12 +365,72 @@ class Snapshot:
         return "".join(blocks)
 
 
+_CELL = "padding:2px 10px 2px 0;text-align:left;white-space:nowrap;vertical-align:middle"
+
+
+def _rank_row(rank: RankRecord, name: str, host: str, progress: str, reason: str = "", *,
+              ranks: list[int] | None = None, exit_codes: set | None = None) -> str:
+    """A row of the ranks' table: one rank, or (``ranks``) a group that ``rank`` stands for."""
+    colour = STATE_COLOURS.get(rank.state, "#888")
+    fraction = _fraction(rank)
+    bar = ""
+    if fraction is not None:
+        bar = (f'<div style="width:120px;height:6px;background-color:#eee;border-radius:3px">'
+               f'<div style="width:{fraction * 100:.1f}%;height:6px;background-color:{colour};'
+               f'border-radius:3px"></div></div>')
+    state = html.escape(progress_text.row_state(rank))
+    if where := progress_text.where_it_ended(rank):
+        state += f' <span style="color:#888">{html.escape(where)}</span>'
+    if reason:
+        state += f' <span class="hvdmagic-reason" style="color:#b26b00">{html.escape(reason)}</span>'
+    if ranks is None and (marker := progress_text.straggler_text(rank)):
+        state += f' <span class="hvdmagic-straggler" style="color:#d62728;font-weight:600">{html.escape(marker)}</span>'
+    codes = sorted(code for code in (exit_codes if exit_codes is not None else {rank.exit_code})
+                    if code is not None)
+    exit_code = ", ".join(map(str, codes))
+    which = (f'data-rank="{rank.rank}"' if ranks is None else
+             f'data-ranks="{" ".join(map(str, ranks))}" data-count="{len(ranks)}"')
+    return (f'<tr class="hvdmagic-rank" {which}>'
+            f'<td style="{_CELL};white-space:normal;max-width:260px"><b>{html.escape(name)}</b></td>'
+            f'<td style="{_CELL}">{host}</td>'
+            f'<td style="{_CELL};font-variant-numeric:tabular-nums">{html.escape(progress)}</td>'
+            f'<td style="{_CELL}">{bar}</td>'
+            f'<td style="{_CELL};color:{colour}">{state}</td>'
+            f'<td style="{_CELL}">{exit_code}</td></tr>')
+
+
+def _rank_table(classes: str, rows: list[str]) -> str:
+    head = "".join(f'<th style="{_CELL}">{title}</th>'
+                   for title in ("rank", "host", "progress", "", "state", "exit code"))
+    return (f'<table class="{classes}" style="border-collapse:collapse;font-size:12px;margin:2px 0 6px">'
+            f'<thead><tr style="border-bottom:1px solid #ddd">{head}</tr></thead>'
+            f"<tbody>{''.join(rows)}</tbody></table>")
+
+
 def _lines(logs: list[tuple[str, str]]) -> str:
     out = []
     for stream, line in logs:
         text = html.escape(_ANSI.sub("", line))
         out.append(f'<span style="color:#b22">{text}</span>' if stream == "stderr" else text)
     return "\n".join(out)
+
+
+_CODE = re.compile(r"`([^`]*)`")
+
+
+def hang_notices_html(record: RunRecord) -> str:
+    """Horovod's stall reports, one amber line each, with how often Horovod repeated them
+    (the snapshot's and the live dashboard's)."""
+    out = []
+    for notice in record.hang_notices:
+        again = ""
+        if notice.reports > 1:
+            again = (f' <span style="color:#888">· reported {notice.reports} times over '
+                     f"{progress_text.duration(notice.last_seen - notice.first_seen)}</span>")
+        text = _CODE.sub(r"<code>\1</code>", html.escape(notice.line()))  # the tensor names, `as in Markdown`
+        out.append(f'<div class="hvdmagic-hang" style="margin:2px 0;padding:2px 6px;border-left:3px solid #d98c00;'
+                   f'background-color:#fff8e6;font-size:12px;white-space:pre-wrap">{text}{again}</div>')
+    return "".join(out)
 
 
 def _section(title: str, body: str) -> str:

@@ -1,0 +1,413 @@
+"""Every magic on a Spark Connect session: a real Connect server in its own process, a real kernel.
+
+The server is pyspark's own (``sbin/start-connect-server.sh``, the jar the venv's pyspark ships)
+with a ``local[4]`` master, bound to 127.0.0.1; the kernel is a real Jupyter kernel that
+connects with ``SparkSession.builder.remote("sc://127.0.0.1:P")``, so no JVM runs in it. The
+ranks are real Horovod (or torch.distributed) processes over Gloo, descendants of the server's
+JVM, which is where this module looks for any left behind.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from helpers import (
+    StandaloneCluster,
+    execute,
+    iopub_messages,
+    start_kernel,
+    stop_kernel,
+    wait_for_reply,
+    wait_until,
+)
+from procs import alive, rank_processes
+
+SERVER_START = 120  # seconds the Connect server gets to listen: a JVM on a busy 2-core machine
+CORES = 4
+TRAIN = """%%horovod --np 2
+import torch, horovod.torch as hvd
+hvd.init()
+print(f"ready {hvd.rank()}/{hvd.size()}", flush=True)
+hvd.allreduce(torch.tensor([float(hvd.rank() + 1)]), op=hvd.Sum).item()
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _listening(port: int) -> bool:
+    with socket.socket() as sock:
+        return sock.connect_ex(("127.0.0.1", port)) == 0
+
+
+class ConnectServer:
+    """pyspark's Spark Connect server, in the foreground of a process group of its own."""
+
+    def __init__(self, workdir: Path, master: str = f"local[{CORES}]", conf: dict[str, str] | None = None):
+        import pyspark
+
+        self.spark_home = Path(pyspark.__file__).parent
+        self.port = _free_port()
+        self.url = f"sc://127.0.0.1:{self.port}"
+        self.log = workdir / "connect-server.log"
+        env = dict(os.environ, SPARK_HOME=str(self.spark_home), SPARK_LOCAL_IP="127.0.0.1",
+                   SPARK_LOG_DIR=str(workdir), SPARK_PID_DIR=str(workdir), SPARK_NO_DAEMONIZE="1",
+                   PYSPARK_PYTHON=sys.executable)  # the executors' Python: this venv, with hvdmagic
+        with open(self.log, "wb") as log:
+            self.proc = subprocess.Popen(
+                [str(self.spark_home / "sbin" / "start-connect-server.sh"), "--master", master,
+                 "--conf", f"spark.connect.grpc.binding.port={self.port}",
+                 "--conf", "spark.connect.grpc.binding.address=127.0.0.1",
+                 "--conf", "spark.driver.host=127.0.0.1", "--conf", "spark.ui.enabled=false",
+                 *[arg for key, value in (conf or {}).items() for arg in ("--conf", f"{key}={value}")]],
+                env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def wait_listening(self, timeout: float) -> None:
+        def up() -> bool:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the Spark Connect server exited with {self.proc.returncode} before it "
+                                   f"listened on port {self.port}:\n{self.log.read_text()[-3000:]}")
+            return _listening(self.port)
+
+        try:
+            wait_until(up, timeout, lambda: f"the Spark Connect server did not listen on 127.0.0.1:{self.port}; "
+                       f"its log ends:\n{self.log.read_text()[-3000:]}", interval=0.25)
+        except BaseException:
+            self.stop()
+            raise
+
+    def ranks(self) -> list[int]:
+        """The rank processes that run under the server (its Python workers' children)."""
+        return [proc.pid for proc in rank_processes(self.proc.pid)]
+
+    def stop(self) -> None:
+        """Until the whole process group is gone: the start script exits before its JVM does."""
+        for sig, wait in ((signal.SIGTERM, 20), (signal.SIGKILL, 10)):
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                return
+            deadline = time.monotonic() + wait
+            while time.monotonic() < deadline:
+                self.proc.poll()  # reap the script, whose zombie would keep the group alive
+                try:
+                    os.killpg(self.proc.pid, 0)
+                except ProcessLookupError:
+                    return
+                time.sleep(0.1)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    server = ConnectServer(tmp_path_factory.mktemp("connect"))
+    server.wait_listening(SERVER_START)
+    yield server
+    server.stop()
+
+
+class Kernel:
+    """A real Jupyter kernel whose active Spark session is the Connect server's."""
+
+    def __init__(self, url: str):
+        self.manager, self.client = start_kernel(PYSPARK_PYTHON=sys.executable)
+        self.ok("%load_ext hvdmagic\nimport hvdmagic\nfrom pyspark.sql import SparkSession\n"
+                 f"spark = SparkSession.builder.remote({url!r}).getOrCreate()\nspark.range(1).count()", 120)
+
+    def run(self, code: str, timeout: float = 180, on_output=None) -> tuple[dict, str]:
+        reply, texts = execute(self.client, code, timeout, on_output)
+        return reply, "".join(texts)
+
+    def ok(self, code: str, timeout: float = 180) -> str:
+        reply, text = self.run(code, timeout)
+        assert reply["status"] == "ok", text
+        return text
+
+    def value(self, expression: str):
+        """An expression's value in the kernel, as its repr: ``print(repr(...))``."""
+        import ast
+
+        return ast.literal_eval(self.ok(f"print(repr({expression}))").strip().splitlines()[-1])
+
+    def stop(self) -> None:
+        stop_kernel(self.manager, self.client)
+
+
+@pytest.fixture(scope="module")
+def kernel(server):
+    kernel = Kernel(server.url)
+    yield kernel
+    kernel.stop()
+
+
+def _no_ranks_left(server: ConnectServer, what: str) -> None:
+    wait_until(lambda: not server.ranks(), 15, lambda: f"rank processes {server.ranks()} outlived {what}")
+
+
+def test_a_cell_runs_on_the_connect_session_with_no_jvm_in_the_kernel(kernel, server):
+    reply, text = kernel.run(TRAIN)
+    assert reply["status"] == "ok", text
+    assert "(spark connect)" in text, text
+    assert "[rank 0] ready 0/2" in text and "[rank 1] ready 1/2" in text, text
+    assert kernel.value("hvdmagic.last_run().mode") == "spark connect"
+    assert kernel.value("hvdmagic.last_run().result") == 3.0
+    description = kernel.value("hvdmagic.last_run().description")
+    assert description.startswith("Spark Connect barrier stage of 2 tasks") and server.url[5:] in description
+    # No classic session beside the Connect one: no SparkContext, no JVM, no embedded session.
+    assert kernel.value("__import__('pyspark').SparkContext._active_spark_context is None") is True
+    assert kernel.value("__import__('hvdmagic.launch.spark_session').launch.spark_session._embedded is None")
+    java = [p.name() for p in __import__("psutil").Process(kernel.manager.provisioner.process.pid).children(True)
+            if "java" in p.name()]
+    assert not java, f"the kernel started a JVM: {java}"
+    _no_ranks_left(server, "a finished cell")
+
+
+def test_too_large_np_fails_at_once_naming_the_slots(kernel, server):
+    started = time.monotonic()
+    reply, text = kernel.run(f"%%horovod --np {CORES + 1}\n1", 60)
+    assert reply["status"] == "error" and reply["ename"] == "LaunchError", text
+    assert f"offers {CORES}" in text and "Spark Connect" in text and f"local[{CORES}]" in text, text
+    assert "Java" not in text and "\tat " not in text, text
+    assert time.monotonic() - started < 15, "the slot check did not fail at once"
+    assert not server.ranks()
+
+
+FAULTS = {
+    "raise": ('raise KeyError("boom on rank 1")', "boom on rank 1"),
+    "sigkill": ("import os, signal; os.kill(os.getpid(), signal.SIGKILL)", "killed by SIGKILL"),
+}
+
+
+@pytest.mark.parametrize("fault", list(FAULTS))
+def test_a_failing_rank_fails_the_cell_and_the_next_cell_works(kernel, server, fault):
+    code, said = FAULTS[fault]
+    reply, text = kernel.run(f"""%%horovod --np 2
+import time, torch, horovod.torch as hvd
+hvd.init()
+if hvd.rank() == 1:
+    {code}
+hvd.allreduce(torch.tensor([1.0]))
+""")
+    assert reply["status"] == "error" and reply["ename"] == "JobFailed", text
+    assert "rank 1" in text and said in text, text
+    _no_ranks_left(server, "a failed cell")
+    kernel.ok(TRAIN)
+    assert kernel.value("hvdmagic.last_run().result") == 3.0
+
+
+def test_timeout_cancels_the_stage_and_every_slot_comes_back(kernel, server):
+    started = time.monotonic()
+    reply, text = kernel.run("""%%horovod --np 2 --timeout 8
+import time, horovod.torch as hvd
+hvd.init()
+time.sleep(600)
+""", 120)
+    assert reply["status"] == "error" and reply["ename"] == "JobTimeout", text
+    assert "--timeout 8" in text, text
+    assert time.monotonic() - started < 8 + 20, "the timeout took too long to end the cell"
+    _no_ranks_left(server, "--timeout")
+    # Every barrier slot is free again: a stage on all of them runs (one left waiting would hang it).
+    text = kernel.ok(f"%%horovod --np {CORES} --timeout 90\nimport horovod.torch as hvd\nhvd.init()\nhvd.size()")
+    assert f"np={CORES} (spark connect): finished" in text, text
+
+
+def test_stop_during_training_stops_every_rank_and_the_next_cell_works(kernel, server):
+    seen: list[int] = []
+
+    def stop_once_training(text: str) -> None:
+        if "training" in text and not seen:
+            seen.extend(wait_until(server.ranks, 10, "no rank process ran while the cell trained"))
+            kernel.manager.interrupt_kernel()
+
+    msg = kernel.client.execute("""%%horovod --np 2
+import time, horovod.torch as hvd
+hvd.init()
+print("training", flush=True)
+time.sleep(600)
+""")
+    reply, texts = wait_for_reply(kernel.client, msg, 120, stop_once_training)
+    assert seen, "training never started"
+    assert reply["status"] == "error" and reply["ename"] == "JobInterrupted", texts
+    assert len(texts[-1].strip().splitlines()) == 1, texts[-1]
+    wait_until(lambda: not alive(seen), 15, lambda: f"rank processes {alive(seen)} survived Stop")
+    kernel.ok(TRAIN)
+    assert kernel.value("hvdmagic.last_run().result") == 3.0
+
+
+def test_a_kernel_that_dies_leaves_no_rank_and_no_stage_behind(kernel, server):
+    """The kernel that ran the stage is SIGKILLed mid-training: its channel drops, the supervisors
+    kill their ranks, the tasks end and so does the Connect operation, so every slot is free."""
+    doomed = Kernel(server.url)
+    try:
+        seen: list[int] = []
+        msg = doomed.client.execute("""%%horovod --np 2
+import time, horovod.torch as hvd
+hvd.init()
+print("training", flush=True)
+time.sleep(600)
+""")
+        for message in iopub_messages(doomed.client, msg, 120):
+            if message["msg_type"] == "stream" and "training" in message["content"]["text"]:
+                seen.extend(wait_until(server.ranks, 10, "no rank process ran while the cell trained"))
+                break
+        assert seen, "training never started"
+        os.kill(doomed.manager.provisioner.process.pid, signal.SIGKILL)
+    finally:
+        doomed.stop()
+    wait_until(lambda: not alive(seen), 20, lambda: f"rank processes {alive(seen)} outlived their kernel")
+    text = kernel.ok(f"%%horovod --np {CORES} --timeout 90\nimport horovod.torch as hvd\nhvd.init()\nhvd.size()")
+    assert f"np={CORES} (spark connect): finished" in text, text
+
+
+def test_the_python_api_torch_distributor_and_torchrun_run_on_connect(kernel, server):
+    kernel.ok("""
+from hvdmagic import HorovodRunner
+def size_and_rank():
+    import horovod.torch as hvd
+    hvd.init()
+    return hvd.size(), hvd.rank()
+""")
+    assert kernel.value("hvdmagic.run(size_and_rank, np=2)") == [(2, 0), (2, 1)]
+    assert kernel.value("hvdmagic.last_run().mode") == "spark connect"
+    assert kernel.value("HorovodRunner(np=2).run(size_and_rank)") == (2, 0)
+    kernel.ok("""
+from hvdmagic import TorchDistributor
+def world():
+    import torch.distributed as dist
+    dist.init_process_group("gloo")
+    return dist.get_world_size()
+""")
+    assert kernel.value("TorchDistributor(num_processes=2, local_mode=False, use_gpu=False).run(world)") == 2
+    assert kernel.value("hvdmagic.last_run().mode") == "spark connect"
+    reply, text = kernel.run("""%%torchrun --np 2
+import torch, torch.distributed as dist
+dist.init_process_group("gloo")
+t = torch.tensor([float(dist.get_rank() + 1)])
+dist.all_reduce(t)
+t.item()
+""")
+    assert reply["status"] == "ok", text
+    assert "(spark connect)" in text, text
+    assert kernel.value("hvdmagic.last_run().result") == 3.0
+    _no_ranks_left(server, "the API's runs")
+
+
+def test_a_session_and_data_from_a_connect_dataframe(kernel, server):
+    kernel.ok("%horovod start --np 2", 180)
+    try:
+        kernel.ok("%%horovod\nimport horovod.torch as hvd\nhvd.init()\nkept = hvd.rank() * 10")
+        kernel.ok("%%horovod\nimport torch\nhvd.allreduce(torch.tensor([float(kept)]), op=hvd.Sum).item()")
+        assert kernel.value("hvdmagic.last_run().result") == 10.0
+    finally:
+        kernel.ok("%horovod stop")
+    _no_ranks_left(server, "%horovod stop")
+    reply, text = kernel.run("""df = spark.range(10).selectExpr("id", "id * 2 as twice")
+print(type(df).__module__)""")
+    assert "pyspark.sql.connect" in text, text
+    reply, text = kernel.run("""%%horovod --np 2 --data df
+import hvdmagic, horovod.torch as hvd
+hvd.init()
+shard = hvdmagic.shard()
+sorted(hvd.allgather_object(shard.column("id").to_pylist()), key=len)
+""")
+    assert reply["status"] == "ok", text
+    rows = kernel.value("sorted(sum(hvdmagic.last_run().result, []))")
+    assert rows == list(range(10))
+
+
+def test_an_elastic_run_runs_on_a_plain_connect_stage(kernel, server):
+    """An elastic run's stage is a plain one (a barrier stage fails as a whole when one task does):
+    on Connect, mapInArrow without barrier=True, its tasks reading their TaskContext."""
+    reply, text = kernel.run("""%%horovod --np 2 --min-np 1 --max-np 2 --timeout 120
+import torch, horovod.torch as hvd
+hvd.init()
+state = hvd.elastic.TorchState(step=0)
+@hvd.elastic.run
+def train(state):
+    for state.step in range(state.step, 3):
+        hvd.allreduce(torch.tensor([1.0]))
+        state.commit()
+    return hvd.size()
+train(state)
+""")
+    assert reply["status"] == "ok", text
+    assert "elastic 1-2 (spark connect): finished" in text, text
+    assert kernel.value("hvdmagic.last_run().result") == 2
+    _no_ranks_left(server, "an elastic run")
+
+
+@pytest.mark.unit
+def test_an_unreachable_kernel_is_one_paragraph_from_the_task():
+    """A task whose kernel does not answer fails with the line the driver turns into its paragraph."""
+    from hvdmagic.launch import spark_connect
+    from hvdmagic.protocol import Payload, TaskSpec
+    from hvdmagic.task import barrier
+
+    port = _free_port()  # closed: nothing listens there
+    spec = TaskSpec(job_id="x", driver_host="127.0.0.1", channel_port=port, rendezvous_port=0, secret=b"s" * 32,
+                    payload=Payload(b""))
+    with pytest.raises(barrier.Unreachable) as caught:
+        barrier.run_task(spec, 0)
+    assert str(caught.value).startswith(barrier.UNREACHABLE) and f"127.0.0.1:{port}" in str(caught.value)
+    paragraph = spark_connect.unreachable("the task could not connect", "10.0.0.5", None)
+    assert "\n" not in paragraph and "10.0.0.5" in paragraph and "open the kernel's TCP ports" in paragraph
+    # Through a tunnel (the kernel's address toward the server is loopback) no port can be opened.
+    tunnelled = spark_connect.unreachable("the task could not connect", "127.0.0.1", None)
+    assert "tunnel" in tunnelled and "open the kernel's TCP ports" not in tunnelled
+
+
+def test_a_connect_server_inside_the_kernel_is_used_as_it_is(kernel_factory):
+    """``remote("local[2]")`` runs the server in the kernel's own process, a classic SparkContext
+    with it: hvdmagic runs on the Connect session, starts no session of its own, and never tells
+    the user to stop theirs."""
+    manager, client = kernel_factory(PYSPARK_PYTHON=sys.executable)
+    reply, texts = execute(client, "%load_ext hvdmagic\nimport hvdmagic\nfrom pyspark.sql import SparkSession\n"
+                           "spark = SparkSession.builder.remote('local[2]').getOrCreate()\n"
+                           "print(type(spark).__module__)", 240)
+    assert reply["status"] == "ok" and "pyspark.sql.connect" in "".join(texts), texts
+    reply, texts = execute(client, TRAIN, 240)
+    text = "".join(texts)
+    assert reply["status"] == "ok", text
+    assert "(spark connect)" in text and "spark.stop()" not in text, text
+    reply, texts = execute(client, "print(hvdmagic.last_run().result, hvdmagic.launch.spark_session._embedded)", 30)
+    assert "".join(texts).split() == ["3.0", "None"], texts
+    kernel_pid = manager.provisioner.process.pid
+    wait_until(lambda: not rank_processes(kernel_pid), 15, "rank processes outlived the cell")
+
+
+@pytest.mark.cluster
+def test_a_connect_server_on_a_standalone_cluster_counts_its_slots_and_runs_across_workers(tmp_path):
+    """``start-connect-server.sh --master spark://...``: the slot count comes from the server's
+    defaultParallelism (the executors' cores), read from a plan, since the master string says nothing."""
+    cluster = StandaloneCluster(tmp_path, workers=2, cores=2, gpus=0).start()
+    server = kernel = None
+    try:
+        server = ConnectServer(tmp_path, master=cluster.url, conf={"spark.executor.cores": "2",
+                                                                   "spark.executor.memory": "1g"})
+        server.wait_listening(SERVER_START)
+        kernel = Kernel(server.url)
+        kernel.ok("from hvdmagic.launch import spark_connect")
+        wait_until(lambda: kernel.value("spark_connect.available(spark)") == 4, 90,
+                   "the Connect server's executors did not register their 4 cores")
+        reply, text = kernel.run("%%horovod --np 5\n1", 60)
+        assert reply["status"] == "error" and reply["ename"] == "LaunchError", text
+        assert "offers 4" in text and cluster.url in text, text
+        kernel.ok("%%horovod --np 4 --timeout 120\nimport horovod.torch as hvd\nhvd.init()\n"
+                  "(hvd.size(), hvd.cross_size())")
+        assert kernel.value("hvdmagic.last_run().result") == (4, 1)  # one address, 127.0.0.1: one host
+        assert kernel.value("hvdmagic.last_run().mode") == "spark connect"
+    finally:
+        if kernel is not None:
+            kernel.stop()
+        if server is not None:
+            server.stop()
+        cluster.stop()
