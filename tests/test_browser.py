@@ -3,9 +3,10 @@
 nbclient and nbval only see a cell's final outputs; these tests drive JupyterLab and check
 the page, each saving a screenshot under artifacts/screenshots/:
 
-- a live run: the status bar says Busy throughout; the rank bars and the overall bar move while
-  the ranks train, a metric chart and the newest output lines appear, a chart control works mid-run, and the end of the
-  run replaces the widgets by the static snapshot (running.png, dashboard.png, finished.png);
+- a live run: the status bar says Busy throughout; the dashboard keeps its height from launch
+  to training; the rank bars and the overall bar move while the ranks train, a metric chart
+  and the newest output lines appear, a chart control works mid-run, and the end of the run
+  replaces the widgets by the static snapshot (running.png, dashboard.png, finished.png);
 - a failing rank: the snapshot's header says failed and the traceback is shown once, in
   the cell's error output (failed.png);
 - the Stop button while the run starts: the cell ends with a one-line JobInterrupted and
@@ -277,6 +278,9 @@ def watch_live_run(page, seen: dict) -> None:
     # through the whole launch, which takes over 30 s on a loaded 2-core machine.
     wait_for(page, f"() => document.querySelectorAll({json.dumps(RANK_BARS)}).length === {NP}", timeout=150,
              failure=f"The dashboard ({DASHBOARD}) did not show {NP} rank progress bars")
+    # The layout while the run starts: room is kept for what training shows (bars, lines, charts).
+    seen["launch_height"] = page.locator(DASHBOARD).evaluate("e => e.getBoundingClientRect().height")
+    seen["launch_state"] = page.locator(DASHBOARD).locator(".hvdmagic-state").first.inner_text()
     # From now until the snapshot, what the status bar says about the kernel, every 100 ms.
     page.evaluate(f"""() => {{
         window.hvdmagicStatuses = [];
@@ -312,6 +316,7 @@ def watch_live_run(page, seen: dict) -> None:
         page, f"() => {{ const w = ({rank_widths()})(); return w.every(x => parseFloat(x) >= 40) && w; }}",
         timeout=30, failure="The ranks did not get to 40%")
     seen["running_header"] = page.locator(DASHBOARD).locator(".hvdmagic-state").first.inner_text()
+    seen["running_height"] = page.locator(DASHBOARD).evaluate("e => e.getBoundingClientRect().height")
     page.locator(DASHBOARD).evaluate("e => e.scrollIntoView({block: 'start'})")
     page.screenshot(path=SCREENSHOTS / "running.png")
     page.locator(DASHBOARD).screenshot(path=SCREENSHOTS / "dashboard.png")
@@ -350,6 +355,11 @@ def test_live_dashboard_in_jupyterlab(live_run):
     print(f"progress bars moved from {seen['first']} to {seen['later']}; overall: {seen['overall']}")
     assert not all(w == "100%" for w in seen["first"]), f"the run had already finished when first seen: {seen}"
     assert seen["running_header"] == "running", seen
+    # The dashboard does not jump when training starts: the first frame kept the room (it was
+    # 133-167 px while launching, then 545 px, before it did).
+    print(f"dashboard height: {seen['launch_height']:.0f} px ({seen['launch_state']}), "
+          f"{seen['running_height']:.0f} px training")
+    assert abs(seen["running_height"] - seen["launch_height"]) <= 40, seen
     # ipykernel answers JupyterLab's subshell request and the control's clicks mid-run, each with an
     # idle status (kernel/busy_status.py): the status bar must still say Busy all along.
     said = [(status, len(list(run))) for status, run in itertools.groupby(seen["statuses"])]
