@@ -706,3 +706,18 @@ def test_a_run_without_progress_bars_gives_the_blank_columns_width_to_the_last_l
     record.apply({"type": "report", "rank": 0, "progress": {"train": [1, 10, 5.0]}})
     board._draw()  # a bar on one rank: every row keeps its columns, so the rows stay aligned
     assert [(row.left.layout.display, row.right.layout.display) for row in board.rows] == [("", "")] * 2
+
+
+@pytest.mark.unit
+def test_the_where_pane_names_an_elastic_runs_rows_by_task():
+    """An elastic run's rows are tasks, and its Horovod ranks change at a reset: the answers say "task"."""
+    from hvdmagic.kernel.ui.dashboard import Dashboard
+    from hvdmagic.launch.placement import Elastic
+
+    record = RunRecord(Placement.of(2, elastic=Elastic(1, 2)))
+    record.where_asked = 1.0
+    record.where = {0: '  File "<horovod-cell>", line 3 in <module>', 1: '  File "<horovod-cell>", line 5 in <module>'}
+    board = Dashboard(record)
+    board._draw_where()
+    assert "2 of 2 tasks answered" in board.where.value and "task 0:" in board.where.value, board.where.value
+    assert "rank 0:" not in board.where.value

@@ -643,9 +643,10 @@ class Dashboard:
         if record.where_asked is None:
             return
         answers = dict(record.where)
+        noun = "task" if record.elastic else "rank"  # an elastic run's rows are tasks: its ranks change
         lines = [f"asked at {time.strftime('%H:%M:%S', time.localtime(record.where_asked))}: "
-                 f"{len(answers)} of {record.np} ranks answered",
-                 *(stacks.describe(answers)[1:] if answers else [])]
+                 f"{len(answers)} of {record.np} {noun}s answered",
+                 *(stacks.describe(answers, noun)[1:] if answers else [])]
         self.where.value = (f"<pre class='hvdmagic-where' style='margin:2px 0;max-height:300px;overflow:auto'>"
                             f"{html.escape(chr(10).join(lines))}</pre>")
 
