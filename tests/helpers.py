@@ -16,6 +16,7 @@ import contextlib
 import json
 import os
 import queue
+import re
 import signal
 import socket
 import subprocess
@@ -228,7 +229,17 @@ class StandaloneCluster:
                                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
 
     def _state(self) -> dict:
-        with urllib.request.urlopen(f"http://{self.host}:{self.ui_port}/json/", timeout=2) as reply:
+        """The master's state, from the web UI port its log says it bound: the port asked for may
+        have been taken meanwhile (Spark then binds the next one, and the asked one may answer
+        with another Spark UI's HTML page). {} until the master has said."""
+        try:
+            log = (self.workdir / "master.log").read_text(errors="replace")
+        except OSError:
+            return {}
+        bound = re.search(r"Bound MasterWebUI to \S+, and started at http://[^:\s]+:(\d+)", log)
+        if bound is None:
+            return {}
+        with urllib.request.urlopen(f"http://{self.host}:{bound[1]}/json/", timeout=2) as reply:
             return json.load(reply)
 
     def start(self, timeout: float = 90, workers: int | None = None) -> StandaloneCluster:
@@ -269,7 +280,7 @@ class StandaloneCluster:
                 raise ChildProcessError("a process of the cluster exited")
             try:
                 seen["alive"] = self._state().get("aliveworkers", 0)
-            except OSError:
+            except (OSError, ValueError):  # not up yet, or a half-written reply
                 seen["alive"] = 0
             return seen["alive"] == count
 
