@@ -31,9 +31,6 @@ from __future__ import annotations
 import argparse
 import ast
 import os
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -41,6 +38,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(1, str(ROOT / "tests"))  # the Connect server the tests start
+
+from connect_server import ConnectServer  # noqa: E402
 
 from benchmarks import _common  # noqa: E402
 
@@ -58,64 +58,6 @@ SUBMITTED, HELLO = "stage submitted", "rank processes starting"  # protocol.Stag
 PHASES = ("import hvdmagic\nr = hvdmagic.last_run()\n"
           "print(repr((r.mode, r.state, r.result, r.ended - r.started, "
           "{str(s): t - r.started for s, t in r.stage_reached.items()})))")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def listening(port: int) -> bool:
-    with socket.socket() as sock:
-        return sock.connect_ex(("127.0.0.1", port)) == 0
-
-
-class ConnectServer:
-    """pyspark's Spark Connect server in the foreground of a process group of its own."""
-
-    def __init__(self, workdir: Path):
-        import pyspark
-
-        home = Path(pyspark.__file__).parent
-        self.port = free_port()
-        self.log = workdir / "connect-server.log"
-        self.started = time.monotonic()
-        env = dict(os.environ, SPARK_HOME=str(home), SPARK_LOCAL_IP="127.0.0.1", SPARK_LOG_DIR=str(workdir),
-                   SPARK_PID_DIR=str(workdir), SPARK_NO_DAEMONIZE="1", PYSPARK_PYTHON=sys.executable)
-        with open(self.log, "wb") as out:
-            self.proc = subprocess.Popen(
-                [str(home / "sbin" / "start-connect-server.sh"), "--master", f"local[{SLOTS}]",
-                 "--conf", f"spark.connect.grpc.binding.port={self.port}",
-                 "--conf", "spark.connect.grpc.binding.address=127.0.0.1",
-                 "--conf", "spark.driver.host=127.0.0.1", "--conf", "spark.ui.enabled=false"],
-                env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-
-    def wait_listening(self, timeout: float) -> float:
-        """Seconds from the start until the port accepts connections; RuntimeError if the server exits
-        or the time runs out."""
-        while not listening(self.port):
-            if self.proc.poll() is not None or time.monotonic() - self.started > timeout:
-                raise RuntimeError(f"the Connect server did not listen on 127.0.0.1:{self.port} "
-                                   f"(exit code {self.proc.poll()}); its log ends:\n{self.log.read_text()[-3000:]}")
-            time.sleep(0.25)
-        return time.monotonic() - self.started
-
-    def stop(self) -> None:
-        """SIGTERM to the process group (the script and its JVM), then SIGKILL if any of it is left after 20 s."""
-        for sig, wait in ((signal.SIGTERM, 20), (signal.SIGKILL, 10)):
-            try:
-                os.killpg(self.proc.pid, sig)
-            except ProcessLookupError:
-                return
-            deadline = time.monotonic() + wait
-            while time.monotonic() < deadline:
-                self.proc.poll()  # reaps the script; the group lives on while its JVM does
-                try:
-                    os.killpg(self.proc.pid, 0)
-                except ProcessLookupError:
-                    return
-                time.sleep(0.2)
 
 
 class Kernel:
@@ -233,7 +175,7 @@ def main(argv=None) -> int:
     try:
         with tempfile.TemporaryDirectory(prefix="bench-connect-") as workdir:
             log(f"starting the Connect server (local[{SLOTS}]) and the classic kernel")
-            server = ConnectServer(Path(workdir))
+            server = ConnectServer(Path(workdir), f"local[{SLOTS}]")
             kernels["classic"] = Kernel(
                 f'spark = (SparkSession.builder.master("local[{SLOTS}]").config("spark.driver.host", "127.0.0.1")'
                 '.config("spark.ui.enabled", "false").getOrCreate())')

@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
 
+import connect_server
 import pytest
 from helpers import (
     StandaloneCluster,
@@ -39,72 +38,13 @@ hvd.allreduce(torch.tensor([float(hvd.rank() + 1)]), op=hvd.Sum).item()
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _listening(port: int) -> bool:
-    with socket.socket() as sock:
-        return sock.connect_ex(("127.0.0.1", port)) == 0
-
-
-class ConnectServer:
-    """pyspark's Spark Connect server, in the foreground of a process group of its own."""
-
+class ConnectServer(connect_server.ConnectServer):
     def __init__(self, workdir: Path, master: str = f"local[{CORES}]", conf: dict[str, str] | None = None):
-        import pyspark
-
-        self.spark_home = Path(pyspark.__file__).parent
-        self.port = _free_port()
-        self.url = f"sc://127.0.0.1:{self.port}"
-        self.log = workdir / "connect-server.log"
-        env = dict(os.environ, SPARK_HOME=str(self.spark_home), SPARK_LOCAL_IP="127.0.0.1",
-                   SPARK_LOG_DIR=str(workdir), SPARK_PID_DIR=str(workdir), SPARK_NO_DAEMONIZE="1",
-                   PYSPARK_PYTHON=sys.executable)  # the executors' Python: this venv, with hvdmagic
-        with open(self.log, "wb") as log:
-            self.proc = subprocess.Popen(
-                [str(self.spark_home / "sbin" / "start-connect-server.sh"), "--master", master,
-                 "--conf", f"spark.connect.grpc.binding.port={self.port}",
-                 "--conf", "spark.connect.grpc.binding.address=127.0.0.1",
-                 "--conf", "spark.driver.host=127.0.0.1", "--conf", "spark.ui.enabled=false",
-                 *[arg for key, value in (conf or {}).items() for arg in ("--conf", f"{key}={value}")]],
-                env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-
-    def wait_listening(self, timeout: float) -> None:
-        def up() -> bool:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the Spark Connect server exited with {self.proc.returncode} before it "
-                                   f"listened on port {self.port}:\n{self.log.read_text()[-3000:]}")
-            return _listening(self.port)
-
-        try:
-            wait_until(up, timeout, lambda: f"the Spark Connect server did not listen on 127.0.0.1:{self.port}; "
-                       f"its log ends:\n{self.log.read_text()[-3000:]}", interval=0.25)
-        except BaseException:
-            self.stop()
-            raise
+        super().__init__(workdir, master, conf)
 
     def ranks(self) -> list[int]:
         """The rank processes that run under the server (its Python workers' children)."""
         return [proc.pid for proc in rank_processes(self.proc.pid)]
-
-    def stop(self) -> None:
-        """Until the whole process group is gone: the start script exits before its JVM does."""
-        for sig, wait in ((signal.SIGTERM, 20), (signal.SIGKILL, 10)):
-            try:
-                os.killpg(self.proc.pid, sig)
-            except ProcessLookupError:
-                return
-            deadline = time.monotonic() + wait
-            while time.monotonic() < deadline:
-                self.proc.poll()  # reap the script, whose zombie would keep the group alive
-                try:
-                    os.killpg(self.proc.pid, 0)
-                except ProcessLookupError:
-                    return
-                time.sleep(0.1)
 
 
 @pytest.fixture(scope="module")
@@ -352,7 +292,7 @@ def test_an_unreachable_kernel_is_one_paragraph_from_the_task():
     from hvdmagic.protocol import Payload, TaskSpec
     from hvdmagic.task import barrier
 
-    port = _free_port()  # closed: nothing listens there
+    port = connect_server.free_port()  # closed: nothing listens there
     spec = TaskSpec(job_id="x", driver_host="127.0.0.1", channel_port=port, rendezvous_port=0, secret=b"s" * 32,
                     payload=Payload(b""))
     with pytest.raises(barrier.Unreachable) as caught:

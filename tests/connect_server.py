@@ -1,0 +1,77 @@
+"""A real Spark Connect server for the tests and benchmarks/bench_connect.py: pyspark's own
+``sbin/start-connect-server.sh``, in the foreground of a process group of its own, on 127.0.0.1.
+
+Standard library only (and pyspark), so that the benchmark can import it without pytest.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def listening(port: int) -> bool:
+    with socket.socket() as sock:
+        return sock.connect_ex(("127.0.0.1", port)) == 0
+
+
+class ConnectServer:
+    """``master``: the server's Spark master; ``conf``: more ``--conf`` settings."""
+
+    def __init__(self, workdir: Path, master: str, conf: dict[str, str] | None = None):
+        import pyspark
+
+        self.spark_home = Path(pyspark.__file__).parent
+        self.port = free_port()
+        self.url = f"sc://127.0.0.1:{self.port}"
+        self.log = workdir / "connect-server.log"
+        self.started = time.monotonic()
+        env = dict(os.environ, SPARK_HOME=str(self.spark_home), SPARK_LOCAL_IP="127.0.0.1",
+                   SPARK_LOG_DIR=str(workdir), SPARK_PID_DIR=str(workdir), SPARK_NO_DAEMONIZE="1",
+                   PYSPARK_PYTHON=sys.executable)  # the executors' Python: this venv, with hvdmagic
+        with open(self.log, "wb") as log:
+            self.proc = subprocess.Popen(
+                [str(self.spark_home / "sbin" / "start-connect-server.sh"), "--master", master,
+                 "--conf", f"spark.connect.grpc.binding.port={self.port}",
+                 "--conf", "spark.connect.grpc.binding.address=127.0.0.1",
+                 "--conf", "spark.driver.host=127.0.0.1", "--conf", "spark.ui.enabled=false",
+                 *[arg for key, value in (conf or {}).items() for arg in ("--conf", f"{key}={value}")]],
+                env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def wait_listening(self, timeout: float) -> float:
+        """Seconds from the start until the port accepts connections. Stops the server and raises
+        RuntimeError, with its log's end, if it exits first or ``timeout`` seconds pass."""
+        while not listening(self.port):
+            if self.proc.poll() is not None or time.monotonic() - self.started > timeout:
+                self.stop()
+                raise RuntimeError(f"the Spark Connect server did not listen on 127.0.0.1:{self.port} "
+                                   f"(exit code {self.proc.poll()}); its log ends:\n{self.log.read_text()[-3000:]}")
+            time.sleep(0.25)
+        return time.monotonic() - self.started
+
+    def stop(self) -> None:
+        """Until the whole process group is gone: the start script exits before its JVM does."""
+        for sig, wait in ((signal.SIGTERM, 20), (signal.SIGKILL, 10)):
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                return
+            deadline = time.monotonic() + wait
+            while time.monotonic() < deadline:
+                self.proc.poll()  # reap the script, whose zombie would keep the group alive
+                try:
+                    os.killpg(self.proc.pid, 0)
+                except ProcessLookupError:
+                    return
+                time.sleep(0.1)
