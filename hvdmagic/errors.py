@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hvdmagic import rank_ranges
+from hvdmagic import flight_records, rank_ranges
 from hvdmagic import stacks as rank_stacks
 
 
@@ -85,6 +85,8 @@ class JobFailed(HvdmagicError, RuntimeError):
         self.stacks = rank_stacks.trimmed(stacks)
         # By rank: start-up chatter the views hid while it ran (kernel.noise), shown with the failure.
         self.quiet_output: dict[int, list[str]] = {}
+        # By rank: the digest of its NCCL flight recorder's dump, where torch wrote one (set by the kernel).
+        self.flight_records: dict[int, dict] = {}
         super().__init__(self._headline())
 
     def _headline(self) -> str:
@@ -118,7 +120,7 @@ class JobFailed(HvdmagicError, RuntimeError):
                     lines.append(f"(rank {rank}'s start-up messages, hidden while it ran:)")
                     lines.extend(quiet[-self.QUIET_LINES:])
             lines.extend(text.rstrip("\n").splitlines())
-        return lines + _stack_lines(self.stacks)
+        return lines + _stack_lines(self.stacks) + flight_records.describe(self.flight_records)
 
 
 class JobTimeout(JobFailed, TimeoutError):
@@ -135,9 +137,10 @@ class JobInterrupted(HvdmagicError):
     def __init__(self, message: str, stacks: dict[int, str] | None = None):
         super().__init__(message)
         self.stacks = rank_stacks.trimmed(stacks)
+        self.flight_records: dict[int, dict] = {}  # as JobFailed's
 
     def _render_traceback_(self) -> list[str]:
-        return super()._render_traceback_() + _stack_lines(self.stacks)
+        return super()._render_traceback_() + _stack_lines(self.stacks) + flight_records.describe(self.flight_records)
 
 
 def _stack_lines(stacks: dict[int, str]) -> list[str]:

@@ -27,6 +27,7 @@ class Event(StrEnum):
     EXIT = "exit"  # a rank's exit code; "aborted" when the supervisor's own signal ended it
     RESOURCES = "resources"  # what a rank's processes use (CPU, RSS, GPUs), sampled by its supervisor
     READY = "ready"  # --controller mpi: the task listens for its rank's shim
+    FLIGHT_RECORD = "flight_record"  # the digest of the rank's NCCL flight recorder dump (hvdmagic.flight_records)
     # rank -> driver (relayed by the supervisor, which appends "rank")
     REPORT = "report"  # progress bars and metric rows
     RESULT = "result"  # the cloudpickled return value, base64
@@ -93,6 +94,9 @@ LEGACY_KERAS_SET_ENV = "HVDMAGIC_SET_LEGACY_KERAS"  # hvdmagic, not the user, ch
 STACKS_ENV = "HVDMAGIC_STACKS_FILE"  # where the rank's fault handler writes its stacks when asked
 BLOB_DIR_ENV = "HVDMAGIC_BLOB_DIR"  # the host's blob cache (task.blob_cache), where a rank maps its payload's blobs
 STACKS_SIGNAL = signal.SIGUSR2
+# Set by a supervisor that can read a dying rank with py-spy: the rank then waits in its crash
+# handler until read (rank.crash_hold, task.native_stacks.CrashWatch).
+CRASH_HOLD_ENV = "HVDMAGIC_CRASH_HOLD"
 # In a STACKS event's text, after the fault handler's dump: py-spy's JSON dump of the rank with
 # its native frames (task.native_stacks), or one line saying why py-spy could not read it.
 NATIVE_STACKS_MARK = "--- hvdmagic: py-spy dump --native ---"
@@ -395,6 +399,12 @@ class Stacks(TypedDict):
     text: str
 
 
+class FlightRecord(TypedDict):
+    type: Literal[Event.FLIGHT_RECORD]
+    rank: int
+    digest: dict  # hvdmagic.flight_records.summarise: the last entries, and where the whole dump is
+
+
 class Shipping(TypedDict):
     type: Literal[Event.SHIPPING]
     text: str  # "sending X (numpy.ndarray) to 2 hosts: 61 %, 380 MB/s"
@@ -429,6 +439,7 @@ lost = _builder(Lost, Event.LOST)
 world = _builder(World, Event.WORLD)
 resumed = _builder(Resumed, Event.RESUMED)
 stacks = _builder(Stacks, Event.STACKS)
+flight_record = _builder(FlightRecord, Event.FLIGHT_RECORD)
 shipping = _builder(Shipping, Event.SHIPPING)
 
 

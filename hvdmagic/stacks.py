@@ -4,8 +4,10 @@ A rank's ``faulthandler`` writes every thread's stack when a crash signal kills 
 when its supervisor asks (``protocol.STACKS_SIGNAL``), with no help from the user's code
 and even while a thread waits in C++ (a collective). Where py-spy is installed beside the
 task, the supervisor adds its dump (``task.native_stacks``): the native frames above each
-thread's innermost Python call, shown under the Python stacks. This module reads that text
-in the kernel: standard library only.
+thread's innermost Python call, shown under the Python stacks. A rank that a crash signal
+kills waits in its crash hold (``rank.crash_hold``) while its supervisor reads it with py-spy;
+``died_in`` writes those frames out in the task, after the fault handler's dump on the rank's
+stderr. This module reads that text in the kernel: standard library only.
 """
 
 from __future__ import annotations
@@ -48,27 +50,85 @@ def user_stacks(lines: list[str]) -> str:
 
 def _native(dump: str) -> str:
     """py-spy's JSON dump as text: for each thread that runs the user's Python, the native frames
-    above its innermost Python frame (where a collective waits), without the binding glue; the
-    note the supervisor sent instead of a dump as it is; "" when no such thread is in C."""
+    above its innermost Python frame (where a collective waits), without the binding glue; text
+    that is no dump as it is (the note the supervisor sent instead, or a crashed rank's frames that
+    its supervisor wrote out: ``died_in``); "" when no such thread is in C."""
     dump = dump.strip()
     try:
         threads = json.loads(dump)
     except ValueError:
-        return dump.splitlines()[0] if dump else ""
-    shown = []
+        return dump
+    return "\n".join(text for thread in (threads if isinstance(threads, list) else [])
+                     if (text := _native_thread(thread)))
+
+
+def _native_thread(thread: dict) -> str:
+    frames = thread.get("frames") or []
+    # py-spy names the library of a native frame (its "module"), and none for a Python frame.
+    python = [i for i, frame in enumerate(frames) if frame.get("module") is None]
+    if not python or all(_ours(frames[i].get("filename") or "") for i in python):
+        return ""  # no Python frame, or only hvdmagic's: not a thread of the user's code
+    return _thread_text(thread, [_frame(frame) for frame in frames[:python[0]] if not _glue(frame)])
+
+
+def _thread_text(thread: dict, native: list[str], label: str = "Thread") -> str:
+    if not native:
+        return ""
+    more = [f"  … {len(native) - NATIVE_FRAMES} more"] if len(native) > NATIVE_FRAMES else []
+    name = thread.get("thread_name")  # none where the process never imported threading
+    return "\n".join([f'{label} "{name}":' if name else f"{label}:",
+                      *("  " + line for line in native[:NATIVE_FRAMES]), *more])
+
+
+# What ``died_in`` says when no thread waits in the crash hold: py-spy lists Python's threads only.
+CRASHED_OUTSIDE_PYTHON = "(the thread that crashed runs no Python code; py-spy reads only Python's threads)"
+
+
+def died_in(dump: str) -> str:
+    """py-spy's JSON dump of a rank that its crash hold keeps (``rank.crash_hold``) as text: first
+    the thread that crashed, ``Current thread`` as the fault handler names it, with its native frames
+    from the one it crashed in down to its Python call (the hold's and the fault handler's frames
+    left out); then the other threads as ``_native`` shows them. Text that is no dump (a note on
+    why py-spy could not read the rank) comes back as it is."""
+    try:
+        threads = json.loads(dump)
+    except ValueError:
+        return dump.strip()
+    crashed, others = "", []
     for thread in threads if isinstance(threads, list) else []:
-        frames = thread.get("frames") or []
-        # py-spy names the library of a native frame (its "module"), and none for a Python frame.
-        python = [i for i, frame in enumerate(frames) if frame.get("module") is None]
-        if not python or all(_ours(frames[i].get("filename") or "") for i in python):
-            continue  # no Python frame, or only hvdmagic's: not a thread of the user's code
-        native = [_frame(frame) for frame in frames[:python[0]] if not _glue(frame)]
-        if native:
-            more = [f"  … {len(native) - NATIVE_FRAMES} more"] if len(native) > NATIVE_FRAMES else []
-            name = thread.get("thread_name")  # none where the process never imported threading
-            shown.append("\n".join([f'Thread "{name}":' if name else "Thread:",
-                                    *("  " + line for line in native[:NATIVE_FRAMES]), *more]))
-    return "\n".join(shown)
+        below = _below_the_hold(thread.get("frames") or [])
+        if below is None:
+            others.append(_native_thread(thread))
+        elif not crashed:
+            python = next((i for i, frame in enumerate(below) if frame.get("module") is None), len(below))
+            # The innermost frame is where it crashed: kept even where py-spy could not name it.
+            native = [_frame(frame) for i, frame in enumerate(below[:python]) if i == 0 or not _glue(frame)]
+            crashed = _thread_text(thread, native, "Current thread") or "Current thread: (no native frame)"
+    return "\n".join(text for text in (crashed or CRASHED_OUTSIDE_PYTHON, *others) if text)
+
+
+def _below_the_hold(frames: list[dict]) -> list[dict] | None:
+    """The frames of a thread that waits in the crash hold, from the one it crashed in outwards; None
+    for a thread that does not. The hold is libc's ``sleep`` called by the kernel: a signal frame
+    (libc's ``__restore_rt``, unnamed) is under it. Where the fault handler raised the signal again
+    from its own handler, a second signal frame at the same address follows within a few frames."""
+    for i, frame in enumerate(frames[:-1]):
+        if frame.get("module") is None:
+            return None  # a Python frame before any hold: this thread runs on
+        trampoline = frames[i + 1]
+        if frame.get("name") == "sleep" and _in_libc(frame) and _in_libc(trampoline) and _unnamed(trampoline):
+            rest = frames[i + 2:]
+            again = next((j for j, f in enumerate(rest[:4]) if f.get("name") == trampoline.get("name")), None)
+            return rest if again is None else rest[again + 1:]
+    return None
+
+
+def _in_libc(frame: dict) -> bool:
+    return str(frame.get("short_filename") or "").startswith("libc.")
+
+
+def _unnamed(frame: dict) -> bool:
+    return str(frame.get("name", "")).startswith("0x")
 
 
 def _ours(filename: str) -> bool:
@@ -84,7 +144,8 @@ def _glue(frame: dict) -> bool:
 
 def _frame(frame: dict) -> str:
     where = frame.get("short_filename") or frame.get("module") or "?"
-    return f"{frame.get('name')} ({where}{f':{line}' if (line := frame.get('line')) else ''})"
+    name = "??" if _unnamed(frame) else frame.get("name")  # an address, as gdb shows a frame it cannot name
+    return f"{name} ({where}{f':{line}' if (line := frame.get('line')) else ''})"
 
 
 def split(text: str) -> tuple[str, str]:

@@ -249,6 +249,40 @@ install_oldest_cloudpickle() {
     "$venv/bin/python" -m pip install -q --no-deps --target "$target" "cloudpickle==$floor"
 }
 
+# tests/test_versions.py gives one Spark worker's executors a Python of their own: a second
+# virtualenv with the lock's pins for what a task needs up to the version check, less one: the
+# oldest cloudpickle allowed. hvdmagic is the repository's, editable, so the task runs this code.
+# Rebuilt only when the pins, the repository's place or hvdmagic's version change (the stamp).
+# pip, not uv, installs: pyspark is published as a source archive only, and pip reuses the wheel it
+# built for this virtualenv (about 10 s); uv builds its own from a 450 MB download (20-50 s here).
+install_oldest_cloudpickle_venv() {
+    local target="$venv/oldest-cloudpickle-venv" stamp floor pins want
+    local packages=(pyspark py4j cloudpickle psutil)
+    stamp="$target/.hvdmagic-stamp"
+    floor="$(sed -n 's/^ *"cloudpickle>=\([0-9.]*\)".*/\1/p' "$here/pyproject.toml")"
+    [ -n "$floor" ] || { say "pyproject.toml names no cloudpickle floor: tests/test_versions.py cannot test it"; return 1; }
+    if [ ${#lock_args[@]} -gt 0 ]; then
+        pins="$(grep -i -v '^cloudpickle==' "$venv/.hvdmagic-constraints.txt")"
+    else  # no lock: the kernel's own versions
+        pins="$(for name in "${packages[@]}"; do printf '%s==%s\n' "$name" "$(installed "$name")"; done \
+                | grep -v -e '^cloudpickle==' -e '==$')"
+    fi
+    pins+=$'\n'"cloudpickle==$floor"
+    want="$(printf '%s\n%s\n%s\n%s\n' "$pins" "${packages[*]}" "$here" "$(grep -m1 '^version' "$here/pyproject.toml")" \
+        | "$venv/bin/python" -c 'import hashlib, sys; print(hashlib.sha256(sys.stdin.buffer.read()).hexdigest())')"
+    if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && [ -x "$target/bin/python" ]; then
+        return 0
+    fi
+    say "building $target: ${packages[*]} as pinned, cloudpickle==$floor (for tests/test_versions.py)"
+    rm -rf "$target"
+    "$venv/bin/uv" venv -q --python "$venv/bin/python" "$target"
+    printf '%s\n' "$pins" > "$target/.hvdmagic-constraints.txt"
+    "$venv/bin/python" -m pip --python "$target/bin/python" install -q -c "$target/.hvdmagic-constraints.txt" \
+        "${packages[@]}"
+    "$venv/bin/python" -m pip --python "$target/bin/python" install -q --no-deps -e "$here"
+    echo "$want" > "$stamp"
+}
+
 # For `make test-latest`: what differs from the lock, the first suspects when tests fail.
 report_latest() {
     [ "$lock_mode" = latest ] && [ -f "$here/requirements/lock.txt" ] || return 0
@@ -283,6 +317,7 @@ install_build_deps
 install_horovod
 install_project
 install_oldest_cloudpickle
+install_oldest_cloudpickle_venv
 report_latest
 bash "$here/scripts/install_browser.sh" || say "continuing without chromium: tests/test_browser.py will fail until scripts/install_browser.sh succeeds"
 say "ready: $venv"

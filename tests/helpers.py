@@ -197,11 +197,13 @@ class StandaloneCluster:
     Each worker also reports ``gpus`` fake GPUs through a resource discovery script (worker 0:
     "0","1"; worker 1: "2","3" with two each), so the GPU-pinning path runs on machines without
     GPUs. ``worker_hosts``: (address, network namespace) per worker, each then inside its own
-    namespace (see netns.py), as if on its own host; by default all on ``host``.
+    namespace (see netns.py), as if on its own host; by default all on ``host``. ``worker_env``:
+    more environment per worker (its executors and their Python workers inherit it).
     """
 
     def __init__(self, workdir: Path, workers: int = 2, cores: int = 2, gpus: int = 2, host: str = "127.0.0.1",
-                 worker_hosts: list[tuple[str, str | None]] | None = None):
+                 worker_hosts: list[tuple[str, str | None]] | None = None,
+                 worker_env: list[dict[str, str]] | None = None):
         import pyspark
 
         self.spark_home = Path(pyspark.__file__).parent
@@ -211,6 +213,7 @@ class StandaloneCluster:
         self.host = host
         self.worker_hosts = worker_hosts or [(host, None)] * workers
         self.workers = len(self.worker_hosts)
+        self.worker_env = worker_env or [{}] * self.workers
         self.port = _free_port(host)
         self.ui_port = _free_port(host)
         self.url = f"spark://{host}:{self.port}"
@@ -262,7 +265,7 @@ class StandaloneCluster:
             opts = (f"-Dspark.worker.resource.gpu.amount={self.gpus} "
                     f"-Dspark.worker.resource.gpu.discoveryScript={script}")
         (self.workdir / f"worker{i}").mkdir()
-        env = {"SPARK_WORKER_OPTS": opts}
+        env = {"SPARK_WORKER_OPTS": opts, **self.worker_env[i]}
         if netns:  # a host of its own has a blob cache of its own (its own /dev/shm)
             env[blob_cache.DIR_ENV] = str(self.workdir / f"worker{i}-blobs")
         self._start(f"worker{i}", ["org.apache.spark.deploy.worker.Worker", self.url,
@@ -311,7 +314,8 @@ class StandaloneCluster:
 def spark_cluster(workdir: Path, *, workers: int = 2, cores: int = 2, gpus: int = 2, task_gpus: int | None = None,
                   start: int | None = None, host: str = "127.0.0.1",
                   worker_hosts: list[tuple[str, str | None]] | None = None, app: str = "hvdmagic-test",
-                  conf: dict[str, str] | None = None) -> Iterator[tuple[StandaloneCluster, Any]]:
+                  conf: dict[str, str] | None = None, worker_env: list[dict[str, str]] | None = None,
+                  python: str = sys.executable) -> Iterator[tuple[StandaloneCluster, Any]]:
     """A standalone cluster and a SparkSession on it, as a user makes one: (cluster, session).
 
     The process's SparkContext (the embedded one, or an earlier cluster's) is stopped first: one
@@ -319,17 +323,18 @@ def spark_cluster(workdir: Path, *, workers: int = 2, cores: int = 2, gpus: int 
     StandaloneCluster); ``start``: how many of them start now (all by default; start_worker adds
     the others). Each executor takes a whole worker (its cores, 1 GiB); with ``task_gpus`` it takes
     the worker's GPUs too and each task ``task_gpus`` of them, else the session asks for none.
-    ``conf``: more settings for the session. The executors run this Python (PYSPARK_PYTHON, restored
-    afterwards). On the way out the session is stopped and the cluster with it.
+    ``conf``: more settings for the session; ``worker_env``: see StandaloneCluster. The executors run
+    ``python``, this Python by default (PYSPARK_PYTHON, restored afterwards). On the way out the
+    session is stopped and the cluster with it.
     """
     from pyspark.sql import SparkSession
 
     stop_active_session()
     cluster = StandaloneCluster(workdir, workers=workers, cores=cores, gpus=gpus, host=host,
-                                worker_hosts=worker_hosts).start(workers=start)
+                                worker_hosts=worker_hosts, worker_env=worker_env).start(workers=start)
     try:
         with pytest.MonkeyPatch.context() as env:
-            env.setenv("PYSPARK_PYTHON", sys.executable)  # the executors' Python: this venv, with hvdmagic
+            env.setenv("PYSPARK_PYTHON", python)  # the executors' Python: this venv, with hvdmagic, by default
             builder = (SparkSession.builder.master(cluster.url).appName(app)
                        .config("spark.driver.host", host).config("spark.driver.bindAddress", host)
                        .config("spark.executor.cores", str(cores)).config("spark.executor.memory", "1g"))

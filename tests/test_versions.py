@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import os
+import re
 import sys
 from pathlib import Path
 
+import netns
 import pytest
-from helpers import stop_active_session
+from helpers import spark_cluster, stop_active_session
 
 import hvdmagic
 from hvdmagic.errors import LaunchError
@@ -17,6 +20,9 @@ from hvdmagic.task.versions import versions as here
 KERNEL = {"python": "3.11.7", "cloudpickle": "3.1.3", "torch": "2.13.0+cpu", "tensorflow": None,
           "horovod": "0.28.1", "pyarrow": "26.0.1", "hvdmagic": "0.1.0"}
 OLDEST_CLOUDPICKLE = Path(sys.prefix) / "oldest-cloudpickle"  # cloudpickle 3.0.0, installed by the set-up
+# A second virtualenv: the lock's pyspark, py4j and psutil, cloudpickle 3.0.0, this hvdmagic (scripts/setup.sh).
+OLDEST_CLOUDPICKLE_VENV = Path(sys.prefix) / "oldest-cloudpickle-venv"
+_NO_HOSTS = netns.available()  # why two simulated hosts cannot be made here, or None
 
 
 @pytest.fixture(autouse=True)
@@ -105,3 +111,51 @@ def test_an_executor_with_another_cloudpickle_fails_before_any_rank_starts(tmp_p
         assert hvdmagic.last_run().ranks[0].stage is None, "a rank started"
     finally:
         spark.stop()
+
+
+@pytest.mark.cluster
+@pytest.mark.skipif(_NO_HOSTS is not None, reason=f"no simulated hosts: {_NO_HOSTS}")
+def test_one_worker_with_another_virtualenv_fails_the_run_naming_only_its_host(tmp_path):
+    """Two simulated hosts, one worker each; the second worker's executors run the second virtualenv.
+
+    Spark sends every executor the driver's PYSPARK_PYTHON, so it is a bare command name here,
+    and each worker's PATH (which its executors and their Python workers inherit) says which
+    Python that name starts.
+    """
+    second_python = OLDEST_CLOUDPICKLE_VENV / "bin" / "python"
+    assert second_python.exists(), "scripts/setup.sh builds it (install_oldest_cloudpickle_venv)"
+    command = "hvdmagic-test-executor-python"
+    worker_env = []
+    for worker, python in enumerate([sys.executable, second_python]):
+        folder = tmp_path / f"python-of-worker{worker}"
+        folder.mkdir()
+        # A script, not a symlink: a symlink's Python would look for pyvenv.cfg beside the link,
+        # miss it, and run as the base interpreter outside either virtualenv.
+        (folder / command).write_text(f'#!/bin/sh\nexec "{python}" "$@"\n')
+        (folder / command).chmod(0o755)
+        worker_env.append({"PATH": f"{folder}{os.pathsep}{os.environ['PATH']}"})
+    with netns.TwoHosts() as network, spark_cluster(tmp_path, cores=2, gpus=0, host=network.driver,
+                                                    worker_hosts=network.hosts, worker_env=worker_env,
+                                                    python=command, app="hvdmagic-two-virtualenvs"):
+        kernel_host, old_host = (ns for _, ns in network.hosts)  # the hostname of each is its namespace's
+        with pytest.raises(LaunchError) as caught:
+            hvdmagic.run(lambda: 1, 4)
+        message = str(caught.value)
+        assert hvdmagic.last_run().ranks[0].stage is None, "a rank started"
+    named = re.match(r"the executors cannot unpickle what this kernel sends: cloudpickle 3\.0\.0 on (\S+) "
+                     r"\(tasks (\d+), (\d+)\), (\S+) in this kernel\. ", message)
+    assert named, message
+    assert (named[1], named[4]) == (old_host, here()["cloudpickle"]), message
+    assert kernel_host not in message, f"the worker with the kernel's virtualenv is named: {message}"
+    # One row per package; cells are at least two spaces apart ("3.0.0 *" holds one).
+    rows = {cells[0]: cells[1:] for cells in (re.split(r" {2,}", line) for line in
+                                              environment_table("%horovod").splitlines()[:-1])}
+    hosts = rows[""][1:]
+    assert sorted(hosts) == sorted([kernel_host, old_host]), rows
+    assert rows["cloudpickle"][0] == here()["cloudpickle"], rows
+    assert dict(zip(hosts, rows["cloudpickle"][1:])) == {kernel_host: here()["cloudpickle"], old_host: "3.0.0 *"}, \
+        rows
+    column = hosts.index(kernel_host) + 1
+    assert not [name for name, cells in rows.items() if cells[column].endswith("*")], \
+        f"the worker with the kernel's virtualenv differs from the kernel: {rows}"
+    assert rows["python"] == [here()["python"]] * 3, f"the second virtualenv's Python is the kernel's: {rows}"

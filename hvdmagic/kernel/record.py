@@ -124,6 +124,8 @@ class RunRecord:
         # By rank: where it was when last asked (ask_where), trimmed to the user's frames; and when.
         self.where: dict[int, str] = {}
         self.where_asked: float | None = None
+        # By rank: the digest of its NCCL flight recorder's latest dump (hvdmagic.flight_records).
+        self.flight_records: dict[int, dict] = {}
         self._hangs = HangNotices()  # Horovod's stall reports, read from the ranks' stderr
         self._stragglers = StragglerDetector()
         # Start-up: the stage the run is in (for rank stages, the slowest rank's), and when
@@ -178,6 +180,9 @@ class RunRecord:
                 return
             if kind == Event.STACKS:
                 self.where[rank] = stacks.user_stacks(str(event.get("text", "")).splitlines())
+                return
+            if kind == Event.FLIGHT_RECORD:
+                self.flight_records[rank] = event.get("digest") or {}
                 return
             if kind == Event.WORLD:
                 record.world_rank = event.get("world_rank")

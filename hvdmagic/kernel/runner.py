@@ -66,6 +66,7 @@ def _run(payload, placement, record, view, *, timeout, stall_timeout, env, spark
                             requests=record.requests).results
     except JobInterrupted as exc:
         record.stacks = exc.stacks
+        exc.flight_records = dict(record.flight_records)
         record.finish(error=exc, cancelled=True)
         raise
     except BaseException as exc:
@@ -73,10 +74,13 @@ def _run(payload, placement, record, view, *, timeout, stall_timeout, env, spark
             exc.quiet_output = {f.rank: record.ranks[f.rank].quiet for f in exc.failures
                                 if 0 <= f.rank < record.np and record.ranks[f.rank].quiet}
             record.stacks = exc.stacks
+            exc.flight_records = dict(record.flight_records)
             for failure in exc.failures:
                 # A rank killed by a signal raised nothing; its fault handler's stacks say where it was.
                 if not failure.traceback and 0 <= failure.rank < record.np:
                     failure.traceback = record.ranks[failure.rank].where_it_died()
+                    if failure.traceback:  # last_run().stacks keeps it too, with its native frames
+                        record.stacks = {**record.stacks, failure.rank: failure.traceback}
         record.finish(error=exc)
         raise
     else:

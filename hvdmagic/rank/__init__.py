@@ -13,6 +13,8 @@
 - ``elastic``: Horovod elastic's hooks, so resets and worker addresses reach the driver.
 - ``mpi_shim``: under ``--controller mpi``, hands the process mpirun started to its task.
 - ``scripts``: runs a script as ``__main__`` (the TorchDistributor drop-in's scripts).
+- ``crash_hold``: keeps a rank that a crash signal kills alive until its supervisor has read
+  its native frames (py-spy), where its supervisor asks for that.
 
 Modules here import only the standard library, ``hvdmagic.protocol`` and
 ``hvdmagic.metric_rows`` at import time (cloudpickle, ``hvdmagic.pickling`` and the

@@ -17,7 +17,7 @@ import sys
 import threading
 
 from hvdmagic import protocol
-from hvdmagic.protocol import STACKS_ENV, STACKS_SIGNAL, Stage
+from hvdmagic.protocol import CRASH_HOLD_ENV, STACKS_ENV, STACKS_SIGNAL, Stage
 from hvdmagic.rank import framework_bars, telemetry
 from hvdmagic.rank.outcome import error_event, report_result
 
@@ -55,6 +55,12 @@ def main() -> int:
     # A rank that dies of SIGSEGV, SIGABRT, SIGBUS, SIGFPE or SIGILL (a crash inside a
     # framework's C++) writes every thread's Python stack to its stderr, which its
     # supervisor relays: the cell's error then says where it died (kernel.record).
+    if os.environ.get(CRASH_HOLD_ENV):
+        # First, so that the fault handler chains to it: the dying rank then waits for its
+        # supervisor to read its native frames too (py-spy), and dies of its signal after.
+        from hvdmagic.rank import crash_hold
+
+        crash_hold.install()
     faulthandler.enable(all_threads=True)
     if path := os.environ.get(STACKS_ENV):
         # Its supervisor asks for the stacks (a stall, a timeout) with a signal, and faulthandler

@@ -24,8 +24,17 @@ from collections.abc import Callable
 from pathlib import Path
 
 from hvdmagic import protocol
-from hvdmagic.protocol import CELL_END_MARK, EVENT_FD_ENV, NATIVE_STACKS_MARK, STACKS_ENV, STACKS_SIGNAL, Boot
+from hvdmagic.protocol import (
+    CELL_END_MARK,
+    CRASH_HOLD_ENV,
+    EVENT_FD_ENV,
+    NATIVE_STACKS_MARK,
+    STACKS_ENV,
+    STACKS_SIGNAL,
+    Boot,
+)
 from hvdmagic.task import native_stacks
+from hvdmagic.task.flight_recorder import ASKED_WAIT, FlightRecorder
 from hvdmagic.task.lines import LineSplitter, relayed, split_at_marks
 from hvdmagic.task.resources import Sampler
 
@@ -69,13 +78,19 @@ class RankProcess:
         self._marks_changed = threading.Condition()
         self._stdin_lock = threading.Lock()
         self._usage: Sampler | None = None  # samples the rank's CPU, memory and GPUs while it runs a cell
+        self._crash: native_stacks.CrashWatch | None = None  # reads its native frames if a crash signal kills it
+        self._flight: FlightRecorder | None = None  # where torch's NCCL flight recorder dumps
 
     def start(self, env: dict[str, str], boot: Boot, start: Starter = spawn) -> bool:
         """Start the rank and hand it its Boot; False when ``start`` gave up."""
         events_r, events_w = os.pipe()
         handle, self._stacks_path = tempfile.mkstemp(prefix="hvdmagic-stacks-")
         os.close(handle)
-        env = {**env, EVENT_FD_ENV: str(events_w), STACKS_ENV: self._stacks_path}
+        self._flight = FlightRecorder(env)
+        env = {**env, **self._flight.environment(), EVENT_FD_ENV: str(events_w), STACKS_ENV: self._stacks_path}
+        hold = native_stacks.can_hold()
+        if hold:
+            env[CRASH_HOLD_ENV] = "1"
         try:
             self.proc = start(env, events_w)
         finally:
@@ -83,7 +98,9 @@ class RankProcess:
         if self.proc is None:
             os.close(events_r)
             self._forget_stacks()
+            self._flight.close()
             return False
+        self._crash = native_stacks.CrashWatch(self.proc, hold)
         self._relays = [
             threading.Thread(target=self._relay_stream, args=(self.proc.stdout, "stdout"), daemon=True),
             threading.Thread(target=self._relay_stream, args=(self.proc.stderr, "stderr"), daemon=True),
@@ -121,6 +138,10 @@ class RankProcess:
         except OSError:
             pass
         self._forget_stacks()
+        if code != 0:
+            # torch's watchdog dumps before it ends the rank: the digest goes out before the exit.
+            self._send_flight_record(self._flight.read())
+        self._flight.close()
         # "aborted" only when our own signal ended the rank: a rank that died of its
         # own SIGKILL (the OOM killer) or exit code while an abort was under way
         # is still a failure the user must see.
@@ -135,6 +156,9 @@ class RankProcess:
         py-spy is installed, its dump with the native frames follows (``task.native_stacks``).
         """
         text, proc = "", self.proc
+        asked_at = time.time()
+        # torch writes its dump from a thread of its own, while the fault handler and py-spy run.
+        asked_flight = proc is not None and proc.poll() is None and self._flight.ask()
         if proc is not None and proc.poll() is None and self._stacks_path and self._listening.is_set():
             path = Path(self._stacks_path)
             try:
@@ -152,7 +176,13 @@ class RankProcess:
             # After the fault handler, not beside it: py-spy would catch the rank inside the handler.
             if proc.poll() is None and (native := native_stacks.dump(proc.pid)):
                 text += f"\n{NATIVE_STACKS_MARK}\n{native}\n"
+        if asked_flight:
+            self._send_flight_record(self._flight.read(ASKED_WAIT - (time.time() - asked_at), newer_than=asked_at))
         self._send(protocol.stacks(self.row, text))
+
+    def _send_flight_record(self, digest: dict | None) -> None:
+        if digest is not None:
+            self._send(protocol.flight_record(self.row, digest))
 
     def _forget_stacks(self) -> None:
         if self._stacks_path:
@@ -201,8 +231,12 @@ class RankProcess:
                         self._passed_mark(stream)
                     lines, transient = splitter.feed(decoder.decode(piece), time.monotonic())
                     self._send_lines(stream, lines, transient)
+                    if stream == "stderr":
+                        self._crash.saw(lines)
         splitter.feed(decoder.decode(held, final=True), time.monotonic())
         self._send_lines(stream, splitter.finish())
+        if stream == "stderr":  # after the fault handler's dump, where kernel.record reads it
+            self._send_lines(stream, self._crash.lines())
 
     def _send_lines(self, stream: str, lines: list[str], transient: str | None = None) -> None:
         if lines or transient is not None:
