@@ -34,7 +34,8 @@ its modules and what they may import. Imports go one way, top to bottom:
 - ``protocol`` (what travels between them), ``channel`` (the authenticated stream),
   ``blob_transfer`` (large buffers to each host, once), ``pickling`` (cloudpickle that keeps
   shipped code's file names and leaves large buffers out of band), ``metric_rows``
-  (the metric columns' wire form) and ``errors`` are shared;
+  (the metric columns' wire form), ``stacks`` and ``flight_records`` (a rank's stacks and
+  torch's flight recorder dumps, read) and ``errors`` are shared;
 - ``build_horovod`` stands apart: a command that builds a horovod wheel.
 
 Importing this package in a rank stays cheap: it imports only ``rank``'s user-facing

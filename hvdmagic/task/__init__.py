@@ -8,11 +8,14 @@
 - ``environment`` and ``network``: the rank's variables, and the interface it uses.
 - ``shards``: writes and pads the task's ``--data`` shard.
 - ``versions``: this task's Python and package versions, for the driver's check.
-- ``native_stacks``: the rank's native frames, through py-spy where it is installed.
+- ``native_stacks``: the rank's native frames, through py-spy where it is installed, also
+  while a crash signal kills it (``CrashWatch``).
+- ``flight_recorder``: where torch's flight recorder dumps, asking for a dump, reading it.
 - ``mpi``: adopts a rank that mpirun started (``--controller mpi``).
 
-Modules here may import ``hvdmagic.protocol``, ``hvdmagic.channel`` and ``hvdmagic.rank``
-(``shards`` reads a shard as its rank will), and pyspark only inside the task
+Modules here may import ``hvdmagic.protocol``, ``hvdmagic.channel``, ``hvdmagic.rank``
+(``shards`` reads a shard as its rank will) and the shared readers ``hvdmagic.stacks`` and
+``hvdmagic.flight_records``, and pyspark only inside the task
 functions; never ``hvdmagic.launch``, ``hvdmagic.kernel``, IPython or widgets. The rank
 itself is another process (``hvdmagic.rank``).
 """
