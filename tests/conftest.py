@@ -1,11 +1,15 @@
-"""Shared fixtures: a real IPython shell with hvdmagic loaded, on real local Spark."""
+"""Shared fixtures: a real IPython shell with hvdmagic loaded, on real local Spark; ``spark_kind``
+runs a test once on a classic session and once on a Spark Connect one."""
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass, field
 
 import pytest
+from connect_server import ConnectServer
 from helpers import kernel, kernel_factory  # noqa: F401 (fixtures: a real Jupyter kernel, for every module)
+from procs import rank_processes
 
 os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
 
@@ -21,7 +25,13 @@ TIERS = {
     "cluster": "a standalone Spark cluster on 127.0.0.1, or hosts in network namespaces",
     "browser": "JupyterLab in headless chromium",
     "notebook": "the example notebooks, executed by nbval",
+    "gpu": "an NVIDIA GPU and a CUDA torch (tests/test_gpu.py); left out, with a line saying so, where there is none",
 }
+
+
+def _has_gpu() -> bool:
+    """Whether an NVIDIA driver sees a device here (cheap: no CUDA is initialised)."""
+    return os.path.exists("/dev/nvidiactl") or os.path.exists("/dev/nvidia0")
 
 
 def pytest_configure(config):
@@ -29,7 +39,7 @@ def pytest_configure(config):
         config.addinivalue_line("markers", f"{tier}: {meaning}")
 
 
-def pytest_collection_modifyitems(items):
+def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.path.suffix == ".ipynb":
             item.add_marker("notebook")
@@ -38,6 +48,19 @@ def pytest_collection_modifyitems(items):
             raise pytest.UsageError(f"{item.nodeid} is marked for several tiers: {', '.join(tiers)}")
         if not tiers:
             item.add_marker("integration")
+    # A machine without a GPU cannot run the gpu tier: it is deselected, not skipped (CI's machine
+    # has none, and a skip fails CI there), and the terminal summary says how many were left out.
+    gpu_tests = [item for item in items if item.get_closest_marker("gpu")]
+    if gpu_tests and not _has_gpu():
+        config.hook.pytest_deselected(items=gpu_tests)
+        items[:] = [item for item in items if not item.get_closest_marker("gpu")]
+        config._hvdmagic_gpu_left_out = len(gpu_tests)
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    if left_out := getattr(config, "_hvdmagic_gpu_left_out", 0):
+        terminalreporter.write_line(f"{left_out} gpu-tier test(s) left out: no NVIDIA GPU on this machine "
+                                    "(tests/test_gpu.py; docs/diagnostics.md says where they last ran)")
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -73,3 +96,89 @@ def run(ip, cell: str):
     outcome = ip.run_cell(cell)
     return outcome.result, outcome.error_in_exec
 
+
+# -- the same test on a classic and on a Spark Connect session -------------------------------------
+CONNECT_SERVER_START = 120  # seconds the Connect server gets to listen: a JVM on a busy 2-core machine
+CONNECT_CORES = 4  # the server's local[N]: as many slots as test_connect.py's server has
+
+
+@dataclass
+class SparkKind:
+    """The session kind a ``spark_kind`` test runs on: ``name`` is "classic" or "connect"; ``mode`` is
+    what a run on it records (``last_run().mode``) and its header shows in parentheses."""
+
+    name: str
+    mode: str
+    server: ConnectServer | None = None  # connect: the server whose JVM the tasks and ranks descend from
+    connect_session: object = None
+    runs: list = field(default_factory=list)  # every run record the test made, in order
+
+    @property
+    def session(self):
+        """The SparkSession of this kind for a test's own use (a DataFrame for --data): the Connect
+        session, or the classic one hvdmagic runs on (started here if no cell has started it yet)."""
+        if self.connect_session is not None:
+            return self.connect_session
+        from hvdmagic.launch.spark import session_for
+        from hvdmagic.launch.spark_session import on_spark_thread
+
+        return on_spark_thread(session_for, 2)
+
+    def ranks(self) -> list:
+        """The rank processes running now: a classic session's descend from this process, a Connect
+        server's from its JVM."""
+        return rank_processes(self.server.proc.pid if self.server else None)
+
+
+@pytest.fixture(scope="session")
+def connect_server(tmp_path_factory):
+    """One real Spark Connect server for the whole test session, started by the first test that asks."""
+    server = ConnectServer(tmp_path_factory.mktemp("spark-kind-connect"), master=f"local[{CONNECT_CORES}]")
+    server.wait_listening(CONNECT_SERVER_START)
+    yield server
+    server.stop()
+
+
+@pytest.fixture(params=["classic", "connect"])
+def spark_kind(request, monkeypatch):
+    """Run the test on a classic session (hvdmagic's embedded one) and again on a Spark Connect session.
+
+    connect: a client session to ``connect_server`` becomes the process's default and active Connect
+    session, and the process is in Connect mode (SPARK_CONNECT_MODE_ENABLED, as ``remote()`` leaves
+    it), as in a notebook that made ``SparkSession.builder.remote("sc://...")``. The embedded classic
+    session, if one runs, runs on beside it: hvdmagic must take the Connect one (``launch.spark``
+    asks ``spark_connect.active_session`` first). Afterwards the Connect session is stopped, which
+    clears both, and Connect mode is left. Either way the test must have made a run, and every run
+    on Spark must have run on this kind: its record's mode, which the header shows, says so.
+    A test that crosses this with a local-mode parameter names its kinds with indirect parametrization.
+    """
+    from hvdmagic.kernel import runner
+    from hvdmagic.launch import spark_connect
+
+    assert spark_connect.active_session() is None and not spark_connect.remote_mode(), \
+        "a Spark Connect session was left active by an earlier test: every test would run on it"
+    kind = SparkKind(request.param, {"classic": "spark", "connect": "spark connect"}[request.param])
+    if kind.name == "connect":
+        from pyspark.sql.connect.session import SparkSession as ConnectSession
+
+        kind.server = request.getfixturevalue("connect_server")
+        # pyspark's own builder refuses remote() beside a classic SparkContext (SESSION_ALREADY_EXIST);
+        # Connect's builder makes the same client session, without looking at the classic side.
+        monkeypatch.setenv("SPARK_CONNECT_MODE_ENABLED", "1")
+        kind.connect_session = ConnectSession.builder.remote(kind.server.url).getOrCreate()
+    set_last = runner.set_last
+
+    def recording(record):
+        kind.runs.append(record)
+        set_last(record)
+
+    monkeypatch.setattr(runner, "set_last", recording)
+    try:
+        yield kind
+    finally:
+        if kind.connect_session is not None:
+            kind.connect_session.stop()
+    assert kind.runs, f"the test ran nothing on its {kind.name} session"
+    on_spark = [record.mode for record in kind.runs if record.mode != "local"]
+    assert all(mode == kind.mode for mode in on_spark), \
+        f"a {kind.name} test ran on another kind of session: the runs' modes were {on_spark}"

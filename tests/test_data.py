@@ -15,12 +15,8 @@ sorted(table["id"].to_pylist()), table.column_names
 
 
 @pytest.mark.parametrize("np", [2, -2])
-def test_shards_cover_every_row_once_with_documented_padding(ip, np):
-    ip.run_cell("""
-from hvdmagic.launch.spark import session_for
-spark = session_for(2)
-frame = spark.range(1001).selectExpr("id", "id * 2 AS twice")
-""")
+def test_shards_cover_every_row_once_with_documented_padding(ip, np, spark_kind):
+    ip.user_ns["frame"] = spark_kind.session.range(1001).selectExpr("id", "id * 2 AS twice")
     _, error = run(ip, CELL.format(np=np))
     assert error is None, error
     shards = [ids for ids, _ in hvdmagic.last_run().results]

@@ -11,7 +11,7 @@ from procs import rank_processes
 from hvdmagic.errors import JobFailed, JobTimeout
 
 
-def test_two_rank_allreduce_and_streamed_output(ip, capfd):
+def test_two_rank_allreduce_and_streamed_output(ip, capfd, spark_kind):
     result, error = run(ip, """%%horovod --np 2
 import torch, horovod.torch as hvd
 hvd.init()
@@ -23,6 +23,7 @@ hvd.allreduce(torch.tensor([float(hvd.rank() + 1)]), op=hvd.Sum).item()
     out = capfd.readouterr().out
     assert "[rank 0] ready 0/2" in out
     assert "[rank 1] ready 1/2" in out
+    assert f"np=2 ({spark_kind.mode}): finished" in out, out
 
 
 def test_the_embedded_session_becomes_the_notebooks_active_session(ip, capfd):
@@ -48,7 +49,7 @@ def test_the_embedded_session_becomes_the_notebooks_active_session(ip, capfd):
     assert error is None and not any("getOrCreate" in note for note in hvdmagic.last_run().notes), "said twice"
 
 
-def test_rank0_result_is_returned_and_stored_with_out(ip):
+def test_rank0_result_is_returned_and_stored_with_out(ip, spark_kind):
     result, error = run(ip, """%%horovod --np 2 --out answer
 import horovod.torch as hvd
 hvd.init()
@@ -94,7 +95,7 @@ def test_var_expansion_on_magic_line(ip):
     assert error is None and result == 2
 
 
-def test_rank_raising_while_other_waits_in_allreduce(ip):
+def test_rank_raising_while_other_waits_in_allreduce(ip, spark_kind):
     ip.user_ns["answer"] = "untouched"
     _, error = run(ip, """%%horovod --np 2 --out answer
 import torch, horovod.torch as hvd
@@ -130,7 +131,7 @@ if hvd.rank() == 0:
     assert "exited with code 3" in str(error)
 
 
-def test_timeout_stops_every_rank(ip):
+def test_timeout_stops_every_rank(ip, spark_kind):
     _, error = run(ip, "%%horovod --np 2 --timeout 4\nimport time\ntime.sleep(600)")
     assert isinstance(error, JobTimeout)
     assert "--timeout 4" in str(error)

@@ -50,20 +50,23 @@ def _line(ip, line: str):
     return outcome.result, outcome.error_in_exec
 
 
-@pytest.mark.parametrize("np", [-2, 2], ids=["local", "spark"])
-def test_state_carries_over_cells_and_the_step_count_continues(ip, np):
+@pytest.mark.parametrize("np, spark_kind", [(-2, "classic"), (2, "classic"), (2, "connect")],
+                         ids=["local", "spark", "spark-connect"], indirect=["spark_kind"])
+def test_state_carries_over_cells_and_the_step_count_continues(ip, np, spark_kind, capfd):
     ip.run_line_magic("horovod", f"start --np {np}")
     try:
+        assert f"ranks ready ({'local' if np < 0 else spark_kind.mode});" in capfd.readouterr().out
         result, error = run(ip, SETUP)
         assert error is None and result == 0, error
-        pids = {p.pid for p in rank_processes()}
+        pids = {p.pid for p in spark_kind.ranks()}
+        assert len(pids) == 2, f"the session's rank processes: {pids}"
         for expected in ((3, 3 * 2.0), (6, 6 * 2.0)):
             result, error = run(ip, TRAIN)
             assert error is None, error
             assert result == expected and ip.user_ns["total"] == expected
         steps = hvdmagic.last_run().metrics.query("rank == 0")["step"].tolist()
         assert steps == [3, 4, 5], f"the metric step restarted: {steps}"
-        assert {p.pid for p in rank_processes()} == pids, "the ranks were replaced between cells"
+        assert {p.pid for p in spark_kind.ranks()} == pids, "the ranks were replaced between cells"
         # A notebook global wins over a rank variable of the same name.
         ip.user_ns["steps"] = 100
         result, error = run(ip, "%%horovod\nsteps + 1")

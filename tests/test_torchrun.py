@@ -41,8 +41,9 @@ dist.all_gather_object(all_envs, env)
 """
 
 
-@pytest.mark.parametrize("np", [2, -2], ids=["spark", "local"])
-def test_ddp_ranks_end_with_identical_weights_and_torchruns_environment(ip, np):
+@pytest.mark.parametrize("np, spark_kind", [(2, "classic"), (2, "connect"), (-2, "classic")],
+                         ids=["spark", "spark-connect", "local"], indirect=["spark_kind"])
+def test_ddp_ranks_end_with_identical_weights_and_torchruns_environment(ip, np, spark_kind):
     result, error = run(ip, DDP_CELL.format(np=np))
     assert error is None, error
     spread, envs, imported_horovod = result
@@ -57,7 +58,7 @@ def test_ddp_ranks_end_with_identical_weights_and_torchruns_environment(ip, np):
         assert env["TORCHELASTIC_RUN_ID"] == envs[0]["TORCHELASTIC_RUN_ID"]
     assert len(hvdmagic.last_run().metrics) == 20 * n
     assert hvdmagic.last_run().command == "%%torchrun"
-    assert rank_processes() == []
+    assert spark_kind.ranks() == []
 
 
 def _allreduce_and_port(delay: float):
@@ -166,8 +167,9 @@ def _train_and_report(scale):
     return t.item() * scale
 
 
-@pytest.mark.parametrize("local_mode", [True, False], ids=["local", "spark"])
-def test_torch_distributor_drop_in_runs_a_function(local_mode):
+@pytest.mark.parametrize("local_mode, spark_kind", [(True, "classic"), (False, "classic"), (False, "connect")],
+                         ids=["local", "spark", "spark-connect"], indirect=["spark_kind"])
+def test_torch_distributor_drop_in_runs_a_function(local_mode, spark_kind):
     from hvdmagic import TorchDistributor
 
     value = TorchDistributor(num_processes=2, local_mode=local_mode, use_gpu=False).run(_train_and_report, 10)

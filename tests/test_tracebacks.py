@@ -184,6 +184,27 @@ def test_a_cell_function_registers_its_name_and_sources(clean_rank_state):
 
 
 @pytest.mark.unit
+def test_hvdmagic_frames_between_the_users_are_left_out(clean_rank_state):
+    """hvdmagic's wrappers inside the user's calls (collective_wait's around horovod's synchronize,
+    ``track`` around a loader) are not the user's code: the user's frames on both sides stay."""
+    import hvdmagic
+
+    def loader():
+        yield 1
+        raise OSError("disk gone")
+
+    def train():
+        for _ in hvdmagic.track(loader()):
+            pass
+
+    with pytest.raises(OSError) as caught:
+        train()
+    text = _user_traceback(caught.value)
+    assert "hvdmagic/" not in text, text
+    assert "in train\n" in text and "in loader\n" in text, text
+
+
+@pytest.mark.unit
 def test_with_notebook_sources_wraps_notebook_functions_for_run(ip, clean_rank_state):
     defined = cell(ip, BOOM_CELL)
     wrapped = with_notebook_sources(ip.user_ns["boom"], shell=ip)

@@ -166,7 +166,7 @@ def line_magic(magic: str, line: str, framework: Framework):
 
     _start(warm, make_view, RunRecord)
     _sessions[framework] = warm
-    print(f"hvdmagic: {magic} session of {warm.size} ranks ready ({warm.placement.where}); "
+    print(f"hvdmagic: {magic} session of {warm.size} ranks ready ({warm.where}); "
           f"cells without --np run on it.")
     return None
 

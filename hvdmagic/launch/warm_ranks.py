@@ -78,6 +78,7 @@ class Session:
         self._cells = 0
         self._busy = False
         self._hosts: dict[int, str] = {}
+        self._launching: dict | None = None  # the job's LAUNCHING event: where the ranks run, told again to each cell
         self._rss: dict[int, int] = {}
         self._idle_since: dict[int, float] = {}
         self._watcher: threading.Thread | None = None
@@ -115,6 +116,8 @@ class Session:
                         self._note_idle(event)
                     elif event.get("type") == Event.PLACED:
                         self._hosts[event["rank"]] = event.get("host", "")
+                    elif event.get("type") == Event.LAUNCHING:
+                        self._launching = event
                     if event.get("type") != Event.IDLE:
                         on_event(event)
         except BaseException:
@@ -143,6 +146,11 @@ class Session:
         self.stop("restarting")
         self.ended = None
         self.start(on_event)
+
+    @property
+    def where(self) -> str:
+        """Where the ranks run, as a run's header names it: "spark", "spark connect" or "local"."""
+        return (self._launching or {}).get("backend") or self.placement.where.value
 
     @property
     def busy(self) -> bool:
@@ -183,6 +191,8 @@ class Session:
         self._cells += 1
         cell = self._cells
         self._busy = True
+        if self._launching is not None:  # the cell's record and header name the session's backend, not the placement's
+            on_event(self._launching)
         for rank in range(self.size):
             on_event(protocol.placed(rank, self._hosts.get(rank, "")))
         # Its blobs are served while the cell runs; a host that has one from an earlier cell

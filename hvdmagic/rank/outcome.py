@@ -63,13 +63,18 @@ def error_event(exc: BaseException, **fields) -> protocol.Error:
 
 
 def _user_traceback(exc: BaseException) -> str:
-    """The traceback from the first frame of user code on, without our own frames."""
+    """The traceback from the first frame of user code on, without our own frames: the ones that
+    run the cell, and the ones in between that instrument the frameworks (``collective_wait``'s
+    timing wrapper sits between the user's ``synchronize`` call and horovod's)."""
     tb = exc.__traceback__
     while tb is not None and tb.tb_frame.f_code.co_filename.startswith(_PACKAGE_DIR):
         tb = tb.tb_next
     from hvdmagic.rank.cell import DISPLAY_NAMES
 
-    return _name_cells("".join(traceback.format_exception(type(exc), exc, tb)), DISPLAY_NAMES)
+    shown = traceback.TracebackException(type(exc), exc, tb)
+    shown.stack = traceback.StackSummary.from_list(
+        [frame for frame in shown.stack if not frame.filename.startswith(_PACKAGE_DIR)])
+    return _name_cells("".join(shown.format()), DISPLAY_NAMES)
 
 
 def _name_cells(text: str, names: dict[str, str]) -> str:
