@@ -3,16 +3,22 @@
 The server is pyspark's own (``sbin/start-connect-server.sh``, the jar the venv's pyspark ships)
 with a ``local[4]`` master, bound to 127.0.0.1; the kernel is a real Jupyter kernel that
 connects with ``SparkSession.builder.remote("sc://127.0.0.1:P")``, so no JVM runs in it. The
-ranks are real Horovod (or torch.distributed) processes over Gloo, descendants of the server's
-JVM, which is where this module looks for any left behind.
+ranks are real Horovod (or torch.distributed) processes over Gloo (or MPI), descendants of the
+server's JVM, which is where this module looks for any left behind. The server's UI listens on
+127.0.0.1 too: its REST API is how a test sees which stages (by hvdmagic's operation tag) the
+server still runs or queues. The ``cluster`` tests start the server on a standalone cluster.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import signal
 import sys
+import threading
 import time
+import urllib.request
 from pathlib import Path
 
 import connect_server
@@ -26,7 +32,8 @@ from helpers import (
     wait_for_reply,
     wait_until,
 )
-from procs import alive, rank_processes
+from procs import alive, rank_processes, wait_until_gone, wait_until_no_mpi_processes
+from test_elastic import _check_training, _kill_the_worker_of
 
 SERVER_START = 120  # seconds the Connect server gets to listen: a JVM on a busy 2-core machine
 CORES = 4
@@ -46,10 +53,32 @@ class ConnectServer(connect_server.ConnectServer):
         """The rank processes that run under the server (its Python workers' children)."""
         return [proc.pid for proc in rank_processes(self.proc.pid)]
 
+    def running_tags(self) -> set[str]:
+        """hvdmagic's operation tags on the Spark jobs that run (or wait for slots) on the server now.
+
+        Read from the server's own UI (its REST API, enabled by the module's server): the server's
+        view, not the kernel's. Connect puts each user tag in a job tag of its own
+        (``SparkConnect_OperationTag_User_..._Session_..._Tag_<tag>``)."""
+        base = f"http://127.0.0.1:{self.ui_port()}/api/v1/applications"
+        # Generous: the first request starts the REST API (Jersey), seconds on a busy machine.
+        with urllib.request.urlopen(base, timeout=60) as reply:
+            app = json.load(reply)[0]["id"]
+        with urllib.request.urlopen(f"{base}/{app}/jobs?status=running", timeout=60) as reply:
+            jobs = json.load(reply)
+        return {tag[tag.index("hvdmagic-"):] for job in jobs for tag in job.get("jobTags", []) if "hvdmagic-" in tag}
+
+    def ui_port(self) -> int:
+        """The port the server's UI bound, from its log (the one asked for may have been taken)."""
+        bound = re.search(r"Successfully started service 'SparkUI' on port (\d+)", self.log.read_text())
+        assert bound, f"the Connect server's log does not say where its UI listens: {self.log}"
+        return int(bound[1])
+
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    server = ConnectServer(tmp_path_factory.mktemp("connect"))
+    # The UI (on 127.0.0.1: SPARK_LOCAL_IP) lets a test see the server's running jobs by their tags.
+    server = ConnectServer(tmp_path_factory.mktemp("connect"), conf={"spark.ui.enabled": "true",
+                                                                     "spark.ui.port": "0"})
     server.wait_listening(SERVER_START)
     yield server
     server.stop()
@@ -183,6 +212,90 @@ time.sleep(600)
     assert kernel.value("hvdmagic.last_run().result") == 3.0
 
 
+@pytest.fixture
+def every_slot_held(server, tmp_path):
+    """Another kernel's ranks on all four slots until the test calls ``free()``: a stage submitted
+    meanwhile waits in the server's queue, and none of its tasks can start. Yields (the holder's
+    tags on the server, free)."""
+    release = tmp_path / "release"
+    holder = Kernel(server.url)
+    try:
+        holding = holder.client.execute(f"""%%horovod --np {CORES}
+import os, time, horovod.torch as hvd
+hvd.init()
+while not os.path.exists({str(release)!r}):
+    time.sleep(0.05)
+""")
+        wait_until(lambda: len(server.ranks()) == CORES, 120, lambda: f"the holder's ranks: {server.ranks()}")
+        tags = wait_until(server.running_tags, 60, "the holder's stage has no hvdmagic tag on the server")
+
+        def free() -> None:
+            release.touch()
+            reply, texts = wait_for_reply(holder.client, holding, 120)
+            assert reply["status"] == "ok", texts
+
+        yield tags, free
+    finally:
+        release.touch()
+        holder.stop()
+
+
+# The Stop that lands as the kernel submits the stage: a SIGINT to the kernel's own process (what
+# jupyter_client's interrupt_kernel sends) right after SparkBackend.start returns, before the job
+# thread's request can have reached the server. Patched once: the next cell launches as usual.
+STOP_AS_SUBMITTED = """
+import os, signal
+from hvdmagic.launch.spark import SparkBackend
+def stop_as_submitted(self, spec, start=SparkBackend.start):
+    SparkBackend.start = start
+    start(self, spec)
+    os.kill(os.getpid(), signal.SIGINT)
+SparkBackend.start = stop_as_submitted
+"""
+
+
+@pytest.mark.parametrize("moment", ["queued", "as-submitted"])
+def test_stop_during_launch_leaves_no_stage_and_the_next_cell_works(kernel, server, every_slot_held, moment):
+    """Stop during launch, at a moment the test holds still: another kernel's ranks hold every slot,
+    so the cell's stage cannot start a task. ``queued``: the server lists the stage's tag (it waits
+    in Spark's queue), then jupyter_client's interrupt. ``as-submitted``: Stop right after the
+    kernel submits, before the server has the stage. Either way the cell ends in one line within
+    seconds, the stage is gone from the server while the slots are still held (none of its tasks
+    ever runs), and once they are free a stage on all of them runs."""
+    holders_tags, free = every_slot_held
+    if moment == "as-submitted":
+        kernel.ok(STOP_AS_SUBMITTED)
+    msg = kernel.client.execute("""%%horovod --np 2
+import horovod.torch as hvd
+hvd.init()
+print("training", flush=True)
+""")
+    stopped_at = time.monotonic()
+    if moment == "queued":
+        wait_until(lambda: server.running_tags() - holders_tags, 60,
+                   "the cell's stage never appeared on the Connect server")
+        stopped_at = time.monotonic()
+        kernel.manager.interrupt_kernel()
+    reply, texts = wait_for_reply(kernel.client, msg, 90)
+    took = time.monotonic() - stopped_at
+    assert reply["status"] == "error" and reply["ename"] == "JobInterrupted", texts
+    assert "interrupted while the ranks were being started" in texts[-1], texts[-1]
+    assert len(texts[-1].strip().splitlines()) == 1, texts[-1]
+    assert not any("training" in text for text in texts), texts
+    # Before the fix an as-submitted Stop interrupted nothing and waited out the 30 s join.
+    assert took < 15, f"Stop took {took:.1f} s to end the cell"
+    tag = re.search(r"tag (hvdmagic-\w+)", kernel.value("hvdmagic.last_run().description"))[1]
+    wait_until(lambda: tag not in server.running_tags(), 15,
+               lambda: f"the interrupted stage {tag} still waits on the Connect server")
+    assert len(server.ranks()) == CORES, "a rank started beside the holder's"
+    free()
+    _no_ranks_left(server, "the holder's cell")
+    # The UI learns of a job's end from the listener bus, a moment after collect() has returned.
+    wait_until(lambda: not server.running_tags(), 15, lambda: f"stages {server.running_tags()} outlived their cells")
+    text = kernel.ok(f"%%horovod --np {CORES} --timeout 90\nimport horovod.torch as hvd\nhvd.init()\nhvd.size()")
+    assert f"np={CORES} (spark connect): finished" in text, text
+
+
 def test_a_kernel_that_dies_leaves_no_rank_and_no_stage_behind(kernel, server):
     """The kernel that ran the stage is SIGKILLed mid-training: its channel drops, the supervisors
     kill their ranks, the tasks end and so does the Connect operation, so every slot is free."""
@@ -285,6 +398,50 @@ train(state)
     _no_ranks_left(server, "an elastic run")
 
 
+def test_an_elastic_run_whose_stage_fails_says_why_and_the_next_cell_works(kernel, server, tmp_path):
+    """A ``local[N]`` master runs a task once (no retries): when task 1's supervisor (its Python
+    worker) is SIGKILLed mid-run, the server aborts the elastic run's stage. The cell then fails
+    with the stage's own error, however far Horovod's driver has got (it used to fail with an
+    AttributeError when the stage's failure came first), no rank is left, and the next cell works."""
+    ready = tmp_path / "ready"
+    kernel.ok(f"import sys\nsys.path.insert(0, {str(Path(__file__).parent)!r})\nfrom elastic_training import train")
+    msg = kernel.client.execute(f"%%horovod --np 2 --min-np 1 --max-np 2 --timeout 240\n"
+                                f"train(100000, marker={str(ready)!r}, ready_at=5)")
+    wait_until(ready.exists, 120, "training never reached step 5")
+    supervisor = next((rank.parent() for rank in rank_processes(server.proc.pid)
+                       if rank.environ().get("HOROVOD_HOSTNAME", "").startswith("t1.")), None)
+    assert supervisor is not None, "no rank of task 1 under the server"
+    supervisor.kill()
+    reply, texts = wait_for_reply(kernel.client, msg, 120)
+    text = "".join(texts)
+    assert reply["status"] == "error" and reply["ename"] == "JobFailed", text
+    assert "the Spark stage failed" in text and "AttributeError" not in text, text
+    _no_ranks_left(server, "a failed elastic stage")
+    kernel.ok(TRAIN)
+    assert kernel.value("hvdmagic.last_run().result") == 3.0
+
+
+def test_the_mpi_controller_runs_on_connect(kernel, server):
+    """``--controller mpi``: mpirun runs in the kernel, its rsh agent asks the kernel over the job's
+    channel to start Open MPI's daemon in the Connect stage's task, and the ranks are adopted there."""
+    reply, text = kernel.run("""%%horovod --np 2 --controller mpi
+import os, torch, horovod.torch as hvd
+hvd.init()
+print(f"hello from rank {hvd.rank()}", flush=True)
+total = hvd.allreduce(torch.tensor([float(hvd.rank() + 1)]), op=hvd.Sum).item()
+hvd.allgather_object((hvd.rank(), hvd.size(), hvd.mpi_enabled(), hvd.gloo_enabled(),
+                      os.environ.get("OMPI_COMM_WORLD_RANK"), total))
+""")
+    assert reply["status"] == "ok", text
+    assert "(spark connect)" in text, text
+    assert "[rank 0] hello from rank 0" in text and "[rank 1] hello from rank 1" in text, text
+    assert kernel.value("sorted(hvdmagic.last_run().result)") == [(0, 2, True, False, "0", 3.0),
+                                                                  (1, 2, True, False, "1", 3.0)]
+    assert kernel.value("hvdmagic.last_run().mode") == "spark connect"
+    _no_ranks_left(server, "an MPI run")
+    wait_until_no_mpi_processes()
+
+
 @pytest.mark.unit
 def test_an_unreachable_kernel_is_one_paragraph_from_the_task():
     """A task whose kernel does not answer fails with the line the driver turns into its paragraph."""
@@ -345,6 +502,56 @@ def test_a_connect_server_on_a_standalone_cluster_counts_its_slots_and_runs_acro
                   "(hvd.size(), hvd.cross_size())")
         assert kernel.value("hvdmagic.last_run().result") == (4, 1)  # one address, 127.0.0.1: one host
         assert kernel.value("hvdmagic.last_run().mode") == "spark connect"
+    finally:
+        if kernel is not None:
+            kernel.stop()
+        if server is not None:
+            server.stop()
+        cluster.stop()
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(600)  # four JVMs and a kernel start on a 2-core machine before training begins
+def test_a_lost_worker_under_a_connect_server_does_not_lose_an_elastic_run(tmp_path):
+    """test_elastic.py's lost worker, with the kernel on a Connect server of the standalone cluster:
+    two ranks on two of three one-core workers, and the Worker JVM under task 1 (its executor with
+    it) SIGKILLed once rank 0 has trained 15 steps. The other rank resumes alone from the commit;
+    the server's scheduler runs task 1 again on the third worker (an elastic run's Connect stage is
+    a plain mapInArrow, so one lost task does not fail the stage); its rank joins at a commit, and
+    the run ends on two ranks with nothing trained twice."""
+    cluster = StandaloneCluster(tmp_path, workers=3, cores=1, gpus=0).start()
+    server = kernel = None
+    ready, killed = str(tmp_path / "ready"), []
+    try:
+        server = ConnectServer(tmp_path, master=cluster.url, conf={
+            "spark.executor.cores": "1", "spark.executor.memory": "1g", "spark.task.maxFailures": "4"})
+        server.wait_listening(SERVER_START)
+        kernel = Kernel(server.url)
+        kernel.ok(f"import sys\nsys.path.insert(0, {str(Path(__file__).parent)!r})\n"
+                  "from elastic_training import train\nfrom hvdmagic.launch import spark_connect")
+        wait_until(lambda: kernel.value("spark_connect.available(spark)") == 3, 120,
+                   "the Connect server's three executors did not register")
+        killer = threading.Thread(target=_kill_the_worker_of, args=(cluster, "t1.", ready, killed), daemon=True)
+        killer.start()
+        kernel.ok(f"results = hvdmagic.run(train, 2, 30, marker={ready!r}, ready_at=15, until_size=2, step_time=0.05, "
+                  "max_steps=4000, commit_every=5, min_np=1, max_np=2)", 420)
+        killer.join(timeout=5)
+        assert killed and isinstance(killed[0], int), killed
+        assert kernel.value("hvdmagic.last_run().mode") == "spark connect"
+        trace = _check_training(kernel.value("results"), 2)
+        resets = kernel.value("[(r.reason, r.size_before, r.size_after, (r.commit or {}).get('step')) "
+                              "for r in hvdmagic.last_run().resets]")
+        first, last = resets[0], resets[-1]
+        assert "task 1's rank lost (its Spark task or executor was lost)" in first[0], resets
+        assert first[1:3] == (2, 1) and first[3] >= 15, resets
+        assert last[:3] == ("slots added", 1, 2), resets
+        assert 1 in {size for _, size in trace} and trace[-1][1] == 2
+        assert kernel.value("(hvdmagic.last_run().ranks[1].state, hvdmagic.last_run().world_size)") == ("finished", 2)
+        # Whoever was rank 0 logged every step's metrics, across the resets.
+        steps = kernel.value("sorted(set(int(s) for s in hvdmagic.last_run().metrics.query('rank == 0')['step']))")
+        assert steps == list(range(1, len(trace) + 1)), steps
+        assert cluster.procs[killed[0]].wait(timeout=10) == -signal.SIGKILL
+        wait_until_gone([p.pid for p in rank_processes()], within=15)
     finally:
         if kernel is not None:
             kernel.stop()

@@ -170,8 +170,9 @@ class ElasticJob(Job):
         if self._errors:
             raise self._failed("an exception in the cell fails an elastic run too: only lost processes and "
                                "executors are trained around", self._errors)
-        outcome = self._outcome
-        why = (outcome if isinstance(outcome, BaseException) else outcome.error_message) or self.backend.failure()
+        outcome = self._outcome  # still None when the stage failed before Horovod's driver returned
+        said = outcome if isinstance(outcome, BaseException) else outcome.error_message if outcome else None
+        why = said or self.backend.failure()
         if not why and any(code != 0 for code, _ in outcome.worker_results.values()):
             # Horovod logs why it gave up waiting and ends its workers; the losses not yet recovered say why.
             why = (f"fewer than --min-np {self.settings.min_np} ranks were left, and no slot came back within "

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import re
 import threading
+import time
 import uuid
 from collections.abc import Callable
 
@@ -39,6 +40,7 @@ from hvdmagic.task.barrier import (
     sharded_barrier_task,
 )
 
+RETAG_INTERVAL = 0.5  # seconds between a cancelled Connect stage's interrupts, until its collect() ends
 held_slots: dict[object, int] = {}  # by session: the barrier slots its warm ranks occupy while it runs
 
 
@@ -183,6 +185,8 @@ class SparkBackend(Backend):
         self._thread = None
         self._error = None
         self.failure_details = ""
+        # Set by cancel(): a stage not yet sent is not sent, and one on its way is interrupted until it ends.
+        self._cancelled = threading.Event()
 
     @staticmethod
     def _checking_slots(check: Callable, *args):
@@ -232,6 +236,8 @@ class SparkBackend(Backend):
             if self.connect:
                 # Connect keeps tags per client thread: every operation this thread starts carries it.
                 self.session.addTag(self.job_group)
+                if self._cancelled.is_set():  # Stop came before the stage was sent: send nothing
+                    return
             else:
                 self.sc.setJobGroup(self.job_group, f"hvdmagic %%horovod --np {self.np}", interruptOnCancel=True)
             self._stage(spec).collect()
@@ -285,15 +291,33 @@ class SparkBackend(Backend):
         return self._error
 
     def cancel(self) -> None:
+        if self.connect:
+            self._cancelled.set()
+            self._interrupt_tag()
+            return
         try:
-            if self.connect:
-                # Any thread may interrupt a tag; no JVM here, so no need to queue behind the Spark thread.
-                self.session.interruptTag(self.job_group)
-            else:
-                on_spark_thread(self.sc.cancelJobGroup, self.job_group)
+            on_spark_thread(self.sc.cancelJobGroup, self.job_group)
         except Exception:
             pass  # the context may already be stopped; nothing is left to cancel then
 
+    def _interrupt_tag(self) -> None:
+        try:
+            # Any thread may interrupt a tag; no JVM here, so no need to queue behind the Spark thread.
+            self.session.interruptTag(self.job_group)
+        except Exception:
+            pass  # the server may be gone; nothing is left to cancel then
+
     def join(self, timeout: float) -> None:
-        if self._thread is not None:
+        if self._thread is None:
+            return
+        if not (self.connect and self._cancelled.is_set()):
             self._thread.join(timeout)
+            return
+        # A Stop just after start() can reach the server before the stage does: the tag then names
+        # no operation yet, and the stage would wait for slots with nobody to run it for. Interrupt
+        # again until the thread's collect() has ended, so the stage never outlives the cell.
+        deadline = time.monotonic() + timeout
+        while self._thread.is_alive() and (left := deadline - time.monotonic()) > 0:
+            self._thread.join(min(left, RETAG_INTERVAL))
+            if self._thread.is_alive():
+                self._interrupt_tag()
