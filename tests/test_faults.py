@@ -28,8 +28,8 @@ HERE = Path(__file__).parent
 NEXT_CELL = "%%horovod --np 2\nimport horovod.torch as hvd\nhvd.init()\nhvd.size()"
 
 
-def assert_clean_and_usable(ip):
-    assert rank_processes() == [], "rank processes outlived the cell"
+def assert_clean_and_usable(ip, ranks=rank_processes):
+    assert ranks() == [], "rank processes outlived the cell"
     result, error = run(ip, NEXT_CELL)
     assert error is None and result == 2, error
 
@@ -53,8 +53,14 @@ def test_every_scenario_has_a_case():
     assert set(CASES) == set(SCENARIOS)
 
 
-@pytest.mark.parametrize("name", list(CASES))
-def test_fault_scenario(name, ip, tmp_path, capfd):
+# Each Spark case on both session kinds (conftest's spark_kind); local mode's once. The classic
+# cases keep their plain ids ([raise]), which docs/reliability.md cites.
+KINDS = [pytest.param(name, kind, id=name if kind == "classic" else f"{name}-connect")
+         for name, (np, _, _) in CASES.items() for kind in (("classic", "connect") if np > 0 else ("classic",))]
+
+
+@pytest.mark.parametrize("name, spark_kind", KINDS, indirect=["spark_kind"])
+def test_fault_scenario(name, spark_kind, ip, tmp_path, capfd):
     """Each fault ends the cell with the outcome fault_scenarios.py describes, fast where it
     must; then no rank process is left and the next cell works."""
     scenario = SCENARIOS[name]
@@ -69,7 +75,7 @@ def test_fault_scenario(name, ip, tmp_path, capfd):
     if scenario.fail_within is not None:
         latency = returned - float(stamp.read_text())
         assert latency < scenario.fail_within, f"the cell failed {latency:.1f} s after the fault"
-    assert_clean_and_usable(ip)
+    assert_clean_and_usable(ip, spark_kind.ranks)
 
 
 def test_not_enough_slots_fails_at_once(ip, monkeypatch):
