@@ -11,6 +11,7 @@ server still runs or queues. The ``cluster`` tests start the server on a standal
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -19,9 +20,11 @@ import sys
 import threading
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 import connect_server
+import psutil
 import pytest
 from helpers import (
     StandaloneCluster,
@@ -398,6 +401,18 @@ train(state)
     _no_ranks_left(server, "an elastic run")
 
 
+def _supervisor_of(server: ConnectServer, rank_env: Callable[[dict], bool], what: str) -> psutil.Process:
+    """The Python worker under the server (the task's supervisor) whose rank's environment matches
+    ``rank_env``: killing it fails the task, as a crashed executor process would."""
+    for rank in rank_processes(server.proc.pid):
+        try:
+            if rank_env(rank.environ()):
+                return rank.parent()
+        except psutil.NoSuchProcess:
+            continue
+    raise AssertionError(f"no rank of {what} under the Connect server")
+
+
 def test_an_elastic_run_whose_stage_fails_says_why_and_the_next_cell_works(kernel, server, tmp_path):
     """A ``local[N]`` master runs a task once (no retries): when task 1's supervisor (its Python
     worker) is SIGKILLed mid-run, the server aborts the elastic run's stage. The cell then fails
@@ -408,10 +423,7 @@ def test_an_elastic_run_whose_stage_fails_says_why_and_the_next_cell_works(kerne
     msg = kernel.client.execute(f"%%horovod --np 2 --min-np 1 --max-np 2 --timeout 240\n"
                                 f"train(100000, marker={str(ready)!r}, ready_at=5)")
     wait_until(ready.exists, 120, "training never reached step 5")
-    supervisor = next((rank.parent() for rank in rank_processes(server.proc.pid)
-                       if rank.environ().get("HOROVOD_HOSTNAME", "").startswith("t1.")), None)
-    assert supervisor is not None, "no rank of task 1 under the server"
-    supervisor.kill()
+    _supervisor_of(server, lambda env: env.get("HOROVOD_HOSTNAME", "").startswith("t1."), "task 1").kill()
     reply, texts = wait_for_reply(kernel.client, msg, 120)
     text = "".join(texts)
     assert reply["status"] == "error" and reply["ename"] == "JobFailed", text
@@ -419,6 +431,116 @@ def test_an_elastic_run_whose_stage_fails_says_why_and_the_next_cell_works(kerne
     _no_ranks_left(server, "a failed elastic stage")
     kernel.ok(TRAIN)
     assert kernel.value("hvdmagic.last_run().result") == 3.0
+
+
+def test_a_fixed_size_run_whose_stage_fails_says_why_and_the_next_cell_works(kernel, server, tmp_path):
+    """The barrier stage of a ``--np 2`` run fails on the server: task 1's Python worker (its
+    supervisor) is SIGKILLed while both ranks run, and a ``local[N]`` master does not retry it.
+    The cell fails within seconds with one error that says so (not the --timeout, not Spark's
+    Java trace), no rank is left under the server, the stage is gone from it, and the next cell works."""
+    ready = tmp_path / "ready"
+    msg = kernel.client.execute(f"""%%horovod --np 2 --timeout 120
+import time, torch, horovod.torch as hvd
+hvd.init()
+hvd.allreduce(torch.tensor([1.0]))
+if hvd.rank() == 0:
+    open({str(ready)!r}, "w").close()
+while True:
+    time.sleep(0.05)
+""")
+    try:
+        wait_until(ready.exists, 120, "the ranks never got past their first allreduce")
+        running = server.running_tags()
+        assert running, "the run's stage is not on the Connect server"
+        _supervisor_of(server, lambda env: env.get("HOROVOD_RANK") == "1", "rank 1").kill()
+        killed_at = time.monotonic()
+        reply, texts = wait_for_reply(kernel.client, msg, 120)
+        msg = None
+    finally:
+        if msg is not None:  # a failed check left the ranks looping: Stop them before the next test's cells
+            kernel.manager.interrupt_kernel()
+            with contextlib.suppress(Exception):
+                wait_for_reply(kernel.client, msg, 60)
+    took, text = time.monotonic() - killed_at, "".join(texts)
+    assert reply["status"] == "error" and reply["ename"] == "LaunchError", text
+    assert took < 30, f"the failed stage took {took:.1f} s to end the cell"
+    said = reply["evalue"]
+    assert said.startswith("the Spark barrier stage failed: Job aborted due to stage failure"), said
+    assert "\n" not in said and "\tat " not in said and "Traceback" not in said, said
+    _no_ranks_left(server, "a failed barrier stage")
+    wait_until(lambda: not running & server.running_tags(), 15,
+               lambda: f"the failed stage {running} still runs on the Connect server")
+    kernel.ok(TRAIN)
+    assert kernel.value("hvdmagic.last_run().result") == 3.0
+
+
+# Keeps the kernel's next job channel (its ChannelServer) and writes where it listens to a file,
+# for a test to attack it; the class is restored by RELEASE_CHANNEL.
+KEEP_CHANNEL = """
+from hvdmagic import channel as _channel
+_kept_channels, _channel_init = [], _channel.ChannelServer.__init__
+def _keep_channel(self, *args, **kwargs):
+    _channel_init(self, *args, **kwargs)
+    _kept_channels.append(self)
+    with open({where!r}, "w") as out:
+        out.write(f"{{self.address[0]}} {{self.address[1]}}")
+_channel.ChannelServer.__init__ = _keep_channel
+"""
+RELEASE_CHANNEL = "_channel.ChannelServer.__init__ = _channel_init"
+
+
+def test_hostile_connections_to_the_channel_do_not_disturb_a_connect_run(kernel, server, tmp_path):
+    """While both ranks of a Connect run wait, three peers connect to the job's channel (on the
+    kernel's address toward the server): one sends garbage, one an ``exit`` frame signed with
+    another secret, one stays silent. The first two are turned away (the channel counts them) and
+    get nothing but the nonce every peer gets, the silent one nothing until the job closes it, and
+    the run ends with the right result."""
+    import socket
+
+    from hvdmagic import channel
+
+    where, release = tmp_path / "channel", tmp_path / "release"
+    kernel.ok(KEEP_CHANNEL.format(where=str(where)))
+    msg = None
+    try:
+        msg = kernel.client.execute(f"""%%horovod --np 2 --timeout 120
+import os, time, torch, horovod.torch as hvd
+hvd.init()
+while not os.path.exists({str(release)!r}):
+    time.sleep(0.05)
+hvd.allreduce(torch.tensor([float(hvd.rank() + 1)]), op=hvd.Sum).item()
+""")
+        wait_until(lambda: len(server.ranks()) == 2, 120, lambda: f"the run's ranks: {server.ranks()}")
+        host, port = where.read_text().split()
+        assert host == "127.0.0.1", host  # spark_connect.kernel_address for a server on this machine
+
+        def peer() -> tuple[socket.socket, bytes]:
+            sock = socket.create_connection((host, int(port)), timeout=30)
+            return sock, channel._recv_exact(sock, channel.NONCE_SIZE)
+
+        (garbage, _), (forger, nonce), (silent, _) = peer(), peer(), peer()
+        garbage.sendall(b"\xff" * 64)
+        # A well-formed frame for this connection's nonce, but signed without the job's secret.
+        channel.Link(forger, channel.new_secret(), nonce, is_server=False).send({"type": "exit", "rank": 0, "code": 1})
+        for name, sock in (("garbage", garbage), ("forger", forger)):
+            with sock:
+                assert sock.recv(1 << 16) == b"", f"the channel sent the {name} peer something"
+        release.touch()
+        reply, texts = wait_for_reply(kernel.client, msg, 120)
+        msg = None
+        assert reply["status"] == "ok", "".join(texts)
+        # The run did not wait on the silent peer, and closing the channel is all it ever got.
+        with silent:
+            assert silent.recv(1 << 16) == b"", "the channel sent the silent peer something"
+        assert kernel.value("hvdmagic.last_run().result") == 3.0
+        assert kernel.value("_kept_channels[-1].rejected") == 2, "the channel did not turn both peers away"
+    finally:
+        release.touch()
+        if msg is not None:  # a failed check: the kernel takes the next cell only once this one has ended
+            with contextlib.suppress(Exception):
+                wait_for_reply(kernel.client, msg, 120)
+        kernel.ok(RELEASE_CHANNEL)
+    _no_ranks_left(server, "a run under attack")
 
 
 def test_the_mpi_controller_runs_on_connect(kernel, server):
