@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 from pathlib import Path
 
@@ -18,7 +19,7 @@ pytest.register_assert_rewrite("fault_scenarios")  # its checks' asserts explain
 
 from conftest import run  # noqa: E402
 from fault_scenarios import SCENARIOS, Outcome  # noqa: E402
-from helpers import execute, iopub_messages, record_slot_waits  # noqa: E402
+from helpers import execute, iopub_messages, record_slot_waits, wait_until  # noqa: E402
 from procs import kernel_resources, rank_processes, wait_until_gone  # noqa: E402
 
 import hvdmagic  # noqa: E402
@@ -53,24 +54,42 @@ def test_every_scenario_has_a_case():
     assert set(CASES) == set(SCENARIOS)
 
 
-# Each Spark case on both session kinds (conftest's spark_kind); local mode's once. The classic
-# cases keep their plain ids ([raise]), which docs/reliability.md cites.
-KINDS = [pytest.param(name, kind, id=name if kind == "classic" else f"{name}-connect")
-         for name, (np, _, _) in CASES.items() for kind in (("classic", "connect") if np > 0 else ("classic",))]
+# Local-mode cases that run on Spark too, with this np: the flood's path from a rank to the notebook
+# differs there (the supervisor's channel from a Spark task, not from a kernel thread).
+ALSO_ON_SPARK = {"log_flood": 2}
 
 
-@pytest.mark.parametrize("name, spark_kind", KINDS, indirect=["spark_kind"])
-def test_fault_scenario(name, spark_kind, ip, tmp_path, capfd):
+def _kinds():
+    """Each Spark case on both session kinds (conftest's spark_kind); local mode's once, and again on
+    both kinds where ALSO_ON_SPARK says. The plain ids ([raise], [log_flood]) keep meaning the case
+    as CASES has it, on a classic session, which docs/reliability.md cites."""
+    for name, (np, _, _) in CASES.items():
+        if np > 0:
+            yield pytest.param(name, np, "classic", id=name)
+            yield pytest.param(name, np, "connect", id=f"{name}-connect")
+            continue
+        yield pytest.param(name, np, "classic", id=name)
+        if name in ALSO_ON_SPARK:
+            yield pytest.param(name, ALSO_ON_SPARK[name], "classic", id=f"{name}-spark")
+            yield pytest.param(name, ALSO_ON_SPARK[name], "connect", id=f"{name}-connect")
+
+
+KINDS = list(_kinds())
+
+
+@pytest.mark.parametrize("name, np, spark_kind", KINDS, indirect=["spark_kind"])
+def test_fault_scenario(name, np, spark_kind, ip, tmp_path, capfd):
     """Each fault ends the cell with the outcome fault_scenarios.py describes, fast where it
     must; then no rank process is left and the next cell works."""
     scenario = SCENARIOS[name]
-    np, rank, limit = CASES[name]
+    _, rank, limit = CASES[name]
     if scenario.option == "--timeout":
         run(ip, NEXT_CELL)  # --timeout counts Spark's start-up too; start it first
     stamp = tmp_path / "fault_at"
     capfd.readouterr()  # only this cell's output
     result, error = run(ip, scenario.cell(np, rank, stamp, limit))
     returned = time.time()
+    assert spark_kind.runs[-1].mode == (spark_kind.mode if np > 0 else "local"), spark_kind.runs[-1].mode
     scenario.check(Outcome(result, error, capfd.readouterr().out, rank, limit))
     if scenario.fail_within is not None:
         latency = returned - float(stamp.read_text())
@@ -113,18 +132,40 @@ os.environ["HOROVOD_RANK"]
     assert hvdmagic.last_run().results == ["0", "1"]
 
 
-def test_twenty_reruns_leak_nothing(ip):
-    for _ in range(3):  # warm up: the Spark session, its threads and the allocator's pools exist before we count
+def _kernel_threads() -> list[threading.Thread]:
+    """The kernel's threads, less pyspark Connect's pool for ReleaseExecute calls: one pool per
+    process, started lazily a thread at a time when releases overlap, at most os.cpu_count()
+    threads, shut down only when the client closes. A first overlap after the baseline would
+    look like growth; a leak per cell would show in every other thread."""
+    from pyspark.sql.connect.client.reattach import ExecutePlanResponseReattachableIterator
+
+    pool = ExecutePlanResponseReattachableIterator._release_thread_pool_instance
+    pooled = set(pool._threads) if pool is not None else set()
+    return [thread for thread in threading.enumerate() if thread not in pooled]
+
+
+def test_twenty_reruns_leak_nothing(ip, spark_kind):
+    """On either session kind: a Connect session's gRPC client has no JVM or py4j thread in the
+    kernel, but its own channel and threads, which must not grow per cell either."""
+    # Warm up, so that what starts once per kernel exists before we count: a classic Spark session
+    # and its threads, a Connect client's gRPC channel and the threads it starts lazily at its first
+    # operations, the allocator's pools. Growth per cell is what leaks; a first use is not.
+    for _ in range(3):
         run(ip, NEXT_CELL)
-    before = kernel_resources()
+    before, threads_before = kernel_resources(), _kernel_threads()
     for i in range(20):
         failing = i % 3 == 0
         _, error = run(ip, "%%horovod --np 2\nimport horovod.torch as hvd\nhvd.init()\n"
                            + ("raise RuntimeError('bad run')" if failing else "hvd.rank()"))
         assert (error is not None) == failing
+    assert spark_kind.ranks() == [], "rank processes outlived their cells"
+    # A cell's last threads (the job's, a Connect release call's) may still be ending as it
+    # returns; a leaked thread never does.
+    wait_until(lambda: len(_kernel_threads()) <= len(threads_before), 10,
+               lambda: f"threads grew from {len(threads_before)} to {len(_kernel_threads())} over 20 runs; "
+                       f"new ones: {sorted(set(_kernel_threads()) - set(threads_before), key=str)}")
     after = kernel_resources()
-    assert rank_processes() == []
-    for what in ("threads", "sockets", "fds", "children"):
+    for what in ("sockets", "fds", "children"):
         assert after[what] <= before[what], f"{what} grew from {before[what]} to {after[what]} over 20 runs"
     grown = (after["rss"] - before["rss"]) / 2**20
     assert grown < 40, f"the kernel's memory grew {grown:.0f} MiB over 20 runs ({before['rss'] / 2**20:.0f} MiB before)"

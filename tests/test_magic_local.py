@@ -1,4 +1,5 @@
-"""Local mode (np < 0), capture errors and argument handling: a real shell, no Spark needed."""
+"""Local mode (np < 0), capture errors and argument handling: a real shell, mostly without Spark
+(a capture error is also checked on both Spark session kinds, through conftest's spark_kind)."""
 
 from __future__ import annotations
 
@@ -27,15 +28,26 @@ print("pid", os.getpid())
     assert len(pids) == 2, out  # two separate processes
 
 
-@pytest.mark.unit
-def test_unpicklable_global_fails_before_launch_naming_it(ip):
+@pytest.mark.parametrize("np, spark_kind", [(-2, "classic"), (2, "classic"), (2, "connect")],
+                         ids=["local", "spark", "spark-connect"], indirect=["spark_kind"])
+def test_unpicklable_global_fails_before_launch_naming_it(np, spark_kind, ip, tmp_path):
+    """In local mode and on either Spark session kind, the capture fails in the kernel before a run
+    begins: no run record, so nothing was submitted to Spark and no rank ran the cell."""
     ip.run_cell("import threading\nlock = threading.Lock()\nbefore = 1")
     namespace = dict(ip.user_ns)
-    _, error = run(ip, "%%horovod --np -2 --out before\nwith lock:\n    pass")
+    ran = tmp_path / "a_rank_ran_the_cell"
+    runs_before = len(spark_kind.runs)
+    _, error = run(ip, f"%%horovod --np {np} --out before\nopen({str(ran)!r}, 'w').close()\nwith lock:\n    pass")
     assert isinstance(error, CaptureError)
     assert "'lock'" in str(error) and "lock" in str(error).split("'lock'")[1][:30]
     assert ip.user_ns["before"] == 1
     assert ip.user_ns.keys() == namespace.keys()
+    assert len(spark_kind.runs) == runs_before, "a run began: the failing cell reached the launcher"
+    assert not ran.exists() and spark_kind.ranks() == [], "a rank ran the failing cell"
+    del ip.user_ns["lock"]  # the next cell would capture it too
+    result, error = run(ip, f"%%horovod --np {np}\nimport os\nint(os.environ['HOROVOD_SIZE'])")
+    assert error is None and result == 2, error
+    assert spark_kind.runs[-1].mode == (spark_kind.mode if np > 0 else "local"), spark_kind.runs[-1].mode
 
 
 @pytest.mark.unit
