@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
 import time
 from pathlib import Path
 
@@ -19,7 +18,7 @@ pytest.register_assert_rewrite("fault_scenarios")  # its checks' asserts explain
 
 from conftest import run  # noqa: E402
 from fault_scenarios import SCENARIOS, Outcome  # noqa: E402
-from helpers import execute, iopub_messages, record_slot_waits, wait_until  # noqa: E402
+from helpers import execute, iopub_messages, record_slot_waits  # noqa: E402
 from procs import kernel_resources, rank_processes, wait_until_gone  # noqa: E402
 
 import hvdmagic  # noqa: E402
@@ -132,40 +131,18 @@ os.environ["HOROVOD_RANK"]
     assert hvdmagic.last_run().results == ["0", "1"]
 
 
-def _kernel_threads() -> list[threading.Thread]:
-    """The kernel's threads, less pyspark Connect's pool for ReleaseExecute calls: one pool per
-    process, started lazily a thread at a time when releases overlap, at most os.cpu_count()
-    threads, shut down only when the client closes. A first overlap after the baseline would
-    look like growth; a leak per cell would show in every other thread."""
-    from pyspark.sql.connect.client.reattach import ExecutePlanResponseReattachableIterator
-
-    pool = ExecutePlanResponseReattachableIterator._release_thread_pool_instance
-    pooled = set(pool._threads) if pool is not None else set()
-    return [thread for thread in threading.enumerate() if thread not in pooled]
-
-
-def test_twenty_reruns_leak_nothing(ip, spark_kind):
-    """On either session kind: a Connect session's gRPC client has no JVM or py4j thread in the
-    kernel, but its own channel and threads, which must not grow per cell either."""
-    # Warm up, so that what starts once per kernel exists before we count: a classic Spark session
-    # and its threads, a Connect client's gRPC channel and the threads it starts lazily at its first
-    # operations, the allocator's pools. Growth per cell is what leaks; a first use is not.
-    for _ in range(3):
+def test_twenty_reruns_leak_nothing(ip):
+    for _ in range(3):  # warm up: the Spark session, its threads and the allocator's pools exist before we count
         run(ip, NEXT_CELL)
-    before, threads_before = kernel_resources(), _kernel_threads()
+    before = kernel_resources()
     for i in range(20):
         failing = i % 3 == 0
         _, error = run(ip, "%%horovod --np 2\nimport horovod.torch as hvd\nhvd.init()\n"
                            + ("raise RuntimeError('bad run')" if failing else "hvd.rank()"))
         assert (error is not None) == failing
-    assert spark_kind.ranks() == [], "rank processes outlived their cells"
-    # A cell's last threads (the job's, a Connect release call's) may still be ending as it
-    # returns; a leaked thread never does.
-    wait_until(lambda: len(_kernel_threads()) <= len(threads_before), 10,
-               lambda: f"threads grew from {len(threads_before)} to {len(_kernel_threads())} over 20 runs; "
-                       f"new ones: {sorted(set(_kernel_threads()) - set(threads_before), key=str)}")
     after = kernel_resources()
-    for what in ("sockets", "fds", "children"):
+    assert rank_processes() == []
+    for what in ("threads", "sockets", "fds", "children"):
         assert after[what] <= before[what], f"{what} grew from {before[what]} to {after[what]} over 20 runs"
     grown = (after["rss"] - before["rss"]) / 2**20
     assert grown < 40, f"the kernel's memory grew {grown:.0f} MiB over 20 runs ({before['rss'] / 2**20:.0f} MiB before)"
