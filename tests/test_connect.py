@@ -603,17 +603,30 @@ def test_a_connect_server_inside_the_kernel_is_used_as_it_is(kernel_factory):
     wait_until(lambda: not rank_processes(kernel_pid), 15, "rank processes outlived the cell")
 
 
+@contextlib.contextmanager
+def _connect_cluster(tmp_path, workers: int, cores: int, conf: dict[str, str]):
+    """A standalone cluster, a Connect server started on it (``start-connect-server.sh --master
+    spark://...``) and a kernel connected to that server: (cluster, kernel); all three stopped after."""
+    cluster = StandaloneCluster(tmp_path, workers=workers, cores=cores, gpus=0).start()
+    server = kernel = None
+    try:
+        server = ConnectServer(tmp_path, master=cluster.url, conf={"spark.executor.memory": "1g", **conf})
+        server.wait_listening(SERVER_START)
+        kernel = Kernel(server.url)
+        yield cluster, kernel
+    finally:
+        if kernel is not None:
+            kernel.stop()
+        if server is not None:
+            server.stop()
+        cluster.stop()
+
+
 @pytest.mark.cluster
 def test_a_connect_server_on_a_standalone_cluster_counts_its_slots_and_runs_across_workers(tmp_path):
     """``start-connect-server.sh --master spark://...``: the slot count comes from the server's
     defaultParallelism (the executors' cores), read from a plan, since the master string says nothing."""
-    cluster = StandaloneCluster(tmp_path, workers=2, cores=2, gpus=0).start()
-    server = kernel = None
-    try:
-        server = ConnectServer(tmp_path, master=cluster.url, conf={"spark.executor.cores": "2",
-                                                                   "spark.executor.memory": "1g"})
-        server.wait_listening(SERVER_START)
-        kernel = Kernel(server.url)
+    with _connect_cluster(tmp_path, workers=2, cores=2, conf={"spark.executor.cores": "2"}) as (cluster, kernel):
         kernel.ok("from hvdmagic.launch import spark_connect")
         wait_until(lambda: kernel.value("spark_connect.available(spark)") == 4, 90,
                    "the Connect server's executors did not register their 4 cores")
@@ -624,12 +637,6 @@ def test_a_connect_server_on_a_standalone_cluster_counts_its_slots_and_runs_acro
                   "(hvd.size(), hvd.cross_size())")
         assert kernel.value("hvdmagic.last_run().result") == (4, 1)  # one address, 127.0.0.1: one host
         assert kernel.value("hvdmagic.last_run().mode") == "spark connect"
-    finally:
-        if kernel is not None:
-            kernel.stop()
-        if server is not None:
-            server.stop()
-        cluster.stop()
 
 
 @pytest.mark.cluster
@@ -641,14 +648,9 @@ def test_a_lost_worker_under_a_connect_server_does_not_lose_an_elastic_run(tmp_p
     the server's scheduler runs task 1 again on the third worker (an elastic run's Connect stage is
     a plain mapInArrow, so one lost task does not fail the stage); its rank joins at a commit, and
     the run ends on two ranks with nothing trained twice."""
-    cluster = StandaloneCluster(tmp_path, workers=3, cores=1, gpus=0).start()
-    server = kernel = None
     ready, killed = str(tmp_path / "ready"), []
-    try:
-        server = ConnectServer(tmp_path, master=cluster.url, conf={
-            "spark.executor.cores": "1", "spark.executor.memory": "1g", "spark.task.maxFailures": "4"})
-        server.wait_listening(SERVER_START)
-        kernel = Kernel(server.url)
+    conf = {"spark.executor.cores": "1", "spark.task.maxFailures": "4"}
+    with _connect_cluster(tmp_path, workers=3, cores=1, conf=conf) as (cluster, kernel):
         kernel.ok(f"import sys\nsys.path.insert(0, {str(Path(__file__).parent)!r})\n"
                   "from elastic_training import train\nfrom hvdmagic.launch import spark_connect")
         wait_until(lambda: kernel.value("spark_connect.available(spark)") == 3, 120,
@@ -674,9 +676,3 @@ def test_a_lost_worker_under_a_connect_server_does_not_lose_an_elastic_run(tmp_p
         assert steps == list(range(1, len(trace) + 1)), steps
         assert cluster.procs[killed[0]].wait(timeout=10) == -signal.SIGKILL
         wait_until_gone([p.pid for p in rank_processes()], within=15)
-    finally:
-        if kernel is not None:
-            kernel.stop()
-        if server is not None:
-            server.stop()
-        cluster.stop()
