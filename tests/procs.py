@@ -37,11 +37,19 @@ def alive(pids) -> list[int]:
     return running
 
 
+def inet_sockets(process: psutil.Process | None = None) -> list:
+    """The process's (default: this one's) internet sockets: psutil >= 6 calls it net_connections,
+    the psutil 5.9 of Databricks' runtimes connections."""
+    process = process or psutil.Process(os.getpid())
+    connections = getattr(process, "net_connections", None) or process.connections
+    return connections(kind="inet")
+
+
 def kernel_resources() -> dict[str, int]:
     me = psutil.Process(os.getpid())
     return {
         "threads": threading.active_count(),
-        "sockets": len(me.net_connections(kind="inet")),
+        "sockets": len(inet_sockets(me)),
         "fds": me.num_fds(),
         "children": len(me.children(recursive=True)),
         "rss": me.memory_info().rss,

@@ -23,6 +23,8 @@ from hvdmagic.launch.placement import Placement
 from hvdmagic.metric_rows import GAP_ROW, MetricRows, decode
 from hvdmagic.rank import telemetry
 
+pytestmark = pytest.mark.profile  # ipywidgets 7 and 8 alike (make test-profiles)
+
 
 @pytest.mark.unit
 def test_api_is_a_harmless_noop_outside_a_run():
@@ -436,7 +438,7 @@ def test_the_snapshot_keeps_the_scale_the_live_chart_had():
 
 @pytest.mark.unit
 def test_close_replaces_the_dashboard_with_the_snapshot_and_closes_every_widget():
-    from ipywidgets.widgets.widget import _instances
+    from ipywidgets.widgets import widget as widget_module
 
     from hvdmagic.kernel.ui.dashboard import Dashboard, _descendants
     from hvdmagic.kernel.ui.snapshot import Snapshot
@@ -460,7 +462,28 @@ def test_close_replaces_the_dashboard_with_the_snapshot_and_closes_every_widget(
     assert isinstance(snapshot, Snapshot) and snapshot.record is record
     assert set(snapshot._repr_mimebundle_()) == {"text/plain", "text/html"}
     assert all(widget.comm is None for widget in every), "a widget was left open"
-    assert not models & set(_instances), "a closed widget is still registered (it would leak with its record)"
+    registry = getattr(widget_module, "_instances", None)  # ipywidgets 8; 7 keeps them on the class
+    registry = widget_module.Widget.widgets if registry is None else registry
+    assert not models & set(registry), "a closed widget is still registered (it would leak with its record)"
+
+
+@pytest.mark.unit
+def test_a_kernel_without_subshells_is_told_once_why_the_controls_are_missing(monkeypatch):
+    """Outside a kernel with subshells (here: no kernel at all; on Databricks and Colab: ipykernel 6)
+    the controls are left out, and the first dashboard says why; the second says nothing more."""
+    from hvdmagic.kernel.ui import dashboard
+
+    monkeypatch.setattr(dashboard, "_controls_note_said", False)
+    boards = [dashboard.Dashboard(_fed_record()) for _ in range(2)]
+    try:
+        for board in boards:
+            board.start()
+    finally:
+        for board in boards:
+            board.close()
+    first, second = (board.notes.value for board in boards)
+    assert "ipykernel &gt;= 7" in first and "ipykernel" not in second, (first, second)
+    assert boards[0].controls.layout.display == "none" and boards[0].where_button.layout.display == "none"
 
 
 @pytest.mark.unit

@@ -43,7 +43,10 @@ def active_session():
     if module is None:
         return None
     cls = module.SparkSession
-    return cls.getActiveSession() or cls._get_default_session()
+    # pyspark >= 4 asks _get_default_session(), which leaves out a stopped one; 3.5 clears the attribute
+    # when its session stops, and has no such method.
+    default = getattr(cls, "_get_default_session", None)
+    return cls.getActiveSession() or (default() if default else cls._default_session)
 
 
 def is_connect(session) -> bool:

@@ -13,13 +13,15 @@ snapshot's text. All read the run's ``RunRecord``. ``make_view`` (here) picks th
 - ``progress_text``: progress as text (rows, stages, overall progress, rates), shared by all three;
 - ``grouping``: a run of more than eight ranks grouped: rows of ranks that read the same, each line once;
 - ``charts``: inline SVG charts of metric series, for the dashboard and the snapshot.
+- ``widget_api``: what ipywidgets 7 and 8 spell differently (a view's display bundle, page titles).
 
 Runs in the notebook kernel. Within ``ui`` the arrows go one way: ``live`` → ``dashboard``
 (only once the delay has passed) and ``snapshot``; ``dashboard`` and ``text`` →
-``snapshot``; all three → ``grouping`` → ``progress_text``; ``dashboard`` and ``snapshot`` → ``charts``,
-which imports only the standard library. Besides each other these modules may import
-``kernel.record``, ``kernel.timeline``, ``kernel.noise``, ``protocol`` and
-``metric_rows``. Only ``dashboard`` imports ipywidgets (and numpy, when it draws);
+``snapshot``; all three → ``grouping`` → ``progress_text``; ``dashboard`` → ``widget_api``;
+``dashboard`` and ``snapshot`` → ``charts``, which imports only the standard library.
+Besides each other these modules may import ``kernel.record``, ``kernel.timeline``,
+``kernel.noise``, ``protocol`` and ``metric_rows``. Only ``dashboard`` and its ``widget_api``
+import ipywidgets (and numpy, when it draws);
 IPython only to display or to ask whether a kernel is there. Nothing here imports
 ``launch`` or the rest of ``kernel``.
 """

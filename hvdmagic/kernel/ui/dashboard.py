@@ -49,6 +49,7 @@ from hvdmagic.kernel.record import RankRecord, RunRecord
 from hvdmagic.kernel.timeline import describe
 from hvdmagic.kernel.ui import charts, grouping, progress_text
 from hvdmagic.kernel.ui.snapshot import hang_notices_html
+from hvdmagic.kernel.ui.widget_api import titled, view_bundle
 from hvdmagic.metric_rows import GAP_BITS
 
 MAX_FPS = 10
@@ -58,6 +59,12 @@ LOG_LINES = 200  # per pane of the collapsed logs
 RECENT_LINES = 10  # the newest lines of every rank, always visible
 GROUPED_TAIL = 20  # per rank, grouped in a many-rank run's "each line once" pane: 200 of 256 ranks cost 50 ms
 _STATE_COLOURS = progress_text.STATE_COLOURS
+# Said in the first dashboard of a kernel without subshells (ipykernel 6: Databricks, Colab), which has
+# neither the chart controls nor the where button: why they are missing.
+CONTROLS_NEED_SUBSHELLS = ("the chart controls and the where button need ipykernel >= 7, whose subshells "
+                           "answer a click while the cell runs; this kernel's ipykernel would hold the click "
+                           "until the cell ends, so they are left out")
+_controls_note_said = False
 _MONO = "SFMono-Regular,Menlo,Consolas,'DejaVu Sans Mono',monospace"
 _ONE_LINE = "white-space:pre;overflow:hidden;text-overflow:ellipsis;line-height:20px"
 _ANSI = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b[@-Z\\-_]")
@@ -301,6 +308,7 @@ class Dashboard:
         self._controls_version = 0
         self._route: _ControlRoute | None = None
         self._controls_work = True  # False in a kernel whose busy shell would hold the controls' messages
+        self._own_notes: list[str] = []  # the dashboard's own, not the run's: shown live, not in the snapshot
         self._overall = progress_text.Meter(smoothing=0.1)
         self._all_ranks = _AllRanks()
         self._text_shown = ""
@@ -366,19 +374,19 @@ class Dashboard:
             self.log_rank.observe(lambda _change: setattr(self, "_drawn_logs", None), names="value")
             tabs = [self.panes[0], self.panes[1], widgets.VBox([self.log_rank, self.panes[2]])]
             titles = ["all ranks", "each line once", f"one {noun}"]
-            rows = [self.group_rows, widgets.Accordion(children=[self.every_rank], selected_index=None,
-                                                       titles=(f"every {noun} ({record.np})",),
-                                                       _dom_classes=["hvdmagic-every-rank"])]
+            rows = [self.group_rows, titled(widgets.Accordion(children=[self.every_rank], selected_index=None,
+                                                              _dom_classes=["hvdmagic-every-rank"]),
+                                            [f"every {noun} ({record.np})"])]
         else:
             self.panes = [widgets.HTML() for _ in range(record.np + 1)]  # "all ranks" first
             tabs = self.panes
             titles = ["all ranks"] + [progress_text.row_name(record, r) for r in range(record.np)]
             rows = [row.box for row in self.rows]
-        self.logs = widgets.Tab(children=tabs, titles=titles)
+        self.logs = titled(widgets.Tab(children=tabs), titles)
         self.box = widgets.VBox([
             self.header, self.hangs, self.overall, *rows, self.recent,
             self.where_button, self.where, self.controls, self.charts, self.notes,
-            widgets.Accordion(children=[self.logs], titles=("logs",), selected_index=None),
+            titled(widgets.Accordion(children=[self.logs], selected_index=None), ["logs"]),
         ], _dom_classes=["hvdmagic-dashboard"])
         self.text_carrier = widgets.Box(layout=widgets.Layout(display="none"))
 
@@ -388,8 +396,12 @@ class Dashboard:
         self._route = _ControlRoute([self.scale, self.smoothing, self.overlay, self.where_button,
                                      *([self.log_rank] if self.grouped else [])])
         self._controls_work = self._route.subshell is not None
+        global _controls_note_said
+        if not self._controls_work and not _controls_note_said:
+            _controls_note_said = True
+            self._own_notes.append(CONTROLS_NEED_SUBSHELLS)
         self._draw()
-        bundle = self.box._repr_mimebundle_()
+        bundle = view_bundle(self.box)
         bundle["text/plain"] = self.placeholder_text()
         self.handle = display(bundle, raw=True, display_id=True)
         self._text_shown = self.fallback_text()
@@ -495,7 +507,7 @@ class Dashboard:
         return lines
 
     def _text_bundle(self, text: str) -> dict:
-        bundle = self.text_carrier._repr_mimebundle_()
+        bundle = view_bundle(self.text_carrier)
         bundle["text/plain"] = text
         return bundle
 
@@ -718,7 +730,7 @@ class Dashboard:
 
     def _draw_notes(self) -> None:
         record = self.record
-        notes = [html.escape(note) for note in record.notes]
+        notes = [html.escape(note) for note in [*record.notes, *self._own_notes]]
         if shipped := record.shipping_note():
             notes.append(html.escape(shipped))
         if record.timeline and record.ended is not None:
