@@ -166,6 +166,33 @@ PATCHES = [
      "    endif()\n"
      "endforeach()\n",
      "the include path of TensorFlow's XLA headers"),
+    # A CPU build (--no-gpu, or no NCCL found) against a CUDA torch: horovod would still compile its torch
+    # extension with the CUDA toolkit, which a runtime's torch for CUDA 12 does not match (or which is not
+    # there), and its cmake step fails. HVDMAGIC_CPU_ONLY (build_flags) makes it a plain C++ extension.
+    ("cmake/Modules/FindPytorch.cmake",
+     'string(TOUPPER "${Pytorch_CUDA}" Pytorch_CUDA)\n',
+     'string(TOUPPER "${Pytorch_CUDA}" Pytorch_CUDA)\n'
+     'if ("$ENV{HVDMAGIC_CPU_ONLY}" STREQUAL "1")  # hvdmagic: a CPU build against a CUDA torch\n'
+     "    set(Pytorch_CUDA FALSE)\n"
+     "endif()\n",
+     "the CPU build of the torch extension against a CUDA torch"),
+    ("horovod/torch/CMakeLists.txt",
+     'execute_process(COMMAND ${PY_EXE} -c "from distutils.sysconfig import get_python_inc; print(get_python_inc())"',
+     'execute_process(COMMAND ${PY_EXE} -c "import sysconfig; print(sysconfig.get_paths()[\'include\'])"',
+     "distutils in the torch extension's build (Python >= 3.12)"),
+    # Python code the ranks import (horovod.runner, horovod.spark): the modules 0.28.1 used are gone.
+    ("horovod/runner/js_run.py",
+     "from distutils.spawn import find_executable\n",
+     "from shutil import which as find_executable  # hvdmagic: Python 3.12 removed distutils\n",
+     "distutils in horovod.runner (Python >= 3.12)"),
+    ("horovod/spark/common/util.py",
+     "    elif dtype == np.bool:\n",
+     "    elif dtype == bool:  # hvdmagic: numpy >= 1.24 removed np.bool\n",
+     "np.bool in horovod.spark (numpy >= 1.24)"),
+    ("horovod/spark/common/util.py",
+     "        return np.bool\n",
+     "        return bool  # hvdmagic: numpy >= 1.24 removed np.bool\n",
+     "np.bool in horovod.spark (numpy >= 1.24)"),
     ("horovod/tensorflow/keras/__init__.py", _KERAS_BACKEND_OLD, _KERAS_BACKEND_NEW + _KERAS3_GUARD,
      "the Keras backend of horovod.tensorflow.keras"),
     ("horovod/tensorflow/keras/callbacks.py", _KERAS_BACKEND_OLD, _KERAS_BACKEND_NEW,
@@ -259,20 +286,41 @@ def cpu_build(name: str) -> bool:
 
 
 def cuda_frameworks(frameworks: list[str]) -> list[str]:
-    """Those of ``frameworks`` that are CUDA builds. Only asked when nvcc is there; imports
-    those that the metadata does not tell (seconds each)."""
+    """Those of ``frameworks`` that are CUDA builds. Imports those that the metadata does not
+    tell (seconds each, once)."""
+    return [name for name in frameworks if not cpu_build(name) and cuda_build(name)]
+
+
+@functools.cache
+def cuda_build(name: str) -> bool:
     probes = {
         "pytorch": "import torch; print(bool(torch.version.cuda))",
         "tensorflow": "import tensorflow as tf; print(tf.test.is_built_with_cuda())",
     }
-    found = []
-    for name in frameworks:
-        if cpu_build(name):
-            continue
-        out = subprocess.run([sys.executable, "-c", probes[name]], capture_output=True, text=True)
-        if out.returncode == 0 and out.stdout.strip().endswith("True"):
-            found.append(name)
-    return found
+    out = subprocess.run([sys.executable, "-c", probes[name]], capture_output=True, text=True)
+    return out.returncode == 0 and out.stdout.strip().endswith("True")
+
+
+def usable_toolkit(nvcc: str) -> bool:
+    """Whether nvcc's toolkit can build for this torch: it has CUDA's runtime (headers and library),
+    and its CUDA is the major release torch was built for. A runtime's torch for CUDA 12 beside a CUDA 13 nvcc, or an
+    nvcc without its headers, gets a CPU build with a line saying so, unless ``--gpu`` insists."""
+    root = Path(os.path.realpath(nvcc)).parent.parent
+    runtime = [*root.glob("lib64/libcudart.so*"), *root.glob("lib/libcudart.so*"),
+               *root.glob("targets/*/lib/libcudart.so*")]
+    if not (root / "include" / "cuda_runtime.h").exists() or not runtime:
+        log(f"nvcc ({nvcc}) has no CUDA runtime (headers and libcudart) beside it in {root}: building without "
+            "NCCL (--gpu to insist, with HOROVOD_CUDA_HOME naming a whole toolkit)")
+        return False
+    torch_cuda = subprocess.run([sys.executable, "-c", "import torch; print(torch.version.cuda or '')"],
+                                capture_output=True, text=True).stdout.strip()
+    out = subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout
+    toolkit = next((part.split(",")[0] for part in out.split("release ")[1:2]), "")
+    if torch_cuda and toolkit and torch_cuda.split(".")[0] != toolkit.split(".")[0]:
+        log(f"nvcc is CUDA {toolkit} but torch was built for CUDA {torch_cuda}: building without NCCL "
+            "(--gpu to insist, with a matching HOROVOD_CUDA_HOME)")
+        return False
+    return True
 
 
 def build_flags(frameworks: list[str], gpu: bool | None) -> dict[str, str]:
@@ -289,7 +337,7 @@ def build_flags(frameworks: list[str], gpu: bool | None) -> dict[str, str]:
     nvcc = find_nvcc()
     if gpu is None and nvcc:
         cuda = cuda_frameworks(frameworks)
-        gpu = bool(cuda)
+        gpu = bool(cuda) and usable_toolkit(nvcc)
         if gpu:
             log(f"nvcc ({nvcc}) and a CUDA build of {', '.join(cuda)} found: building with NCCL")
     if gpu:
@@ -297,6 +345,10 @@ def build_flags(frameworks: list[str], gpu: bool | None) -> dict[str, str]:
             fail("--gpu needs the CUDA toolkit: nvcc was not found on PATH, in $HOROVOD_CUDA_HOME/bin, "
                  "$CUDA_HOME/bin or /usr/local/cuda/bin.")
         flags["HOROVOD_GPU_OPERATIONS"] = "NCCL"
+    elif cuda_frameworks([name for name in frameworks if name == "pytorch"]):
+        # A CUDA torch (the package index's default) on a CPU build: no CUDA in horovod's torch extension.
+        flags["HVDMAGIC_CPU_ONLY"] = "1"
+        log("a CUDA build of torch, built for CPU tensors only: CUDA tensors need a --gpu build")
     return flags
 
 
@@ -340,7 +392,7 @@ def build(version: str, flags: dict[str, str], dest: Path) -> Path:
         wrapper.write_text(WRAPPER.format(cxx=cxx))
         wrapper.chmod(0o755)
         env = {key: value for key, value in os.environ.items()
-               if not key.startswith(("HOROVOD_WITH_", "HOROVOD_WITHOUT_", "HOROVOD_GPU_"))}
+               if not key.startswith(("HOROVOD_WITH_", "HOROVOD_WITHOUT_", "HOROVOD_GPU_", "HVDMAGIC_CPU_ONLY"))}
         env.update(flags, CXX=str(wrapper))
         env.setdefault("MAKEFLAGS", f"-j{os.cpu_count() or 2}")
         out = Path(tmp) / "wheel"
@@ -351,7 +403,10 @@ def build(version: str, flags: dict[str, str], dest: Path) -> Path:
                "-w", str(out), str(source)]
         result = subprocess.run(cmd, env=env, stdout=sys.stderr, stderr=sys.stderr)
         if result.returncode != 0:
-            fail(f"the horovod build failed (exit {result.returncode}); see the compiler output above.")
+            fail(f"horovod {version} did not build for {combination(flags)} (exit {result.returncode}; "
+                 "the compiler's output is above). No horovod means no %%horovod and no HorovodRunner; "
+                 "%%torchrun and the TorchDistributor drop-in need none and still work. docs/frameworks.md "
+                 "lists the combinations that build.")
         (wheel,) = out.glob("horovod-*.whl")
         dest.mkdir(parents=True, exist_ok=True)
         # Copy then rename, so an interrupted build never leaves a half wheel in the cache.
@@ -360,6 +415,17 @@ def build(version: str, flags: dict[str, str], dest: Path) -> Path:
         final = dest / wheel.name
         partial.replace(final)
         return final
+
+
+def combination(flags: dict[str, str]) -> str:
+    """What a build was for, in words: "Python 3.12, torch 2.6.0, tensorflow 2.17.0, NCCL"."""
+    parts = [f"Python {sysconfig.get_python_version()}"]
+    for module, switch in FRAMEWORKS.values():
+        if flags.get(f"HOROVOD_WITH_{switch}"):
+            parts += [f"{dist} {version}" for dist, version in distributions(module).items()]
+    if "HOROVOD_GPU_OPERATIONS" in flags:
+        parts.append("NCCL")
+    return ", ".join(parts)
 
 
 def patched_source(version: str, tmp: Path) -> Path:
