@@ -193,6 +193,15 @@ PATCHES = [
      "        return np.bool\n",
      "        return bool  # hvdmagic: numpy >= 1.24 removed np.bool\n",
      "np.bool in horovod.spark (numpy >= 1.24)"),
+    # Some TensorFlow wheels' XLA headers include headers the wheel does not ship (TF 2.19's
+    # xla/stream_executor/gpu/tma_metadata.h includes llvm/ADT/ArrayRef.h): without_xla_ops() finds
+    # out, and HVDMAGIC_WITHOUT_XLA_OPS leaves out horovod's XLA ops (opt-in at run time anyway).
+    ("horovod/tensorflow/CMakeLists.txt",
+     'list(APPEND TF_SOURCES "${PROJECT_SOURCE_DIR}/horovod/tensorflow/xla_mpi_ops.cc")\n',
+     'if(NOT "$ENV{HVDMAGIC_WITHOUT_XLA_OPS}" STREQUAL "1")  # hvdmagic: headers that cannot compile them\n'
+     '    list(APPEND TF_SOURCES "${PROJECT_SOURCE_DIR}/horovod/tensorflow/xla_mpi_ops.cc")\n'
+     "endif()\n",
+     "XLA ops against TensorFlow headers that cannot compile them"),
     ("horovod/tensorflow/keras/__init__.py", _KERAS_BACKEND_OLD, _KERAS_BACKEND_NEW + _KERAS3_GUARD,
      "the Keras backend of horovod.tensorflow.keras"),
     ("horovod/tensorflow/keras/callbacks.py", _KERAS_BACKEND_OLD, _KERAS_BACKEND_NEW,
@@ -392,8 +401,14 @@ def build(version: str, flags: dict[str, str], dest: Path) -> Path:
         wrapper.write_text(WRAPPER.format(cxx=cxx))
         wrapper.chmod(0o755)
         env = {key: value for key, value in os.environ.items()
-               if not key.startswith(("HOROVOD_WITH_", "HOROVOD_WITHOUT_", "HOROVOD_GPU_", "HVDMAGIC_CPU_ONLY"))}
+               if not key.startswith(("HOROVOD_WITH_", "HOROVOD_WITHOUT_", "HOROVOD_GPU_", "HVDMAGIC_CPU_ONLY",
+                                      "HVDMAGIC_WITHOUT_XLA_OPS"))}
         env.update(flags, CXX=str(wrapper))
+        # Not a flag of the cache key: whether they compile follows from TensorFlow's version, which is.
+        if flags.get("HOROVOD_WITH_TENSORFLOW") and (reason := xla_ops_fail(cxx, Path(tmp))):
+            env["HVDMAGIC_WITHOUT_XLA_OPS"] = "1"
+            log(f"building without horovod's XLA ops (HOROVOD_ENABLE_XLA_OPS): this TensorFlow's headers cannot "
+                f"compile them ({reason})")
         env.setdefault("MAKEFLAGS", f"-j{os.cpu_count() or 2}")
         out = Path(tmp) / "wheel"
         source = patched_source(version, Path(tmp))
@@ -415,6 +430,26 @@ def build(version: str, flags: dict[str, str], dest: Path) -> Path:
         final = dest / wheel.name
         partial.replace(final)
         return final
+
+
+def xla_ops_fail(cxx: str, tmp: Path) -> str | None:
+    """Why horovod's XLA ops cannot compile against this TensorFlow's headers, or None: the first
+    error of a syntax-only compile of the header they build on (10 to 30 seconds)."""
+    ask = "import tensorflow as tf; print('\\n'.join(tf.sysconfig.get_compile_flags()))"
+    flags = subprocess.run([sys.executable, "-c", ask], capture_output=True, text=True)
+    includes = [flag[2:] for flag in flags.stdout.splitlines() if flag.startswith("-I")]
+    if flags.returncode != 0 or not includes:
+        return None  # the build itself will say what is wrong with TensorFlow
+    probe = tmp / "xla_probe.cc"
+    probe.write_text('#include "tensorflow/compiler/tf2xla/xla_op_kernel.h"\n')
+    extra = [f"-I{include}/external/{sub}" for include in includes
+             for sub in ("highwayhash", "farmhash_archive/src")]  # as PATCHES adds them to the build
+    result = subprocess.run([cxx, "-fsyntax-only", *flags.stdout.split(), *extra, "-std=c++17", str(probe)],
+                            capture_output=True, text=True)
+    if result.returncode == 0:
+        return None
+    errors = [line for line in result.stderr.splitlines() if "error" in line]
+    return (errors or ["the compile failed"])[0].strip()
 
 
 def combination(flags: dict[str, str]) -> str:
