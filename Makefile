@@ -35,7 +35,7 @@ clean:
 # that pyproject.toml (core and dev) and requirements/lock.in allow, for x86_64 Linux and CPython
 # LOCK_PYTHON (the project machines'; some pins need that 3.11 or a later one).
 # LOCK_UPGRADE= keeps the current pins where they still fit; LOCK_UPGRADE="-P cloudpickle" moves one.
-.PHONY: lock test-latest
+.PHONY: lock test-latest test-profile test-profiles
 LOCK_PYTHON ?= 3.11.7
 LOCK_UPGRADE ?= --upgrade
 # uv does not read pip's configuration: it is told where pip finds torch's CPU wheel.
@@ -53,3 +53,15 @@ lock:
 LATEST_VENV ?= .venv-latest
 test-latest:
 	@HVDMAGIC_LOCK=latest $(MAKE) --no-print-directory $(if $(SETUP_ONLY),setup,test) VENV="$(LATEST_VENV)"
+
+# The runtime profiles (requirements/profiles/, docs/dependencies.md): hvdmagic installed into the
+# package sets of Databricks' ML runtimes, Colab and a new virtualenv, each in .venv-<profile>, then
+# the tests marked `profile` and two notebooks. On demand and before a release, not in CI.
+# `make test-profile PROFILE=dbr-16.4` runs one; `make test-profiles` runs them all, prints the
+# table and writes it into the README's support table.
+test-profile:
+	@test -n "$(PROFILE)" || { echo "PROFILE= one of: $(basename $(notdir $(wildcard requirements/profiles/*.txt)))"; exit 2; }
+	python3 scripts/profiles.py run $(PROFILE)
+
+test-profiles:
+	python3 scripts/profiles.py run; status=$$?; python3 scripts/profiles.py table --readme >/dev/null; exit $$status

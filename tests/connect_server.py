@@ -26,6 +26,19 @@ def listening(port: int) -> bool:
         return sock.connect_ex(("127.0.0.1", port)) == 0
 
 
+def missing_server() -> str | None:
+    """Why this pyspark cannot start a Connect server, or None. pyspark 3.5's pip package has the
+    Connect client only: Spark 3.5 publishes the server on Maven (``--packages``), which these
+    machines cannot reach; pyspark 4 ships its jar and start script."""
+    import pyspark
+
+    home = Path(pyspark.__file__).parent
+    if (home / "sbin" / "start-connect-server.sh").exists() and any((home / "jars").glob("spark-connect_*.jar")):
+        return None
+    return (f"pyspark {pyspark.__version__}'s pip package ships no Spark Connect server (Spark 3.5 publishes it on "
+            "Maven only); a Connect session needs a server from a Spark distribution or a cluster")
+
+
 class ConnectServer:
     """``master``: the server's Spark master; ``conf``: more ``--conf`` settings."""
 

@@ -19,6 +19,7 @@ def train(learning_rate, scale=1.0):
     return {"rank": hvd.rank(), "lr": learning_rate * scale, "sum": total}
 
 
+@pytest.mark.profile
 def test_horovodrunner_is_a_drop_in_returning_rank0_value(spark_kind):
     hr = HorovodRunner(np=2, driver_log_verbosity="log_callback_only")
     assert hr.run(train, learning_rate=0.1, scale=2.0) == {"rank": 0, "lr": 0.2, "sum": 1.0}
@@ -28,6 +29,7 @@ def test_horovodrunner_local_mode_with_negative_np():
     assert HorovodRunner(np=-2).run(train, learning_rate=1.0)["sum"] == 1.0
 
 
+@pytest.mark.profile
 def test_run_returns_every_rank_in_rank_order(spark_kind):
     results = hvdmagic.run(train, 2, 0.5)
     assert [r["rank"] for r in results] == [0, 1]

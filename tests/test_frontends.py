@@ -12,6 +12,7 @@ from __future__ import annotations
 import queue
 import time
 
+import pytest
 from helpers import execute, iopub_messages, shell_reply
 
 WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
@@ -51,6 +52,7 @@ def _run(client, code: str, timeout: float, on_message=None) -> tuple[dict, list
     return shell_reply(client, msg_id), messages
 
 
+@pytest.mark.profile
 def test_a_kernel_without_a_jupyter_server_shows_widgets_then_the_snapshot(kernel_factory):
     # Started through jupyter_client with neither JPY_SESSION_NAME nor HVDMAGIC_NONINTERACTIVE.
     _, client = kernel_factory(interactive=True)
@@ -165,6 +167,7 @@ def _subshells(client) -> bool:
     return "kernel subshells" in shell_reply(client, client.kernel_info()).get("supported_features", [])
 
 
+@pytest.mark.profile
 def test_nbclient_stores_the_snapshot_not_the_widgets(tmp_path, monkeypatch):
     import nbformat
     from nbclient import NotebookClient

@@ -13,6 +13,7 @@ from IPython.core.error import UsageError
 from hvdmagic.errors import CaptureError, CellSyntaxError, JobFailed, LaunchError
 
 
+@pytest.mark.profile
 def test_local_mode_runs_ranks_on_the_driver(ip, capfd):
     result, error = run(ip, """%%horovod --np -2 --out sizes
 import os, torch, horovod.torch as hvd
@@ -28,6 +29,7 @@ print("pid", os.getpid())
     assert len(pids) == 2, out  # two separate processes
 
 
+@pytest.mark.profile
 @pytest.mark.parametrize("np, spark_kind", [(-2, "classic"), (2, "classic"), (2, "connect")],
                          ids=["local", "spark", "spark-connect"], indirect=["spark_kind"])
 def test_unpicklable_global_fails_before_launch_naming_it(np, spark_kind, ip, tmp_path):
@@ -126,6 +128,7 @@ def test_a_rank_failing_in_its_first_line_keeps_its_own_exit_code_and_failed_in_
     assert "rank 1: [failed in the cell]" in out and "at importing" not in out, out
 
 
+@pytest.mark.profile
 def test_failed_rank_in_local_mode_reports_the_cell_line(ip):
     _, error = run(ip, "%%horovod --np -2\n\nimport horovod.torch as hvd\nhvd.init()\n1 / (hvd.rank() - hvd.rank())")
     rendered = "\n".join(error._render_traceback_())
@@ -219,6 +222,7 @@ def test_without_horovod_load_ext_works_and_a_cell_says_how_to_install_it(kernel
     assert len(message.strip().splitlines()) == 1, f"not one paragraph:\n{message}"
 
 
+@pytest.mark.profile
 @pytest.mark.unit
 @pytest.mark.parametrize("name", ["horovod", "torchrun"])
 def test_help_is_short_plain_and_names_the_session_commands(ip, capsys, name):

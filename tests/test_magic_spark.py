@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 
+import pytest
 from conftest import run
 from helpers import stop_active_session
 from procs import rank_processes
@@ -11,6 +12,7 @@ from procs import rank_processes
 from hvdmagic.errors import JobFailed, JobTimeout
 
 
+@pytest.mark.profile
 def test_two_rank_allreduce_and_streamed_output(ip, capfd, spark_kind):
     result, error = run(ip, """%%horovod --np 2
 import torch, horovod.torch as hvd
@@ -49,6 +51,7 @@ def test_the_embedded_session_becomes_the_notebooks_active_session(ip, capfd):
     assert error is None and not any("getOrCreate" in note for note in hvdmagic.last_run().notes), "said twice"
 
 
+@pytest.mark.profile
 def test_rank0_result_is_returned_and_stored_with_out(ip, spark_kind):
     result, error = run(ip, """%%horovod --np 2 --out answer
 import horovod.torch as hvd
@@ -60,6 +63,7 @@ hvd.init()
     assert ip.user_ns["answer"] == {"rank": 0, "size": 2}
 
 
+@pytest.mark.profile
 def test_notebook_function_class_and_array_are_captured(ip, capfd):
     ip.run_cell("""
 import numpy as np
@@ -95,6 +99,7 @@ def test_var_expansion_on_magic_line(ip):
     assert error is None and result == 2
 
 
+@pytest.mark.profile
 def test_rank_raising_while_other_waits_in_allreduce(ip, spark_kind):
     ip.user_ns["answer"] = "untouched"
     _, error = run(ip, """%%horovod --np 2 --out answer

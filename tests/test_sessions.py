@@ -50,6 +50,7 @@ def _line(ip, line: str):
     return outcome.result, outcome.error_in_exec
 
 
+@pytest.mark.profile
 @pytest.mark.parametrize("np, spark_kind", [(-2, "classic"), (2, "classic"), (2, "connect")],
                          ids=["local", "spark", "spark-connect"], indirect=["spark_kind"])
 def test_state_carries_over_cells_and_the_step_count_continues(ip, np, spark_kind, capfd):
@@ -271,6 +272,7 @@ def test_a_cell_from_outside_the_kernel_is_refused(session, tmp_path):
     assert error is None and result == 2 and not marker.exists()
 
 
+@pytest.mark.profile
 def test_torchrun_sessions_keep_the_process_group(ip):
     ip.run_line_magic("torchrun", "start --np -2")
     try:

@@ -19,7 +19,7 @@ from hvdmagic.kernel.ui.charts import CHART_POINTS, chart_html, debiased_ema, is
 from hvdmagic.kernel.ui.snapshot import Snapshot
 from hvdmagic.launch.placement import Placement
 
-pytestmark = pytest.mark.unit
+pytestmark = [pytest.mark.unit, pytest.mark.profile]
 
 # -- helpers -----------------------------------------------------------------
 

@@ -58,6 +58,7 @@ def clean_rank_state(monkeypatch):
     monkeypatch.setattr(linecache, "cache", dict(linecache.cache))
 
 
+@pytest.mark.profile
 def test_frame_in_another_cell_is_shown_as_that_cell(ip):
     defined = cell(ip, BOOM_CELL)
     run = ip.run_cell("%%horovod --np -2\nimport os\nboom(3)\n", store_history=True)
@@ -113,6 +114,7 @@ def test_the_cell_keeps_its_file_name_without_a_shell():
     assert capture.function.sources == {}
 
 
+@pytest.mark.profile
 @pytest.mark.unit
 def test_a_frame_in_a_shipped_cell_is_named_and_shows_its_source(clean_rank_state):
     filename = "/tmp/ipykernel_1234/567.py"  # exists only in "the kernel": nowhere on this machine
@@ -223,6 +225,7 @@ def test_with_notebook_sources_wraps_notebook_functions_for_run(ip, clean_rank_s
     assert next_line(text.splitlines(), header) == 'raise ValueError(f"boom {y}")', text
 
 
+@pytest.mark.profile
 @pytest.mark.unit
 def test_shipped_code_keeps_its_file_name_whatever_cloudpickle_writes(ip):
     """cloudpickle >= 3.1.3 writes ``<dynamic-code>`` for the file of every code object it ships by value."""

@@ -21,6 +21,10 @@ import psutil
 from helpers import wait_until
 
 CHROMIUM = os.environ.get("HVDMAGIC_CHROMIUM", "/usr/bin/chromium")
+# The Python that serves JupyterLab; the kernel is always this one (sys.executable). A runtime profile
+# with ipywidgets 7 names a JupyterLab 3.6 of its own here (scripts/profiles.py): ipywidgets 7's front
+# end, jupyterlab_widgets 1, is a JupyterLab 3 extension.
+LAB_PYTHON = os.environ.get("HVDMAGIC_LAB_PYTHON") or sys.executable
 # Background traffic must stay off: the test machines have no internet.
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking",
                  "--disable-component-update", "--disable-sync", "--no-first-run", "--disable-quic"]
@@ -81,7 +85,7 @@ class JupyterLab:
         with open(self.log, "wb") as log:
             # Own process group, so teardown can stop the server and anything it forked.
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "jupyterlab", "--no-browser", "--ip=127.0.0.1",
+                [LAB_PYTHON, "-m", "jupyterlab", "--no-browser", "--ip=127.0.0.1",
                  f"--port={self.port}", "--ServerApp.port_retries=0",
                  "--ServerApp.token=", "--ServerApp.password=", "--allow-root",
                  f"--ServerApp.root_dir={self.root}"],
