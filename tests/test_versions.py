@@ -19,9 +19,12 @@ from hvdmagic.task.versions import versions as here
 
 KERNEL = {"python": "3.11.7", "cloudpickle": "3.1.3", "torch": "2.13.0+cpu", "tensorflow": None,
           "horovod": "0.28.1", "pyarrow": "26.0.1", "hvdmagic": "0.1.0"}
-OLDEST_CLOUDPICKLE = Path(sys.prefix) / "oldest-cloudpickle"  # cloudpickle 3.0.0, installed by the set-up
-# A second virtualenv: the lock's pyspark, py4j and psutil, cloudpickle 3.0.0, this hvdmagic (scripts/setup.sh).
+# pyproject.toml's cloudpickle floor, which the set-up installs here (2.2.0 for ">=2.2").
+OLDEST_CLOUDPICKLE = Path(sys.prefix) / "oldest-cloudpickle"
+# A second virtualenv: the lock's pyspark, py4j and psutil, that oldest cloudpickle, this hvdmagic (scripts/setup.sh).
 OLDEST_CLOUDPICKLE_VENV = Path(sys.prefix) / "oldest-cloudpickle-venv"
+OLDEST = next((re.sub(r"^cloudpickle-(.+)\.dist-info$", r"\1", info.name)
+               for info in OLDEST_CLOUDPICKLE.glob("cloudpickle-*.dist-info")), "not installed")
 _NO_HOSTS = netns.available()  # why two simulated hosts cannot be made here, or None
 
 
@@ -77,10 +80,10 @@ def test_the_kernel_reports_its_own():
 
 
 def test_an_executor_with_another_cloudpickle_fails_before_any_rank_starts(tmp_path, monkeypatch):
-    """A real mismatch: Spark's Python workers run with cloudpickle 3.0.0 first on their path."""
+    """A real mismatch: Spark's Python workers run with the oldest cloudpickle allowed first on their path."""
     from pyspark.sql import SparkSession
 
-    assert (OLDEST_CLOUDPICKLE / "cloudpickle").is_dir(), "the set-up installs cloudpickle 3.0.0 there"
+    assert (OLDEST_CLOUDPICKLE / "cloudpickle").is_dir(), f"the set-up installs cloudpickle {OLDEST} there"
     python = tmp_path / "python-with-old-cloudpickle"
     python.write_text(f'#!/bin/sh\nPYTHONPATH="{OLDEST_CLOUDPICKLE}${{PYTHONPATH:+:$PYTHONPATH}}" '
                       f'exec "{sys.executable}" "$@"\n')
@@ -93,20 +96,20 @@ def test_an_executor_with_another_cloudpickle_fails_before_any_rank_starts(tmp_p
         with pytest.raises(LaunchError) as caught:
             hvdmagic.run(lambda: 1, 2)
         message = str(caught.value)
-        assert message.startswith("the executors cannot unpickle what this kernel sends: cloudpickle 3.0.0 on "), \
+        assert message.startswith(f"the executors cannot unpickle what this kernel sends: cloudpickle {OLDEST} on "), \
             message
         assert f"(tasks 0, 1), {here()['cloudpickle']} in this kernel" in message, message
         assert hvdmagic.last_run().ranks[0].stage is None, "a rank started"
         table = environment_table("%horovod").splitlines()
         row = next(line.split() for line in table if line.startswith("cloudpickle "))
-        assert row == ["cloudpickle", here()["cloudpickle"], "3.0.0", "*"], table
+        assert row == ["cloudpickle", here()["cloudpickle"], OLDEST, "*"], table
         assert next(line.split() for line in table if line.startswith("python ")) == ["python", here()["python"],
                                                                                        here()["python"]], table
         # An elastic run compares each task as it joins (launch.elastic): the first one fails it alike.
         with pytest.raises(LaunchError) as caught:
             hvdmagic.run(lambda: 1, 2, min_np=1)
         message = str(caught.value)
-        assert message.startswith("the executors cannot unpickle what this kernel sends: cloudpickle 3.0.0 on "), \
+        assert message.startswith(f"the executors cannot unpickle what this kernel sends: cloudpickle {OLDEST} on "), \
             message
         assert hvdmagic.last_run().ranks[0].stage is None, "a rank started"
     finally:
@@ -142,18 +145,18 @@ def test_one_worker_with_another_virtualenv_fails_the_run_naming_only_its_host(t
             hvdmagic.run(lambda: 1, 4)
         message = str(caught.value)
         assert hvdmagic.last_run().ranks[0].stage is None, "a rank started"
-    named = re.match(r"the executors cannot unpickle what this kernel sends: cloudpickle 3\.0\.0 on (\S+) "
+    named = re.match(rf"the executors cannot unpickle what this kernel sends: cloudpickle {re.escape(OLDEST)} on (\S+) "
                      r"\(tasks (\d+), (\d+)\), (\S+) in this kernel\. ", message)
     assert named, message
     assert (named[1], named[4]) == (old_host, here()["cloudpickle"]), message
     assert kernel_host not in message, f"the worker with the kernel's virtualenv is named: {message}"
-    # One row per package; cells are at least two spaces apart ("3.0.0 *" holds one).
+    # One row per package; cells are at least two spaces apart ("2.2.0 *" holds one).
     rows = {cells[0]: cells[1:] for cells in (re.split(r" {2,}", line) for line in
                                               environment_table("%horovod").splitlines()[:-1])}
     hosts = rows[""][1:]
     assert sorted(hosts) == sorted([kernel_host, old_host]), rows
     assert rows["cloudpickle"][0] == here()["cloudpickle"], rows
-    assert dict(zip(hosts, rows["cloudpickle"][1:])) == {kernel_host: here()["cloudpickle"], old_host: "3.0.0 *"}, \
+    assert dict(zip(hosts, rows["cloudpickle"][1:])) == {kernel_host: here()["cloudpickle"], old_host: f"{OLDEST} *"}, \
         rows
     column = hosts.index(kernel_host) + 1
     assert not [name for name, cells in rows.items() if cells[column].endswith("*")], \
