@@ -274,6 +274,8 @@ def test_tensorflow_start_up_chatter_is_kept_out_of_the_views_and_shown_when_the
         "WARNING: All log messages before absl::InitializeLog() is called are written to STDERR",
         "To enable the following instructions: AVX2 AVX512F FMA, in other operations, rebuild TensorFlow with the "
         "appropriate compiler flags.",
+        "[W1127 13:24:24.664448635 Utils.hpp:137] Warning: Environment variable TORCH_NCCL_TRACE_BUFFER_SIZE is "
+        "deprecated; use TORCH_FR_BUFFER_SIZE instead (function operator())",  # torch 2.11 (Colab)
     ]
     mine = ["Epoch 1/2", "loss: 0.5 - error: the data is bad", "E: my own message"]
     assert all(is_startup_noise(line) for line in chatter)

@@ -22,6 +22,9 @@ _NOISE = re.compile("|".join([
     r"failed call to cuInit",
     # Keras, when a callback (hvdmagic's dashboard one included) takes longer than a tiny batch.
     r"Callback method `on_\w+` is slow compared to the batch time",
+    # torch (2.11, Colab's, here) on the flight recorder's old variable names, which hvdmagic sets beside
+    # the new ones for older torch (task/flight_recorder.py): the user set neither.
+    r"Warning: Environment variable TORCH_NCCL_\w+ is deprecated; use TORCH_FR_\w+ instead",
     # Horovod's echo, in every other rank, of a rank that died: the run names the lost rank itself.
     r"Horovod background loop uncaught exception: .*(Connection reset by peer|Connection closed by peer)",
 ]))
