@@ -8,7 +8,7 @@ One command, from the repository root:
 
 In one run it starts:
 
-- a Spark Connect server, pyspark's own ``sbin/start-connect-server.sh --master local[4]``,
+- a Spark Connect server, pyspark's own (``tests/connect_server.py``, ``--master local[4]``),
   in its own process on 127.0.0.1 (``PYSPARK_PYTHON`` is this interpreter, so its executors
   run hvdmagic's tasks), and a real Jupyter kernel (jupyter_client) whose session is
   ``SparkSession.builder.remote("sc://127.0.0.1:PORT")``: no JVM in that kernel;

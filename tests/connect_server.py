@@ -1,5 +1,6 @@
-"""A real Spark Connect server for the tests and benchmarks/bench_connect.py: pyspark's own
-``sbin/start-connect-server.sh``, in the foreground of a process group of its own, on 127.0.0.1.
+"""A real Spark Connect server for the tests and benchmarks/bench_connect.py: pyspark's own server
+class through its ``bin/spark-submit``, as ``sbin/start-connect-server.sh`` runs it (pyspark 4.0's
+pip package has the server's jar but not that script), in a process group of its own, on 127.0.0.1.
 
 Standard library only (and pyspark), so that the benchmark can import it without pytest.
 """
@@ -26,14 +27,16 @@ def listening(port: int) -> bool:
         return sock.connect_ex(("127.0.0.1", port)) == 0
 
 
+SERVER_CLASS = "org.apache.spark.sql.connect.service.SparkConnectServer"
+
+
 def missing_server() -> str | None:
     """Why this pyspark cannot start a Connect server, or None. pyspark 3.5's pip package has the
     Connect client only: Spark 3.5 publishes the server on Maven (``--packages``), which these
-    machines cannot reach; pyspark 4 ships its jar and start script."""
+    machines cannot reach; pyspark 4 ships its jar."""
     import pyspark
 
-    home = Path(pyspark.__file__).parent
-    if (home / "sbin" / "start-connect-server.sh").exists() and any((home / "jars").glob("spark-connect_*.jar")):
+    if any((Path(pyspark.__file__).parent / "jars").glob("spark-connect_*.jar")):
         return None
     return (f"pyspark {pyspark.__version__}'s pip package ships no Spark Connect server (Spark 3.5 publishes it on "
             "Maven only); a Connect session needs a server from a Spark distribution or a cluster")
@@ -50,12 +53,13 @@ class ConnectServer:
         self.url = f"sc://127.0.0.1:{self.port}"
         self.log = workdir / "connect-server.log"
         self.started = time.monotonic()
-        env = dict(os.environ, SPARK_HOME=str(self.spark_home), SPARK_LOCAL_IP="127.0.0.1",
-                   SPARK_LOG_DIR=str(workdir), SPARK_PID_DIR=str(workdir), SPARK_NO_DAEMONIZE="1",
+        # SPARK_CONNECT_MODE=0: the server itself is a classic Spark application (as the start script says).
+        env = dict(os.environ, SPARK_HOME=str(self.spark_home), SPARK_LOCAL_IP="127.0.0.1", SPARK_CONNECT_MODE="0",
                    PYSPARK_PYTHON=sys.executable)  # the executors' Python: this venv, with hvdmagic
         with open(self.log, "wb") as log:
             self.proc = subprocess.Popen(
-                [str(self.spark_home / "sbin" / "start-connect-server.sh"), "--master", master,
+                [str(self.spark_home / "bin" / "spark-submit"), "--class", SERVER_CLASS,
+                 "--name", "Spark Connect server", "--master", master,
                  "--conf", f"spark.connect.grpc.binding.port={self.port}",
                  "--conf", "spark.connect.grpc.binding.address=127.0.0.1",
                  "--conf", "spark.driver.host=127.0.0.1", "--conf", "spark.ui.enabled=false",
@@ -74,7 +78,7 @@ class ConnectServer:
         return time.monotonic() - self.started
 
     def stop(self) -> None:
-        """Until the whole process group is gone: the start script exits before its JVM does."""
+        """Until the whole process group is gone: spark-submit's shell may exit before its JVM does."""
         for sig, wait in ((signal.SIGTERM, 20), (signal.SIGKILL, 10)):
             try:
                 os.killpg(self.proc.pid, sig)

@@ -1,6 +1,7 @@
 """Every magic on a Spark Connect session: a real Connect server in its own process, a real kernel.
 
-The server is pyspark's own (``sbin/start-connect-server.sh``, the jar the venv's pyspark ships)
+The server is pyspark's own (its SparkConnectServer through ``bin/spark-submit``, as
+``sbin/start-connect-server.sh`` runs it: the jar the venv's pyspark ships)
 with a ``local[4]`` master, bound to 127.0.0.1; the kernel is a real Jupyter kernel that
 connects with ``SparkSession.builder.remote("sc://127.0.0.1:P")``, so no JVM runs in it. The
 ranks are real Horovod (or torch.distributed) processes over Gloo (or MPI), descendants of the
@@ -605,7 +606,7 @@ def test_a_connect_server_inside_the_kernel_is_used_as_it_is(kernel_factory):
 
 @contextlib.contextmanager
 def _connect_cluster(tmp_path, workers: int, cores: int, conf: dict[str, str]):
-    """A standalone cluster, a Connect server started on it (``start-connect-server.sh --master
+    """A standalone cluster, a Connect server started on it (``tests/connect_server.py`` with ``--master
     spark://...``) and a kernel connected to that server: (cluster, kernel); all three stopped after."""
     cluster = StandaloneCluster(tmp_path, workers=workers, cores=cores, gpus=0).start()
     server = kernel = None
@@ -624,7 +625,7 @@ def _connect_cluster(tmp_path, workers: int, cores: int, conf: dict[str, str]):
 
 @pytest.mark.cluster
 def test_a_connect_server_on_a_standalone_cluster_counts_its_slots_and_runs_across_workers(tmp_path):
-    """``start-connect-server.sh --master spark://...``: the slot count comes from the server's
+    """A Connect server with ``--master spark://...``: the slot count comes from the server's
     defaultParallelism (the executors' cores), read from a plan, since the master string says nothing."""
     with _connect_cluster(tmp_path, workers=2, cores=2, conf={"spark.executor.cores": "2"}) as (cluster, kernel):
         kernel.ok("from hvdmagic.launch import spark_connect")

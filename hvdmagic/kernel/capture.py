@@ -531,6 +531,10 @@ def _shell():
     return get_ipython()
 
 
+# IPython 7 (Colab's) names a cell's file by its execution count, where it compiles it itself.
+_IPYTHON7_INPUT = re.compile(r"^<ipython-input-(\d+)-[0-9a-f]+>$")
+
+
 def _cell_name(shell, filename: str) -> str | None:
     """"Cell In[3]" for a file IPython compiled a cell into, as IPython's tracebacks name it; else None."""
     compiler = getattr(shell, "compile", None)
@@ -542,6 +546,8 @@ def _cell_name(shell, filename: str) -> str | None:
             return None
         return f"{label[0]} {label[1]}" if label else None
     count = getattr(compiler, "_filename_map", {}).get(filename)
+    if count is None and (ipython7 := _IPYTHON7_INPUT.match(filename)):  # IPython 7 keeps no map
+        count = int(ipython7.group(1))
     return None if count is None else f"Cell In[{count}]"
 
 
@@ -558,6 +564,11 @@ def _current_cell_name(shell) -> str | None:
         if frame.f_code.co_name == "<module>" and (name := _cell_name(shell, frame.f_code.co_filename)):
             return name
         frame = frame.f_back
+    if getattr(getattr(shell, "compile", None), "format_code_name", None) is None:
+        # IPython 7 in ipykernel >= 6, whose compiler names a cell's file by a hash of its code alone: the
+        # running cell is the execution count, which IPython 7 increments once the cell has run.
+        count = getattr(shell, "execution_count", None)
+        return f"Cell In[{count}]" if isinstance(count, int) else None
     return None
 
 
