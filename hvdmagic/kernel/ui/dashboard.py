@@ -61,9 +61,8 @@ GROUPED_TAIL = 20  # per rank, grouped in a many-rank run's "each line once" pan
 _STATE_COLOURS = progress_text.STATE_COLOURS
 # Said in the first dashboard of a kernel without subshells (ipykernel 6: Databricks, Colab), which has
 # neither the chart controls nor the where button: why they are missing.
-CONTROLS_NEED_SUBSHELLS = ("the chart controls and the where button need ipykernel >= 7, whose subshells "
-                           "answer a click while the cell runs; this kernel's ipykernel would hold the click "
-                           "until the cell ends, so they are left out")
+CONTROLS_NEED_SUBSHELLS = ("chart controls and the where button need ipykernel >= 7 (subshells): here a click "
+                           "would wait for the cell, so they are left out")
 _controls_note_said = False
 _MONO = "SFMono-Regular,Menlo,Consolas,'DejaVu Sans Mono',monospace"
 _ONE_LINE = "white-space:pre;overflow:hidden;text-overflow:ellipsis;line-height:20px"
