@@ -257,7 +257,8 @@ def run_profile(name: str, setup_only: bool = False) -> dict:
     pins = profile_file(name)
     venv = Venv(name)
     started = time.monotonic()
-    result: dict = {"profile": name, "date": datetime.date.today().isoformat(),
+    commit = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=HERE, capture_output=True, text=True)
+    result: dict = {"profile": name, "date": datetime.date.today().isoformat(), "commit": commit.stdout.strip(),
                     "python_wanted": header(pins, "python"), "spark": header(pins, "spark")}
     try:
         fresh = set_up_runtime(name, venv, pins)
@@ -297,7 +298,7 @@ def run_profile(name: str, setup_only: bool = False) -> dict:
 
 def table() -> str:
     header = ["profile", "Python", *SHOWN, "browser front end", "what the install line replaced (or left unmet)",
-              "tests passed / failed / skipped", "set-up", "tests", "run on"]
+              "tests passed / failed / skipped", "set-up", "tests", "run on", "commit"]
     rows = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
     for path in sorted(RESULTS.glob("*.json")):
         r = json.loads(path.read_text())
@@ -309,7 +310,7 @@ def table() -> str:
         counts = f"{t.get('passed', 0)} / {t.get('failed', 0)} / {t.get('skipped', 0)}" if t else r.get("error", "–")
         changed = "; ".join(r.get("replaced", []) + r.get("unmet", [])) or "none"
         cells = [r["profile"], r.get("python", r["python_wanted"]), *shown, r.get("front_end", "–"), changed, counts,
-                 f"{r.get('setup_s', '–')} s", f"{r.get('tests_s', '–')} s", r["date"]]
+                 f"{r.get('setup_s', '–')} s", f"{r.get('tests_s', '–')} s", r["date"], r.get("commit", "–")]
         rows.append("| " + " | ".join(str(cell) for cell in cells) + " |")
     return "\n".join(rows)
 
