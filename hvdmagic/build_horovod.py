@@ -94,10 +94,13 @@ BUILD_PREREQUISITES = ("setuptools", "wheel", "cloudpickle", "psutil", "yaml", "
 BUILD_TOOLS = ("setuptools", "wheel", "cmake")
 
 WRAPPER = """#!/bin/sh
-# horovod 0.28.1 asks for C++14; torch's and TensorFlow's headers need C++17.
+# horovod 0.28.1 asks for C++14; torch's and TensorFlow's headers need C++17, and torch >= 2.15's
+# C++20: a compile that includes torch's headers gets the standard they ask for ({torch_std}).
+std=c++17
+case " $* " in *"/torch/include"*) std={torch_std} ;; esac
 for a in "$@"; do
   shift
-  case "$a" in -std=c++14|-std=gnu++14) a=-std=c++17 ;; esac
+  case "$a" in -std=c++14|-std=gnu++14|-std=c++17|--std=c++17) a=-std=$std ;; esac
   set -- "$@" "$a"
 done
 exec {cxx} "$@"
@@ -398,7 +401,7 @@ def build(version: str, flags: dict[str, str], dest: Path) -> Path:
     cxx = check_tools()
     with tempfile.TemporaryDirectory(prefix="hvd-build-") as tmp:
         wrapper = Path(tmp) / "cxx17"
-        wrapper.write_text(WRAPPER.format(cxx=cxx))
+        wrapper.write_text(WRAPPER.format(cxx=cxx, torch_std=torch_standard()))
         wrapper.chmod(0o755)
         env = {key: value for key, value in os.environ.items()
                if not key.startswith(("HOROVOD_WITH_", "HOROVOD_WITHOUT_", "HOROVOD_GPU_", "HVDMAGIC_CPU_ONLY",
@@ -430,6 +433,17 @@ def build(version: str, flags: dict[str, str], dest: Path) -> Path:
         final = dest / wheel.name
         partial.replace(final)
         return final
+
+
+def torch_standard() -> str:
+    """The C++ standard torch's headers ask for: C++20 from torch 2.15 (its headers stop with an
+    #error below it), C++17 before. Read from the headers, without importing torch."""
+    spec = importlib.util.find_spec("torch")
+    for location in (spec.submodule_search_locations or []) if spec else []:
+        header = Path(location) / "include" / "torch" / "csrc" / "api" / "include" / "torch" / "all.h"
+        if header.exists() and "C++20 or later" in header.read_text(errors="replace"):
+            return "c++20"
+    return "c++17"
 
 
 def xla_ops_fail(cxx: str, tmp: Path) -> str | None:
