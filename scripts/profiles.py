@@ -223,10 +223,12 @@ def install_test_tools(venv: Venv, ipywidgets: str) -> str | None:
     return lab.python
 
 
-def write_constraints(venv: Venv) -> None:
-    """Everything installed, as pins: later installs may add packages, never move one."""
-    pins = [f"{pkg}=={version}" for pkg, version in sorted(venv.freeze().items()) if pkg not in ("pip", "hvdmagic")]
+def write_constraints(venv: Venv) -> dict[str, str]:
+    """Everything installed, as pins: later installs may add packages, never move one. Returns them."""
+    installed = venv.freeze()
+    pins = [f"{pkg}=={version}" for pkg, version in sorted(installed.items()) if pkg not in ("pip", "hvdmagic")]
     (venv.path / "constraints.txt").write_text("\n".join(pins) + "\n")
+    return installed
 
 
 def run_tests(venv: Venv, report: Path, lab_python: str | None) -> dict[str, int]:
@@ -269,8 +271,7 @@ def run_profile(name: str, setup_only: bool = False) -> dict:
             say(f"{name}: the install REPLACED runtime packages: {'; '.join(result['replaced'])}")
         if result["unmet"]:
             say(f"{name}: hvdmagic's requirements are not met: {'; '.join(result['unmet'])}")
-        write_constraints(venv)
-        have = venv.freeze()
+        have = write_constraints(venv)
         frameworks = ["pytorch"] + (["tensorflow"] if "tensorflow" in have or "tensorflow-cpu" in have else [])
         result["horovod_source"] = bring_horovod(name, venv, frameworks)
         write_constraints(venv)
