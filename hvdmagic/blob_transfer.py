@@ -1,18 +1,33 @@
-"""Large buffers from the kernel to a host: the blob server and its client.
+"""Large buffers from the kernel to the hosts: the blob server, its client, and the relay order.
 
 A payload's blobs (``protocol.Blob``) do not travel in the Spark closure or the event
 channel, which copy, base64 and bound what they carry: a task asks the kernel's
 ``BlobServer`` for each blob its host lacks and streams it straight into its cache file.
 
-A request is one channel frame (``channel.Link``: HMAC under the job's secret, with a
-nonce per connection), so only the job's tasks are served. The bytes then flow raw,
-and the client checks them against the BLAKE3 digest it asked for, which it read from
-an authenticated source (the TaskSpec, a CELL frame): a blob that does not match is
-dropped, never unpickled.
+Many hosts: the kernel sends each blob about once. A host that asks while another host
+already receives the blob is told to read it from that host instead (``task.blob_relay``
+serves a blob while it arrives), so the hosts form a pipelined chain in the order they
+asked: kernel -> first host -> second host -> ... Each link carries one copy, and the last
+host is behind the first by a few chunks, not by a copy: 16 hosts take about the time of
+one. (A tree would send each copy 2 or more times from every inner host; pulling chunks
+from any holder, as Ray does, copes better with uneven links but needs per-chunk
+bookkeeping on every host. On one cluster's even links the chain is the shortest.)
+A host whose source breaks, stalls for ``PEER_STALL`` seconds or sends a chunk that
+does not match asks again, naming it: the kernel gives it the nearest live host before
+it in the chain, or itself, and it resumes from its last good chunk.
+
+Every request is one channel frame (``channel.Link``: HMAC under the job's secret, with
+a nonce per connection), so only the job's tasks are served, by the kernel or by a host.
+The bytes then flow raw. From the kernel, the client checks the whole blob against the
+BLAKE3 digest it asked for, which it read from an authenticated source (the TaskSpec, a
+CELL frame); from a host, it checks each chunk against the chunk digests the kernel sent
+it in an authenticated frame. A blob or chunk that does not match is dropped, never
+unpickled.
 """
 
 from __future__ import annotations
 
+import os
 import secrets
 import socket
 import threading
@@ -23,8 +38,15 @@ from dataclasses import dataclass, field
 from hvdmagic import channel
 from hvdmagic.protocol import Blob
 
-CHUNK = 4 << 20
+CHUNK = 4 << 20  # the unit of a chunk digest, of a resume, and of one read
 REQUEST_TIMEOUT = 30.0
+# "0" in the kernel's environment: every host reads from the kernel (hosts that cannot reach
+# each other's ports; the benchmark's baseline).
+RELAY_ENV = "HVDMAGIC_BLOB_RELAY"
+# A host that sends nothing for this long is given up for another source (the kernel's link
+# is not: it is the last source there is, and ``fetch``'s ``timeout`` bounds it).
+PEER_STALL = 5.0
+_REPORT_EVERY = 0.25
 
 
 class BlobError(OSError):
@@ -33,11 +55,12 @@ class BlobError(OSError):
 
 @dataclass
 class Progress:
-    """Bytes asked for and sent, by client host, and what they hold."""
+    """Bytes asked for and received by the hosts, and by which host, since ``reset_progress``."""
 
-    requested: int = 0
-    sent: int = 0
-    hosts: dict[str, int] = field(default_factory=dict)
+    requested: int = 0  # each blob's size, once for each host that asked for it
+    sent: int = 0  # bytes the hosts have received, from the kernel or from each other
+    from_kernel: int = 0  # of those, the bytes the kernel itself sent
+    hosts: dict[str, int] = field(default_factory=dict)  # received, by the address a host asked from
     labels: list[str] = field(default_factory=list)
     started: float | None = None  # monotonic: the first request
 
@@ -49,7 +72,9 @@ class Progress:
         rate = f"{self.sent / elapsed / 1e6:.0f} MB/s"
         if self.sent < self.requested:
             return f"sending {what} to {hosts}: {100 * self.sent / self.requested:.0f} %, {rate}"
-        return f"sent {what} to {hosts}: {_megabytes(self.sent)} in {elapsed:.1f} s, {rate}"
+        relayed = (f" ({_megabytes(self.from_kernel)} from the kernel, the rest host to host)"
+                   if self.from_kernel < self.sent else "")
+        return f"sent {what} to {hosts}: {_megabytes(self.sent)} in {elapsed:.1f} s, {rate}{relayed}"
 
 
 def format_size(size: float) -> str:
@@ -65,21 +90,60 @@ def _megabytes(size: int) -> str:
     return f"{size / 1e6:.0f} MB" if size < 1e9 else f"{size / 1e9:.1f} GB"
 
 
-class BlobServer:
-    """Serves the buffers ``publish`` names, to clients that know the job's secret.
+def chunk_digests(view: memoryview) -> list[str]:
+    """BLAKE3 of each CHUNK of ``view``, hex: what a host checks bytes from another host against."""
+    import blake3
 
-    Runs in the kernel beside the job's channel server. ``progress`` counts what was asked
-    for and sent since ``reset_progress``, and by which client host (the address it
-    connected from): what the dashboard shows, and what "once per host" is checked by.
+    return [blake3.blake3(view[start:start + CHUNK]).hexdigest() for start in range(0, view.nbytes, CHUNK)]
+
+
+class RelayOrder:
+    """Which host a host reads a blob from: the hosts of each blob in the order they asked.
+
+    A host reads from the nearest host before it that is not known to be down, or from the
+    kernel when there is none. Only earlier hosts are ever a source, so no host waits on
+    one that waits on it. A host is down once another host names it as failed, and up
+    again once it asks for something itself.
     """
 
-    def __init__(self, host: str, secret: bytes):
+    def __init__(self):
+        self._order: dict[str, list[tuple[str, int]]] = {}
+        self._down: set[tuple[str, int]] = set()
+
+    def source(self, digest: str, relay: tuple[str, int] | None,
+               failed: list[tuple[str, int]]) -> tuple[str, int] | None:
+        self._down.update(failed)
+        order = self._order.setdefault(digest, [])
+        before = order
+        if relay is not None:
+            self._down.discard(relay)
+            if relay not in order:
+                order.append(relay)
+            before = order[:order.index(relay)]
+        return next((host for host in reversed(before) if host not in self._down), None)
+
+
+class BlobServer:
+    """Serves the buffers ``publish`` names, to clients that know the job's secret, or tells a
+    client which host to read one from (``RelayOrder``).
+
+    Runs in the kernel beside the job's channel server. ``progress`` counts what was asked
+    for and received since ``reset_progress``, and by which client host (the address it
+    connected from): what the dashboard shows, and what "once per host" is checked by. A
+    host reading from another host reports its bytes on the connection it asked on.
+    """
+
+    def __init__(self, host: str, secret: bytes, relays: bool | None = None):
         self._secret = secret
+        self._use_relays = os.environ.get(RELAY_ENV, "1") != "0" if relays is None else relays
         self._buffers: dict[str, memoryview] = {}
         self._labels: dict[str, str] = {}
+        self._chunks: dict[str, list[str]] = {}  # computed when a second host asks: one host needs none
+        self._relays = RelayOrder()
         self._lock = threading.Lock()
         self._closed = threading.Event()
         self._progress = Progress()
+        self._received: dict[tuple[str, str], int] = {}  # (host, digest) -> bytes it has, this progress
         self._sock = socket.create_server((host, 0))
         self.address = (host, self._sock.getsockname()[1])
         self._thread = threading.Thread(target=self._accept_loop, name="hvdmagic-blobs", daemon=True)
@@ -93,17 +157,19 @@ class BlobServer:
 
     def progress(self) -> Progress:
         with self._lock:
-            return Progress(self._progress.requested, self._progress.sent, dict(self._progress.hosts),
-                            list(self._progress.labels), self._progress.started)
+            p = self._progress
+            return Progress(p.requested, p.sent, p.from_kernel, dict(p.hosts), list(p.labels), p.started)
 
     def reset_progress(self) -> None:
         with self._lock:
             self._progress = Progress()
+            self._received = {}
 
     def withdraw(self, digests) -> None:
         with self._lock:
             for digest in digests:
                 self._buffers.pop(digest, None)
+                self._chunks.pop(digest, None)
 
     def _accept_loop(self) -> None:
         while not self._closed.is_set():
@@ -121,31 +187,65 @@ class BlobServer:
             link = channel.Link(sock, self._secret, nonce, is_server=True)
             request = link.recv()  # a frame that fails the MAC check raises: nothing is sent
             digest = str(request.get("digest", ""))
+            offset = int(request.get("offset", 0))
+            relay = _address(request.get("relay"))
+            failed = [address for a in request.get("failed", ()) if (address := _address(a))]
             with self._lock:
                 view = self._buffers.get(digest)
-                progress = self._progress
                 if view is not None:
-                    progress.requested += view.nbytes
-                    progress.started = progress.started or time.monotonic()
-                    label = self._labels.get(digest, "")
-                    if label and label not in progress.labels:
-                        progress.labels.append(label)
+                    self._asked(peer, digest, view.nbytes)
+                    source = self._relays.source(digest, relay, failed) if self._use_relays else None
             if view is None:
                 link.send({"size": None})
                 return
-            link.send({"size": view.nbytes})
-            for start in range(0, view.nbytes, CHUNK):
-                if self._closed.is_set():
-                    return
-                chunk = view[start:start + CHUNK]
-                sock.sendall(chunk)
+            if source is None:
+                link.send({"size": view.nbytes, "source": None})
+                self._send_bytes(sock, view, offset, peer, digest)
+                return
+            with self._lock:
+                chunks = self._chunks.get(digest)
+            if chunks is None:
+                chunks = chunk_digests(view)  # outside the lock: about 0.25 s a GB
                 with self._lock:
-                    progress.sent += chunk.nbytes
-                    progress.hosts[peer] = progress.hosts.get(peer, 0) + chunk.nbytes
-        except (channel.ChannelError, OSError):
-            pass  # the client sees the short read and says so
+                    self._chunks[digest] = chunks
+            link.send({"size": view.nbytes, "source": list(source), "chunks": chunks})
+            while not self._closed.is_set():  # the host's reports, until it has the blob or goes
+                received = int(link.recv().get("received", 0))
+                with self._lock:
+                    self._credit(peer, digest, received)
+        except (channel.ChannelError, OSError, ValueError, TypeError):
+            pass  # the client sees the short read or the closed link, and says so
         finally:
             sock.close()
+
+    def _asked(self, peer: str, digest: str, size: int) -> None:
+        progress = self._progress
+        progress.started = progress.started or time.monotonic()
+        if (peer, digest) not in self._received:  # a host asking again (its source failed) wants no more
+            self._received[(peer, digest)] = 0
+            progress.requested += size
+            progress.hosts.setdefault(peer, 0)
+        label = self._labels.get(digest, "")
+        if label and label not in progress.labels:
+            progress.labels.append(label)
+
+    def _credit(self, peer: str, digest: str, received: int) -> None:
+        """``peer`` now has ``received`` bytes of ``digest`` (called under the lock)."""
+        gained = received - self._received.get((peer, digest), 0)
+        if gained > 0:
+            self._received[(peer, digest)] = received
+            self._progress.sent += gained
+            self._progress.hosts[peer] = self._progress.hosts.get(peer, 0) + gained
+
+    def _send_bytes(self, sock: socket.socket, view: memoryview, offset: int, peer: str, digest: str) -> None:
+        for start in range(offset, view.nbytes, CHUNK):
+            if self._closed.is_set():
+                return
+            chunk = view[start:start + CHUNK]
+            sock.sendall(chunk)
+            with self._lock:
+                self._progress.from_kernel += chunk.nbytes
+                self._credit(peer, digest, start + chunk.nbytes)
 
     def close(self) -> None:
         self._closed.set()
@@ -157,48 +257,167 @@ class BlobServer:
         self._thread.join(timeout=5)
         with self._lock:
             self._buffers.clear()
+            self._chunks.clear()
+
+
+def _address(value) -> tuple[str, int] | None:
+    if isinstance(value, (list, tuple)) and len(value) == 2:
+        return str(value[0]), int(value[1])
+    return None
+
+
+class _SourceFailed(Exception):
+    """A host we read from broke, stalled or sent a bad chunk: ask the kernel for another source."""
+
+
+@dataclass
+class Relay:
+    """How the fetching host passes a blob on: the address its relay serves on, and ``ready(n)``,
+    told that the first ``n`` bytes of the blob now lie in the file the relay serves (n may fall
+    back, when a resume overwrites bytes)."""
+
+    address: tuple[str, int]
+    ready: Callable[[int], None]
+
+
+class _Receiver:
+    """The bytes of one blob arriving into ``into``, from the kernel or from hosts, checked."""
+
+    def __init__(self, blob: Blob, into: memoryview, on_progress: Callable[[int], None], relay: Relay | None):
+        import blake3
+
+        self.blob = blob
+        self.into = into
+        self.name = blob.label or blob.digest
+        self.on_progress = on_progress
+        self.relay = relay
+        self.chunks: list[str] | None = None  # once a host is a source: each chunk is checked
+        self.whole = blake3.blake3()  # from the kernel alone: the whole blob is checked at the end
+        self.received = 0  # bytes in ``into``, in order from the start
+        self.good = 0  # of those, the bytes checked (a chunk boundary), where a resume starts
+        self.reported = time.monotonic()
+
+    def read(self, sock: socket.socket, source: str, report: Callable[[], None] = lambda: None) -> None:
+        """Read from ``sock`` until the blob is complete; raises ``_SourceFailed`` (a host's fault),
+        ``TimeoutError`` or ``BlobError``."""
+        size = self.blob.size
+        while self.received < size:
+            got = sock.recv_into(self.into[self.received:self.received + CHUNK])
+            if not got:
+                raise _SourceFailed(f"the connection to {source} closed after {self.received} of {size} bytes "
+                                    f"of {self.name}")
+            if self.chunks is None:
+                self.whole.update(self.into[self.received:self.received + got])
+            self.received += got
+            self._check_chunks(source)
+            if self.relay is not None:
+                self.relay.ready(self.received)
+            if time.monotonic() - self.reported > _REPORT_EVERY:
+                self.reported = time.monotonic()
+                self.on_progress(self.received)
+                report()
+
+    def _check_chunks(self, source: str) -> None:
+        if self.chunks is None:
+            self.good = self.received
+            return
+        while self.good < self.received:
+            end = min(self.good + CHUNK, self.blob.size)
+            if self.received < end:
+                return
+            import blake3
+
+            if blake3.blake3(self.into[self.good:end]).hexdigest() != self.chunks[self.good // CHUNK]:
+                raise _SourceFailed(f"{source} sent an altered chunk of {self.name} (its BLAKE3 digest does not "
+                                    "match)")
+            self.good = end
+
+    def resume_from_good(self) -> None:
+        self.received = self.good
+        if self.relay is not None:
+            self.relay.ready(self.received)
 
 
 def fetch(address: tuple[str, int], secret: bytes, blob: Blob, into: memoryview,
-          on_progress: Callable[[int], None] = lambda n: None, timeout: float = 60.0) -> None:
-    """Stream ``blob`` into ``into`` (``blob.size`` bytes: a mapped file) and check its digest.
+          on_progress: Callable[[int], None] = lambda n: None, timeout: float = 60.0,
+          relay: Relay | None = None) -> None:
+    """Stream ``blob`` into ``into`` (``blob.size`` bytes: a mapped file) and check it.
 
-    ``timeout`` bounds each wait for the server, not the transfer: a large blob takes as
-    long as the network needs, and a stalled one fails.
+    ``address`` is the kernel's blob server, which sends the blob or names the host to read it
+    from. ``relay``: this host passes the blob on to hosts that ask after it (see ``Relay``).
+    ``timeout`` bounds each wait for the kernel, not the transfer: a large blob takes as long as
+    the network needs, and a stalled one fails. A host as the source gets ``PEER_STALL``.
     """
-    import blake3
+    receiver = _Receiver(blob, into, on_progress, relay)
+    failed: list[list] = []
+    while receiver.received < blob.size or receiver.good < blob.size:
+        receiver.resume_from_good()
+        link = _ask_kernel(address, secret, blob, receiver.received, relay, failed, timeout)
+        try:
+            reply = link.recv()
+            size = reply.get("size")
+            if size is None:
+                raise BlobError(f"the kernel no longer holds {receiver.name} (its cell ended?)")
+            if size != blob.size:
+                raise BlobError(f"the kernel offered {size} bytes for {receiver.name}, not {blob.size}")
+            source = _address(reply.get("source"))
+            if source is None:
+                try:
+                    receiver.read(link.sock, "the kernel")
+                except _SourceFailed as exc:
+                    raise BlobError(str(exc)) from None
+                continue
+            receiver.chunks = list(reply["chunks"])
+            try:
+                _read_from_host(source, secret, receiver, link)
+            except (_SourceFailed, OSError, channel.ChannelError):
+                failed.append(list(source))
+        except TimeoutError as exc:
+            raise BlobError(f"the kernel's blob server at {address[0]}:{address[1]} did not answer within "
+                            f"{timeout:g} s") from exc
+        except channel.ChannelError as exc:
+            raise BlobError(f"the kernel's blob server at {address[0]}:{address[1]}: {exc}") from exc
+        finally:
+            link.close()
+    on_progress(receiver.received)
+    if receiver.chunks is None and receiver.whole.hexdigest() != blob.digest:
+        raise BlobError(f"{receiver.name} arrived altered (its BLAKE3 digest does not match): dropped unread")
 
-    link = channel.connect(*address, secret, timeout=timeout)
-    sock = link.sock
+
+def _ask_kernel(address, secret, blob, offset, relay, failed, timeout) -> channel.Link:
     try:
-        sock.settimeout(timeout)
-        link.send({"digest": blob.digest})
-        size = link.recv().get("size")
-        if size is None:
-            raise BlobError(f"the kernel no longer holds {blob.label or blob.digest} (its cell ended?)")
-        if size != blob.size:
-            raise BlobError(f"the kernel offered {size} bytes for {blob.label or blob.digest}, not {blob.size}")
-        hasher = blake3.blake3()
-        received = 0
-        last_report = time.monotonic()
-        while received < size:
-            got = sock.recv_into(into[received:received + CHUNK])
-            if not got:
-                raise BlobError(f"the connection to the kernel closed after {received} of {size} bytes of "
-                                f"{blob.label or blob.digest}")
-            hasher.update(into[received:received + got])
-            received += got
-            if time.monotonic() - last_report > 0.25:
-                on_progress(received)
-                last_report = time.monotonic()
-        on_progress(received)
-        if hasher.hexdigest() != blob.digest:
-            raise BlobError(f"{blob.label or blob.digest} arrived altered (its BLAKE3 digest does not match): "
-                            "dropped unread")
+        link = channel.connect(*address, secret, timeout=timeout)
+        link.sock.settimeout(timeout)
+        link.send({"digest": blob.digest, "offset": offset, "failed": failed,
+                   "relay": list(relay.address) if relay else None})
+        return link
     except TimeoutError as exc:
         raise BlobError(f"the kernel's blob server at {address[0]}:{address[1]} did not answer within "
                         f"{timeout:g} s") from exc
     except channel.ChannelError as exc:
         raise BlobError(f"the kernel's blob server at {address[0]}:{address[1]}: {exc}") from exc
+
+
+def _read_from_host(source: tuple[str, int], secret: bytes, receiver: _Receiver, kernel: channel.Link) -> None:
+    """Read the rest of the blob from another host's relay, telling the kernel how far we are."""
+    name = f"host {source[0]}"
+
+    def report() -> None:
+        try:
+            kernel.send({"received": receiver.good})
+        except OSError:
+            pass  # the kernel's count is for the dashboard: the bytes matter more
+
+    link = channel.connect(*source, secret, timeout=PEER_STALL)
+    try:
+        link.sock.settimeout(PEER_STALL)
+        link.send({"digest": receiver.blob.digest, "offset": receiver.received})
+        if link.recv().get("size") != receiver.blob.size:
+            raise _SourceFailed(f"{name} does not hold {receiver.name}")
+        try:
+            receiver.read(link.sock, name, report)
+        except TimeoutError:
+            raise _SourceFailed(f"{name} sent nothing for {PEER_STALL:g} s") from None
+        report()
     finally:
         link.close()

@@ -56,7 +56,7 @@ class Event(StrEnum):
     PLACED = "placed"
     LOST = "lost"  # elastic: a rank's process or task was lost ("reason"); the others go on
     WORLD = "world"  # elastic: a rank's world rank and size (after it joined or came back from a reset)
-    SHIPPING = "shipping"  # the payload's blobs on their way to the hosts: bytes asked for and sent, by host
+    SHIPPING = "shipping"  # the payload's blobs on their way to the hosts: bytes asked for and received, by host
     RESUMED = "resumed"  # elastic: the ranks reset: the sizes before and after, why, the commit restored
 
 
@@ -409,9 +409,10 @@ class Shipping(TypedDict):
     type: Literal[Event.SHIPPING]
     text: str  # "sending X (numpy.ndarray) to 2 hosts: 61 %, 380 MB/s"
     requested: int  # bytes the hosts asked for so far
-    sent: int
-    hosts: dict[str, int]  # bytes sent, by the address of the host that asked
-    done: bool  # every byte asked for was sent
+    sent: int  # bytes the hosts received, from the kernel or from each other
+    hosts: dict[str, int]  # bytes received, by the address of the host that asked
+    done: bool  # every byte asked for was received
+    from_kernel: int  # of ``sent``, the bytes the kernel itself sent (the rest went host to host)
 
 
 class Resumed(TypedDict):

@@ -1,8 +1,14 @@
-"""Two simulated hosts: network namespaces joined to this one by a bridge.
+"""Simulated hosts: network namespaces joined to this one by a bridge.
 
     root namespace:    bridge hvb<pid> 10.77.N.1/24 (the driver and the Spark master)
     hvdmagic-<pid>-h1: veth  10.77.N.2/24          (a Spark worker)
     hvdmagic-<pid>-h2: veth  10.77.N.3/24          (a Spark worker)
+    ...                                             (up to 200 hosts)
+
+With ``rate`` (tc's units: "1gbit", "200mbit"), every link is capped as a cluster's
+are: the driver's uplink (the bridge's own egress, what the kernel sends), and each
+host's downlink and uplink (its veth pair's two egresses), each with a token bucket.
+Link time then dominates, as it does between real machines, not memory copies.
 
 Names and the subnet are this process's own (N from its pid), so two test runs on
 one machine (``make test`` beside ``make test-latest``) do not tear down each other's.
@@ -44,16 +50,30 @@ def available() -> str | None:
     return None
 
 
-class TwoHosts:
-    def __init__(self, hosts: int = 2):
+def _tc(rate: str, device: str, namespace: str | None = None) -> None:
+    """A token bucket of ``rate`` on ``device``'s egress. The burst holds several 64 KB
+    segments (a veth passes GSO segments whole) and more than a tick of the rate, as tbf
+    needs at high rates."""
+    where = ["-n", namespace] if namespace else []
+    subprocess.run(["tc", *where, "qdisc", "replace", "dev", device, "root", "tbf", "rate", rate,
+                    "burst", "1mb", "latency", "50ms"], capture_output=True, text=True, check=True)
+
+
+class Hosts:
+    def __init__(self, hosts: int = 2, rate: str | None = None):
+        if not 1 <= hosts <= 200:
+            raise ValueError(f"1 to 200 simulated hosts, not {hosts}")
         self.driver = f"{SUBNET}.1"
         self.hosts = [(f"{SUBNET}.{i + 2}", f"hvdmagic-{_OWN}-h{i + 1}") for i in range(hosts)]
+        self.rate = rate
 
-    def __enter__(self) -> TwoHosts:
+    def __enter__(self) -> Hosts:
         try:
             _ip("link", "add", BRIDGE, "type", "bridge")
             _ip("addr", "add", f"{self.driver}/24", "dev", BRIDGE)
             _ip("link", "set", BRIDGE, "up")
+            if self.rate:
+                _tc(self.rate, BRIDGE)
             for i, (address, ns) in enumerate(self.hosts):
                 outside, inside = f"hv{_OWN}v{i}o", inside_interface(i)
                 _ip("netns", "add", ns)
@@ -64,6 +84,9 @@ class TwoHosts:
                 _ip("-n", ns, "addr", "add", f"{address}/24", "dev", inside)
                 _ip("-n", ns, "link", "set", inside, "up")
                 _ip("-n", ns, "link", "set", "lo", "up")
+                if self.rate:
+                    _tc(self.rate, outside)  # into the host
+                    _tc(self.rate, inside, ns)  # out of the host
         except subprocess.CalledProcessError as exc:
             self.__exit__(None, None, None)
             raise RuntimeError(f"could not build the test network: {' '.join(exc.cmd)}: {exc.stderr.strip()}") from None

@@ -33,7 +33,7 @@ hvd.allgather_object(row)
 @pytest.fixture(scope="module")
 def two_host_shell(shell, tmp_path_factory):
     """The shell, on a cluster of one 2-core worker on each simulated host; the driver on their network."""
-    with netns.TwoHosts() as network, spark_cluster(tmp_path_factory.mktemp("two-hosts"), cores=2,
+    with netns.Hosts() as network, spark_cluster(tmp_path_factory.mktemp("two-hosts"), cores=2,
                                                     host=network.driver, worker_hosts=network.hosts,
                                                     app="hvdmagic-two-hosts"):
         shell.user_ns["DRIVER"] = network.driver
@@ -83,8 +83,9 @@ hvd.allgather_object((hvd.rank(), os.readlink("/proc/self/ns/net"), float(X.sum(
 
 
 def test_a_large_global_goes_to_each_host_once(two_host_shell):
-    """Four ranks on two hosts: the kernel sends X's 48 MB twice (a host's first rank fetches it,
-    its second maps the same file), and a second cell reading the unchanged X sends nothing."""
+    """Four ranks on two hosts: each host receives X's 48 MB once (a host's first rank fetches it,
+    its second maps the same file), the kernel sends them once (the second host reads them from
+    the first: test_fanout.py), and a second cell reading the unchanged X sends nothing."""
     import numpy as np
 
     from hvdmagic import last_run
@@ -100,6 +101,7 @@ def test_a_large_global_goes_to_each_host_once(two_host_shell):
         assert shipping is not None and shipping["done"], shipping
         assert sorted(shipping["hosts"].values()) == [x.nbytes, x.nbytes], shipping  # once per host, not per rank
         assert len(shipping["hosts"]) == 2, shipping
+        assert shipping["from_kernel"] == x.nbytes, shipping
         result, error = run(two_host_shell, DATA_CELL)
         assert error is None, error
         assert last_run().shipping is None, "the hosts had X already, yet it was sent again"

@@ -137,7 +137,7 @@ def test_one_worker_with_another_virtualenv_fails_the_run_naming_only_its_host(t
         (folder / command).write_text(f'#!/bin/sh\nexec "{python}" "$@"\n')
         (folder / command).chmod(0o755)
         worker_env.append({"PATH": f"{folder}{os.pathsep}{os.environ['PATH']}"})
-    with netns.TwoHosts() as network, spark_cluster(tmp_path, cores=2, gpus=0, host=network.driver,
+    with netns.Hosts() as network, spark_cluster(tmp_path, cores=2, gpus=0, host=network.driver,
                                                     worker_hosts=network.hosts, worker_env=worker_env,
                                                     python=command, app="hvdmagic-two-virtualenvs"):
         kernel_host, old_host = (ns for _, ns in network.hosts)  # the hostname of each is its namespace's

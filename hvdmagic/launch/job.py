@@ -112,7 +112,7 @@ class ShippingReports:
             return
         self._last, self._at = counts, now
         self._on_event(protocol.shipping(progress.describe(now), progress.requested, progress.sent,
-                                         progress.hosts, done))
+                                         progress.hosts, done, progress.from_kernel))
 
 
 class Job:

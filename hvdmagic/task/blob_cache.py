@@ -3,7 +3,8 @@
 Runs in the task (a Spark task's Python worker, or a local-mode thread in the kernel).
 The host's tasks share one directory: the first to need a blob takes its lock and
 fetches it (``blob_transfer.fetch``) into a file there, and the others, waiting on the
-lock, find it done. Its ranks map the file (``rank.blobs``). A blob stays for the next
+lock, find it done. With a relay (``task.blob_relay``), that task passes the blob on to
+the job's other hosts while it arrives. Its ranks map the file (``rank.blobs``). A blob stays for the next
 cell or job that reads the same content, until the cache outgrows its budget; the least
 recently used go first, never one the current payload needs.
 
@@ -30,6 +31,7 @@ from pathlib import Path
 
 from hvdmagic.blob_transfer import BlobError, fetch, format_size
 from hvdmagic.protocol import Blob
+from hvdmagic.task.blob_relay import BlobRelay
 
 DIR_ENV = "HVDMAGIC_BLOB_CACHE"
 BUDGET_ENV = "HVDMAGIC_BLOB_CACHE_BYTES"
@@ -69,8 +71,10 @@ class BlobCache:
         return self.directory / blob.digest
 
     def ensure(self, blobs: Iterable[Blob], address: tuple[str, int], secret: bytes,
-               on_progress: Callable[[Blob, int], None] = lambda blob, n: None) -> None:
-        """Every blob in the cache, fetching each one missing from the kernel at ``address``."""
+               on_progress: Callable[[Blob, int], None] = lambda blob, n: None,
+               relay: BlobRelay | None = None) -> None:
+        """Every blob in the cache, fetching each one missing through the kernel at ``address``
+        (``relay``: passing each on to the hosts that ask after this one)."""
         blobs = list(blobs)
         for blob in blobs:
             path = self.path(blob)
@@ -80,7 +84,7 @@ class BlobCache:
                 if self._touch(path):
                     continue  # another task of this host fetched it meanwhile
                 self._make_room(blob, keep={b.digest for b in blobs})
-                self._fetch(blob, address, secret, lambda n, blob=blob: on_progress(blob, n))
+                self._fetch(blob, address, secret, lambda n, blob=blob: on_progress(blob, n), relay)
 
     @staticmethod
     def _touch(path: Path) -> bool:
@@ -97,22 +101,28 @@ class BlobCache:
             fcntl.flock(lock, fcntl.LOCK_EX)
             yield
 
-    def _fetch(self, blob: Blob, address: tuple[str, int], secret: bytes, on_progress) -> None:
+    def _fetch(self, blob: Blob, address: tuple[str, int], secret: bytes, on_progress,
+               relay: BlobRelay | None) -> None:
         partial = self.directory / f"{blob.digest}.part-{os.getpid()}"
         fd = os.open(partial, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
-            if blob.size:
-                try:
-                    os.posix_fallocate(fd, 0, blob.size)  # fail now, not at a page fault mid-copy
-                except OSError as exc:
-                    raise self._no_room(blob) from exc
+            if not blob.size:
+                os.rename(partial, self.path(blob))
+                return
+            try:
+                os.posix_fallocate(fd, 0, blob.size)  # fail now, not at a page fault mid-copy
+            except OSError as exc:
+                raise self._no_room(blob) from exc
+            # The relay serves the arriving file until it has its name: a host asking in between
+            # then opens it by that name.
+            with (relay.offering(blob, fd) if relay else contextlib.nullcontext()) as passing_on:
                 with mmap.mmap(fd, blob.size) as into:
                     view = memoryview(into)
                     try:
-                        fetch(address, secret, blob, view, on_progress)
+                        fetch(address, secret, blob, view, on_progress, relay=passing_on)
                     finally:
                         view.release()
-            os.rename(partial, self.path(blob))
+                os.rename(partial, self.path(blob))
         except BaseException:
             partial.unlink(missing_ok=True)
             raise
@@ -155,7 +165,8 @@ class BlobCache:
             f"or point {DIR_ENV} at a larger directory.")
 
 
-def fetched_in_background(cache: BlobCache, blobs: Iterable[Blob], address: tuple[str, int], secret: bytes):
+def fetched_in_background(cache: BlobCache, blobs: Iterable[Blob], address: tuple[str, int], secret: bytes,
+                          relay: BlobRelay | None = None):
     """Start fetching now; the returned function waits for it and raises what it raised."""
     import concurrent.futures
 
@@ -164,6 +175,6 @@ def fetched_in_background(cache: BlobCache, blobs: Iterable[Blob], address: tupl
         return lambda: None
 
     executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hvdmagic-blob-fetch")
-    future = executor.submit(cache.ensure, blobs, address, secret)
+    future = executor.submit(cache.ensure, blobs, address, secret, relay=relay)
     executor.shutdown(wait=False)
     return future.result

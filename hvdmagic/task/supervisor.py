@@ -42,6 +42,7 @@ from hvdmagic.protocol import (
 from hvdmagic.rank.blobs import fail
 from hvdmagic.task import mpi
 from hvdmagic.task.blob_cache import BlobCache, fetched_in_background
+from hvdmagic.task.blob_relay import BlobRelay
 from hvdmagic.task.environment import rank_base_environment, rank_environment
 from hvdmagic.task.lines import MAX_LINE
 from hvdmagic.task.network import interface_for
@@ -68,27 +69,32 @@ class Supervisor:
         self._daemons: list[subprocess.Popen] = []  # mpirun's daemon, when this task leads its host
         self._blobs: BlobCache | None = None
         self._blob_server = (spec.driver_host, spec.blob_port)
+        self._relay: BlobRelay | None = None  # passes the blobs this task fetches on to other hosts
         self._cells: queue.Queue = queue.Queue()  # a session's cells, fed in order once their blobs are here
 
     def run(self) -> int:
         self._link = link = channel.connect(self.spec.driver_host, self.spec.channel_port, self.spec.secret)
         try:
-            self._blobs = BlobCache()
-            # While the ranks gather and start, the payload's blobs come to this host.
-            fetched = (None if self.spec.session else
-                       fetched_in_background(self._blobs, self.spec.payload.blobs, self._blob_server,
-                                             self.spec.secret))
             # The address this host uses to reach the driver names the host, and its
             # interface is the one the ranks can reach each other on. The driver
             # places every task from the hellos and answers each with its own go; a
             # Spark barrier allGather would do the same but costs a second (it polls).
             self._link_address = host_ip = link.sock.getsockname()[0]
+            self._blobs = BlobCache()
+            if self.spec.session or self.spec.payload.blobs:
+                self._relay = BlobRelay(host_ip, self.spec.secret, self._blobs.directory)
+            # While the ranks gather and start, the payload's blobs come to this host.
+            fetched = (None if self.spec.session else
+                       fetched_in_background(self._blobs, self.spec.payload.blobs, self._blob_server,
+                                             self.spec.secret, self._relay))
             link.send(protocol.hello(self.task_index, self.attempt, host_ip, self.gpus,
                                      self.shard[1] if self.shard else None, socket.gethostname(), os.getpid(),
                                      versions()))
             return self._run_elastic(fetched) if self.spec.elastic else self._run_once(fetched)
         finally:
             self._end_daemons()
+            if self._relay is not None:
+                self._relay.close()
             link.close()
 
     def _run_once(self, fetched) -> int:
@@ -140,7 +146,7 @@ class Supervisor:
             if fetched is not None:
                 fetched()
             else:
-                self._blobs.ensure(payload.blobs, self._blob_server, self.spec.secret)
+                self._blobs.ensure(payload.blobs, self._blob_server, self.spec.secret, relay=self._relay)
         except OSError as exc:  # a BlobError, or the link or disk failing under it
             reason = str(exc) if isinstance(exc, BlobError) else f"fetching the cell's data from the kernel: {exc}"
             payload = Payload(pickle.dumps((fail, (f"{reason} (host {socket.gethostname()})",), {})))
