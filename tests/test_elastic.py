@@ -12,6 +12,7 @@ import os
 import pickle
 import re
 import signal
+import socket
 import sys
 import urllib.error
 import urllib.request
@@ -144,6 +145,93 @@ loop(state)
     assert "ValueError: bad shard on rank 1" in str(error)
     assert "only lost processes and executors are trained around" in str(error)
     assert any("bad shard" in f.traceback for f in error.failures)
+    wait_until_gone([p.pid for p in rank_processes()], within=10)
+
+
+def _driver_probing_task_1(monkeypatch, before_probe) -> list[str]:
+    """Make the job's elastic driver call ``before_probe(addresses)`` before it registers (and so
+    probes) task 1's notification service, at the addresses it returns; return the probes' outcomes."""
+    from horovod.runner.common.util.network import NoValidAddressesFound
+
+    from hvdmagic.launch import elastic
+
+    outcomes: list[str] = []
+    make_driver_class = elastic._driver_class
+
+    def driver_class():
+        class Driver(make_driver_class()):
+            def register_worker_server(self, host, slot, addresses, secret_key):
+                if not host.startswith("t1."):
+                    return super().register_worker_server(host, slot, addresses, secret_key)
+                try:
+                    super().register_worker_server(host, slot, before_probe(addresses), secret_key)
+                except NoValidAddressesFound:
+                    outcomes.append("unreachable")
+                    raise
+                outcomes.append("reached")
+
+        return Driver
+
+    monkeypatch.setattr(elastic, "_driver_class", driver_class)
+    return outcomes
+
+
+def _nothing_listens(addresses: dict) -> bool:
+    for listed in addresses.values():
+        for address in listed:
+            try:
+                socket.create_connection(tuple(address), timeout=1).close()
+            except OSError:
+                continue
+            return False
+    return True
+
+
+def test_a_rank_gone_before_the_driver_probed_it_fails_the_run_with_its_own_error(ip, monkeypatch):
+    """The race seen once in a loaded CI run: task 1's cell raises at once, and its process is gone
+    before the driver reads its registration and probes its notification service, so Horovod
+    raises NoValidAddressesFound. That is fallout: the cell fails with task 1's exception. Here the
+    driver reads the registration only once nothing listens at its addresses."""
+    probes = _driver_probing_task_1(monkeypatch, lambda addresses: wait_until(
+        lambda: _nothing_listens(addresses) and addresses, 60, "task 1's notification service outlived its cell"))
+    _, error = run(ip, """%%horovod --np -2 --min-np 1
+import os
+import horovod.torch as hvd
+hvd.init()
+state = hvd.elastic.TorchState(step=0)
+
+@hvd.elastic.run
+def loop(state):
+    if os.environ["HOROVOD_HOSTNAME"].startswith("t1."):
+        raise ValueError("bad shard on task 1")
+    return 1
+
+loop(state)
+""")
+    assert probes == ["unreachable"], probes
+    assert isinstance(error, JobFailed), error
+    assert "ValueError: bad shard on task 1" in str(error) and "NoValidAddressesFound" not in str(error), error
+    assert any("bad shard" in f.traceback for f in error.failures)
+    wait_until_gone([p.pid for p in rank_processes()], within=10)
+
+
+def test_a_running_rank_the_driver_cannot_reach_fails_the_run_naming_the_network(monkeypatch):
+    """No rank raised, and task 1's rank trains on, but the driver cannot reach its notification
+    service (here: it probes a port that refuses): a network problem, never hidden as a race."""
+    from hvdmagic.launch import elastic
+
+    with socket.socket() as refusing:
+        refusing.bind(("127.0.0.1", 0))  # bound, never listening: a connection is refused
+        port = refusing.getsockname()[1]
+        probes = _driver_probing_task_1(monkeypatch, lambda _: {"lo": [("127.0.0.1", port)]})
+        monkeypatch.setattr(elastic, "ENDED_RANK_NEWS_WAIT", 0.0)  # the rank trains for 20 s or more
+        with pytest.raises(JobFailed) as failed:
+            hvdmagic.run(train, -2, 1000, min_np=1)
+    assert probes == ["unreachable"], probes
+    text = str(failed.value)
+    assert "cannot reach the notification service of task 1's rank, which still runs" in text, text
+    assert f"unable to connect to worker notification service on any of the following addresses: " \
+           f"{{'lo': [('127.0.0.1', {port})]}}" in text, text
     wait_until_gone([p.pid for p in rank_processes()], within=10)
 
 

@@ -37,6 +37,12 @@ from hvdmagic.launch.placement import Elastic, Placement
 from hvdmagic.launch.shipment import Shipment
 from hvdmagic.protocol import Event, Slot, Stage
 
+# A rank's notification service ends with its process, so the driver can find it gone just as the
+# rank ends: the rank's result or error left before that, and its exit follows once its task's
+# supervisor has reaped it. A rank whose end has not arrived this many seconds after is running,
+# and unreachable.
+ENDED_RANK_NEWS_WAIT = 30.0
+
 
 @dataclass
 class _Task:
@@ -91,6 +97,9 @@ class ElasticJob(Job):
         self._ranks_started = False  # a go went out: a task that cannot run the cell no longer fails the run
         self._hosts_checked: set[str] = set()  # the hosts whose versions were compared with the kernel's
         self._stacks: dict[int, str] | None = None  # by row, while the --timeout collects where the ranks are
+        # By row: Horovod's error from probing the rank's notification service, and until when the
+        # rank's end may still explain it (ENDED_RANK_NEWS_WAIT).
+        self._unreachable: dict[int, tuple[str, float]] = {}
 
     # -- the driver Horovod talks to --------------------------------------------
     def _make_rendezvous(self):
@@ -163,6 +172,9 @@ class ElasticJob(Job):
             if error := self.backend.failure():
                 self._driver.stop(error_message=error)
                 break
+            if unreachable := self._unreachable_running_rank():
+                self._driver.stop(error_message=unreachable)
+                raise self._failed(unreachable)
             serve_requests(self.requests, self.send)  # "where are the ranks?": the answers come back as events
             self._handle_next(server, state, wait=POLL)
         while self._handle_next(server, state, wait=None):
@@ -179,6 +191,19 @@ class ElasticJob(Job):
                    f"--elastic-timeout {self.settings.timeout:g} s" if self._losses else "its ranks failed")
         if why:
             raise self._failed(f"Horovod's elastic driver stopped the run: {str(why).strip()}")
+
+    def _unreachable_running_rank(self) -> str | None:
+        """Why the run cannot go on, when a rank whose notification service the driver could not
+        reach still runs ENDED_RANK_NEWS_WAIT later: the driver could never tell it that hosts
+        came, so the run would not grow back. That is the network, not a race with the rank's end."""
+        if self._errors:
+            return None  # an exception in a cell fails the run: the rank's own error is the news
+        now = time.monotonic()
+        for row, (horovod_says, news_by) in self._unreachable.items():
+            if now > news_by:
+                return (f"Horovod's elastic driver cannot reach the notification service of task {row}'s rank, "
+                        f"which still runs, to tell it when hosts come or go: {horovod_says}")
+        return None
 
     def _ranks_now(self) -> dict[int, int]:
         """By row, the Horovod rank of each task that runs one (``hvd.rank()``, what the cell's code
@@ -217,12 +242,16 @@ class ElasticJob(Job):
                 with self._lock:
                     task.gone = True
                 task.ended.set()
+                self._unreachable.pop(task.row, None)  # its rank went with it
                 if not self._done.is_set() and task.exit_code is None:
                     self._lose(task.row, "its Spark task or executor was lost")
             return
         rank = event.get("rank")
         if not isinstance(rank, int) or not 0 <= rank < self.np:
             return
+        if kind in (Event.RESULT, Event.ERROR, Event.EXIT):
+            # The rank's cell or process ended: the notification service that went with it is no news.
+            self._unreachable.pop(rank, None)
         if kind == Event.WORKER:
             host, _, local_rank = str(event.get("key", "")).rpartition(":")
             addresses = {nic: [tuple(address) for address in listed]
@@ -232,11 +261,14 @@ class ElasticJob(Job):
             try:
                 self._driver.register_worker_server(host, int(local_rank), addresses,
                                                     base64.b64decode(event["secret"]))
-            except NoValidAddressesFound:
-                # Registering probes the rank's notification service: a rank that has already
-                # exited (its cell raised at once) is not there. Its error and exit events,
-                # queued behind this one, say what happened.
-                pass
+            except NoValidAddressesFound as unreachable:
+                # Registering probes the rank's notification service, which ends with the rank's
+                # process: a rank whose cell raised (or returned) at once can be gone before this
+                # event is read. Then its result, error or exit, queued behind this event, is the news,
+                # not Horovod's: the failure waits for it, and only a rank that goes on running
+                # fails the run as unreachable (_unreachable_running_rank).
+                self._unreachable[rank] = (" ".join(str(unreachable).split()),
+                                           time.monotonic() + ENDED_RANK_NEWS_WAIT)
             self._set_world(rank, event)
             return
         if kind == Event.RESET:
