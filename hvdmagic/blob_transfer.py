@@ -208,7 +208,8 @@ class BlobServer:
                 chunks = chunk_digests(view)  # outside the lock: about 0.25 s a GB
                 with self._lock:
                     self._chunks[digest] = chunks
-            link.send({"size": view.nbytes, "source": list(source), "chunks": chunks})
+            link.send({"size": view.nbytes, "source": list(source)})
+            link.send({"chunks": chunks})  # a frame of its own: a first frame may hold 64 KiB only
             while not self._closed.is_set():  # the host's reports, until it has the blob or goes
                 received = int(link.recv().get("received", 0))
                 with self._lock:
@@ -367,7 +368,7 @@ def fetch(address: tuple[str, int], secret: bytes, blob: Blob, into: memoryview,
                 except _SourceFailed as exc:
                     raise BlobError(str(exc)) from None
                 continue
-            receiver.chunks = list(reply["chunks"])
+            receiver.chunks = list(link.recv()["chunks"])
             try:
                 _read_from_host(source, secret, receiver, link)
             except (_SourceFailed, OSError, channel.ChannelError):

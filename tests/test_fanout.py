@@ -70,7 +70,10 @@ def test_each_host_reads_from_the_one_that_asked_before_it():
 
 # -- on loopback: every host a thread with its own cache and relay ---------------------------------
 @pytest.mark.unit
-def test_four_hosts_get_the_blob_while_the_kernel_sends_one_copy(tmp_path):
+@pytest.mark.parametrize("chunk", [blob_transfer.CHUNK, 4096], ids=["4-MiB-chunks", "6144-chunks"])
+def test_four_hosts_get_the_blob_while_the_kernel_sends_one_copy(tmp_path, monkeypatch, chunk):
+    """Also with a blob of thousands of chunks (a 24 GiB one has 6144): their digests are a large frame."""
+    monkeypatch.setattr(blob_transfer, "CHUNK", chunk)
     data, blob = _blob(24 * MiB)
     secret = channel.new_secret()
     with _kernel("127.0.0.1", data, blob, secret) as server:
