@@ -10,8 +10,9 @@ are: the driver's uplink (the bridge's own egress, what the kernel sends), and e
 host's downlink and uplink (its veth pair's two egresses), each with a token bucket.
 Link time then dominates, as it does between real machines, not memory copies.
 
-Names and the subnet are this process's own (N from its pid), so two test runs on
-one machine (``make test`` beside ``make test-latest``) do not tear down each other's.
+Names are this process's own (from its pid), and the subnet one no interface here uses yet
+(N picked when the network is made), so two runs on one machine (``make test`` beside
+``make test-latest``, a benchmark beside the tests) neither tear down nor shadow each other's.
 
 Each namespace has only its loopback and its veth, so a rank there can reach the
 others only over 10.77.0.0/24, and never through ``lo``. Everything is created
@@ -25,8 +26,17 @@ import subprocess
 
 # Interface names have at most 15 characters: a pid has at most 7 digits.
 _OWN = os.getpid()
-SUBNET = f"10.77.{_OWN % 250 + 1}"
 BRIDGE = f"hvb{_OWN}"
+
+
+def _free_subnet() -> str:
+    """10.77.N, for an N that no address here is in: two bridges on one subnet would make the
+    root namespace route one's traffic into the other."""
+    used = _ip("-o", "-4", "addr", "show").stdout
+    for n in [(_OWN + i) % 250 + 1 for i in range(250)]:
+        if f" 10.77.{n}." not in used:
+            return f"10.77.{n}"
+    raise RuntimeError("every 10.77.N.0/24 subnet is in use here")
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -63,11 +73,15 @@ class Hosts:
     def __init__(self, hosts: int = 2, rate: str | None = None):
         if not 1 <= hosts <= 200:
             raise ValueError(f"1 to 200 simulated hosts, not {hosts}")
-        self.driver = f"{SUBNET}.1"
-        self.hosts = [(f"{SUBNET}.{i + 2}", f"hvdmagic-{_OWN}-h{i + 1}") for i in range(hosts)]
+        self._count = hosts
         self.rate = rate
+        self.driver = ""
+        self.hosts: list[tuple[str, str]] = []  # (address, namespace), once entered
 
     def __enter__(self) -> Hosts:
+        subnet = _free_subnet()
+        self.driver = f"{subnet}.1"
+        self.hosts = [(f"{subnet}.{i + 2}", f"hvdmagic-{_OWN}-h{i + 1}") for i in range(self._count)]
         try:
             _ip("link", "add", BRIDGE, "type", "bridge")
             _ip("addr", "add", f"{self.driver}/24", "dev", BRIDGE)
