@@ -287,13 +287,14 @@ class _Receiver:
     def __init__(self, blob: Blob, into: memoryview, on_progress: Callable[[int], None], relay: Relay | None):
         import blake3
 
+        self._hash = blake3.blake3
         self.blob = blob
         self.into = into
         self.name = blob.label or blob.digest
         self.on_progress = on_progress
         self.relay = relay
         self.chunks: list[str] | None = None  # once a host is a source: each chunk is checked
-        self.whole = blake3.blake3()  # from the kernel alone: the whole blob is checked at the end
+        self.whole = self._hash()  # from the kernel alone: the whole blob is checked at the end
         self.received = 0  # bytes in ``into``, in order from the start
         self.good = 0  # of those, the bytes checked (a chunk boundary), where a resume starts
         self.reported = time.monotonic()
@@ -326,9 +327,7 @@ class _Receiver:
             end = min(self.good + CHUNK, self.blob.size)
             if self.received < end:
                 return
-            import blake3
-
-            if blake3.blake3(self.into[self.good:end]).hexdigest() != self.chunks[self.good // CHUNK]:
+            if self._hash(self.into[self.good:end]).hexdigest() != self.chunks[self.good // CHUNK]:
                 raise _SourceFailed(f"{source} sent an altered chunk of {self.name} (its BLAKE3 digest does not "
                                     "match)")
             self.good = end
@@ -353,8 +352,12 @@ def fetch(address: tuple[str, int], secret: bytes, blob: Blob, into: memoryview,
     failed: list[list] = []
     while receiver.received < blob.size or receiver.good < blob.size:
         receiver.resume_from_good()
-        link = _ask_kernel(address, secret, blob, receiver.received, relay, failed, timeout)
+        link = None
         try:
+            link = channel.connect(*address, secret, timeout=timeout)
+            link.sock.settimeout(timeout)
+            link.send({"digest": blob.digest, "offset": receiver.received, "failed": failed,
+                       "relay": list(relay.address) if relay else None})
             reply = link.recv()
             size = reply.get("size")
             if size is None:
@@ -371,7 +374,7 @@ def fetch(address: tuple[str, int], secret: bytes, blob: Blob, into: memoryview,
             receiver.chunks = list(link.recv()["chunks"])
             try:
                 _read_from_host(source, secret, receiver, link)
-            except (_SourceFailed, OSError, channel.ChannelError):
+            except (_SourceFailed, OSError):  # a ChannelError and a timeout are OSErrors too
                 failed.append(list(source))
         except TimeoutError as exc:
             raise BlobError(f"the kernel's blob server at {address[0]}:{address[1]} did not answer within "
@@ -379,24 +382,11 @@ def fetch(address: tuple[str, int], secret: bytes, blob: Blob, into: memoryview,
         except channel.ChannelError as exc:
             raise BlobError(f"the kernel's blob server at {address[0]}:{address[1]}: {exc}") from exc
         finally:
-            link.close()
+            if link is not None:
+                link.close()
     on_progress(receiver.received)
     if receiver.chunks is None and receiver.whole.hexdigest() != blob.digest:
         raise BlobError(f"{receiver.name} arrived altered (its BLAKE3 digest does not match): dropped unread")
-
-
-def _ask_kernel(address, secret, blob, offset, relay, failed, timeout) -> channel.Link:
-    try:
-        link = channel.connect(*address, secret, timeout=timeout)
-        link.sock.settimeout(timeout)
-        link.send({"digest": blob.digest, "offset": offset, "failed": failed,
-                   "relay": list(relay.address) if relay else None})
-        return link
-    except TimeoutError as exc:
-        raise BlobError(f"the kernel's blob server at {address[0]}:{address[1]} did not answer within "
-                        f"{timeout:g} s") from exc
-    except channel.ChannelError as exc:
-        raise BlobError(f"the kernel's blob server at {address[0]}:{address[1]}: {exc}") from exc
 
 
 def _read_from_host(source: tuple[str, int], secret: bytes, receiver: _Receiver, kernel: channel.Link) -> None:
