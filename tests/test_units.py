@@ -312,3 +312,25 @@ def test_a_peers_closed_connection_is_fallout_and_the_dead_rank_is_the_root_caus
     # A rank's own error that merely mentions a connection is not fallout.
     own = RankFailure(0, "ValueError: bad shard", time=1.0)
     assert [f.rank for f in JobFailed([own, killed], []).failures] == [0, 1]
+
+
+@pytest.mark.unit
+def test_a_hang_among_128_ranks_names_the_quiet_rank_and_its_host_in_one_clause_per_kind():
+    """127 ranks wait in a collective on rank 84, which sleeps on host 11 of 16: the watchdog's
+    message names rank 84 and its host, and the 127 in one clause, not 127."""
+    import types
+
+    from hvdmagic.launch.job import Job, JobState
+
+    state = JobState(np=128, go_at=0.0)
+    state.hosts = {rank: f"host{rank // 8 + 1}" for rank in range(128)}
+    state.last_heard = {rank: 99.0 for rank in range(128)}
+    state.last_progress = {rank: 70.0 for rank in range(128)}
+    state.last_progress[84] = 60.0
+    state.last_heard[84] = 60.0  # its heartbeats stopped too: the process does not answer
+    job = types.SimpleNamespace(np=128, timeout=None, stall_timeout=30.0, _stuck=lambda s, now: Job._stuck(job, s, now))
+    message = Job._watchdog(job, state, 100.0, None)
+    assert message.startswith("rank(s) 84 made no progress for 30 s (--stall-timeout), on host11"), message
+    assert "rank 84 stopped progressing 40 s ago, on host11 (no heartbeat for 40 s)" in message, message
+    assert "ranks 0–83, 85–127 stopped progressing 30 s ago, on 16 hosts (alive" in message, message
+    assert message.count("stopped progressing") == 2, message

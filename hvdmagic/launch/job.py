@@ -91,6 +91,14 @@ def serve_requests(requests: queue.SimpleQueue, send: Callable[[dict], None]) ->
             send(protocol.bare(Event.STACKS))
 
 
+def _on_hosts(ranks: list[int], hosts: dict[int, str]) -> str:
+    """", on <host>" for ranks on one host, ", on 16 hosts" for more: where to look among many."""
+    where = {hosts[rank] for rank in ranks if hosts.get(rank)}
+    if not where:
+        return ""
+    return f", on {where.pop()}" if len(where) == 1 else f", on {len(where)} hosts"
+
+
 class ShippingReports:
     """The blob server's progress as SHIPPING events for the views: a few a second while bytes
     flow, then the last. A run whose hosts had every blob already sends none."""
@@ -284,20 +292,29 @@ class Job:
                        if r in state.last_progress and now - state.last_progress[r] > self.stall_timeout]
             if stalled:
                 return (f"rank(s) {rank_ranges.compress(stalled)} made no progress for "
-                        f"{self.stall_timeout:g} s (--stall-timeout){self._stuck(state, now)}")
+                        f"{self.stall_timeout:g} s (--stall-timeout){_on_hosts(stalled, state.hosts)}"
+                        f"{self._stuck(state, now)}")
         return None
 
     def _stuck(self, state: JobState, now: float) -> str:
-        """Which running ranks went quiet, and whether they are still alive (heartbeats)."""
+        """Which running ranks went quiet, where, and whether they are still alive (heartbeats): one
+        clause per kind of silence, so that 127 ranks waiting on a 128th read as one."""
         if state.go_at is None:
             return f": only {len(state.hellos)} of {self.np} tasks had started"
-        parts = []
+        quiet: dict[str, list[tuple[int, float]]] = {}
         for rank in state.running():
             silent = now - state.last_progress.get(rank, state.go_at)
             if silent > min(RECENT_PROGRESS, (self.timeout or RECENT_PROGRESS) / 2):
                 heard = now - state.last_heard.get(rank, state.go_at)
                 alive = "alive, e.g. stuck in a collective" if heard < 5 else f"no heartbeat for {heard:.0f} s"
-                parts.append(f"rank {rank} stopped progressing {silent:.0f} s ago ({alive})")
+                quiet.setdefault(alive, []).append((rank, silent))
+        parts = []
+        for alive, silences in quiet.items():
+            ranks = [rank for rank, _ in silences]
+            low, high = min(s for _, s in silences), max(s for _, s in silences)
+            ago = f"{low:.0f}" if f"{low:.0f}" == f"{high:.0f}" else f"{low:.0f}{rank_ranges.DASH}{high:.0f}"
+            who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {rank_ranges.compress(ranks)}"
+            parts.append(f"{who} stopped progressing {ago} s ago{_on_hosts(ranks, state.hosts)} ({alive})")
         return "".join("; " + part for part in parts)
 
     def _handle(self, event: dict, state: JobState, rendezvous, link) -> None:
