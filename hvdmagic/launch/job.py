@@ -292,8 +292,7 @@ class Job:
                        if r in state.last_progress and now - state.last_progress[r] > self.stall_timeout]
             if stalled:
                 return (f"rank(s) {rank_ranges.compress(stalled)} made no progress for "
-                        f"{self.stall_timeout:g} s (--stall-timeout){_on_hosts(stalled, state.hosts)}"
-                        f"{self._stuck(state, now)}")
+                        f"{self.stall_timeout:g} s (--stall-timeout){self._stuck(state, now)}")
         return None
 
     def _stuck(self, state: JobState, now: float) -> str:
@@ -301,10 +300,12 @@ class Job:
         clause per kind of silence, so that 127 ranks waiting on a 128th read as one."""
         if state.go_at is None:
             return f": only {len(state.hellos)} of {self.np} tasks had started"
+        # A stalled rank always counts as quiet: these clauses say where it is.
+        threshold = min(RECENT_PROGRESS, (self.timeout or RECENT_PROGRESS) / 2, self.stall_timeout or RECENT_PROGRESS)
         quiet: dict[str, list[tuple[int, float]]] = {}
         for rank in state.running():
             silent = now - state.last_progress.get(rank, state.go_at)
-            if silent > min(RECENT_PROGRESS, (self.timeout or RECENT_PROGRESS) / 2):
+            if silent > threshold:
                 heard = now - state.last_heard.get(rank, state.go_at)
                 alive = "alive, e.g. stuck in a collective" if heard < 5 else f"no heartbeat for {heard:.0f} s"
                 quiet.setdefault(alive, []).append((rank, silent))
