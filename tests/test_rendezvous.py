@@ -7,14 +7,18 @@ processes may connect to a dead peer and die of SIGABRT (docs/frameworks.md).
 
 from __future__ import annotations
 
+import threading
+import time
+import urllib.error
 import urllib.request
 
 import pytest
 from conftest import run
+from helpers import wait_until
 
 import hvdmagic
 from hvdmagic.launch.layout import compute_layout
-from hvdmagic.launch.rendezvous import Rendezvous
+from hvdmagic.launch.rendezvous import LONG_POLL, Rendezvous
 
 
 def _request(port: int, method: str, path: str, body: bytes | None = None) -> bytes:
@@ -41,6 +45,29 @@ def test_a_scope_that_completes_leaves_a_half_finalized_scopes_progress_alone():
         cache = server._httpd.cache
         assert not cache.get("local_vm") and not cache.get("cross_1"), f"addresses outlived their scope: {cache}"
         assert cache.get("cross_0"), "a scope nobody finalized lost its keys"
+    finally:
+        server.stop()
+
+
+@pytest.mark.unit
+def test_a_request_for_a_key_not_there_yet_waits_for_it_instead_of_being_polled_for():
+    """Gloo asks for a missing key every 10 ms: a GET waits up to LONG_POLL for the PUT that
+    brings it, and a key that never comes is still a 404, once LONG_POLL has passed."""
+    server = Rendezvous("127.0.0.1")
+    got: list = []
+    try:
+        waiting = threading.Thread(target=lambda: got.append(_request(server.port, "GET", "global/rank_1")))
+        waiting.start()
+        arrived = server._httpd.key_arrived
+        wait_until(lambda: arrived._waiters, 10, "the GET for a missing key was answered at once")
+        _request(server.port, "PUT", "global/rank_1", b"address of rank 1")
+        waiting.join(timeout=10)
+        assert got == [b"address of rank 1"], got
+
+        started = time.monotonic()
+        with pytest.raises(urllib.error.HTTPError, match="404"):
+            _request(server.port, "GET", "global/rank_7")
+        assert time.monotonic() - started >= LONG_POLL * 0.9
     finally:
         server.stop()
 

@@ -3,13 +3,24 @@
 RendezvousServer.start() listens on every interface of the driver. We keep
 horovod's class (its init/stop and its HTTP handler) and override start(), so
 the key-value store is reachable on the driver address alone, and the handler's
-DELETE, which in horovod 0.28.1 forgets other scopes' progress (``ScopedHandler``).
+DELETE, which in horovod 0.28.1 forgets other scopes' progress (``ScopedHandler``),
+and its GET, which answers a key not yet there at once (``LONG_POLL``).
 """
 
 from __future__ import annotations
 
+import threading
+
 from horovod.runner.http.http_server import OK, RendezvousHandler, RendezvousHTTPServer, RendezvousServer
 from horovod.runner.util.threads import in_thread
+
+# Gloo's HTTPStore waits for a key by asking for it every 10 ms, each time on a new connection
+# (horovod/common/gloo/http_store.cc, HTTPStore::wait): while 48 ranks waited in hvd.init() for
+# slower ones, that cost the kernel 0.65 s of CPU a rank (docs/performance.md, "128 ranks on 16
+# hosts"). A request for a missing key is held this long, or until a PUT brings the key, so a
+# waiting rank asks twice a second instead of a hundred times. Horovod's client has no
+# read timeout, and the handler's socket timeout (3 s) is longer.
+LONG_POLL = 0.5
 
 
 class ScopedHandler(RendezvousHandler):
@@ -23,7 +34,22 @@ class ScopedHandler(RendezvousHandler):
     ``hvd.init()`` in the same processes (``hvd.shutdown(); hvd.init()``, as horovod's own test
     suite does between tests) may read a dead peer's address: Gloo's connect throws in horovod's
     background thread and the rank dies of SIGABRT (docs/frameworks.md).
+
+    A GET for a key not there yet waits for it up to ``LONG_POLL``.
     """
+
+    def do_GET(self):
+        parts = self.path.split("/")
+        if len(parts) == 3:
+            _, scope, key = parts
+            with self.server.key_arrived:
+                self.server.key_arrived.wait_for(lambda: self._get_value(scope, key) is not None, LONG_POLL)
+        super().do_GET()
+
+    def do_PUT(self):
+        super().do_PUT()
+        with self.server.key_arrived:
+            self.server.key_arrived.notify_all()
 
     def do_DELETE(self):
         parts = self.path.split("/")
@@ -59,6 +85,7 @@ class Rendezvous(RendezvousServer):
 
     def start(self, handler_cls=ScopedHandler) -> int:
         self._httpd = RendezvousHTTPServer((self._host, 0), handler_cls, self._verbose)
+        self._httpd.key_arrived = threading.Condition()  # ScopedHandler's long poll
         # stop() must not wait for requests still being served: an elastic driver stops the
         # rendezvous from the very barrier that a rank's request waits at.
         self._httpd.daemon_threads, self._httpd.block_on_close = True, False
