@@ -54,12 +54,12 @@ import netns  # noqa: E402
 from helpers import spark_cluster  # noqa: E402
 
 from benchmarks import _common  # noqa: E402
+from hvdmagic.blob_transfer import RELAY_ENV  # noqa: E402
 
 log = _common.Log("bench_fanout")
 
 MiB = 1 << 20
 CELL = "%%horovod --np {hosts}\nimport os\n(os.readlink('/proc/self/ns/net'), float({name}[:10].sum()))\n"
-RELAY_ENV = "HVDMAGIC_BLOB_RELAY"  # hvdmagic.blob_transfer.RELAY_ENV
 # The issue's goals: at 16 hosts, the extra time at most this many times 2 hosts', and the
 # kernel sending at most this many copies.
 GOAL_TIME_RATIO = 2.5

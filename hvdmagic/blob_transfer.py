@@ -123,6 +123,28 @@ class RelayOrder:
         return next((host for host in reversed(before) if host not in self._down), None)
 
 
+def serve_each_connection(listener: socket.socket, closed: threading.Event,
+                          serve: Callable[[socket.socket, str], None], name: str) -> None:
+    """Accept connections until ``listener`` closes, each served by ``serve(sock, peer address)``
+    on a thread of its own: the kernel's blob server and a host's relay."""
+    while not closed.is_set():
+        try:
+            sock, (peer, *_) = listener.accept()
+        except OSError:
+            return
+        threading.Thread(target=serve, args=(sock, peer), name=name, daemon=True).start()
+
+
+def read_request(sock: socket.socket, secret: bytes) -> tuple[channel.Link, dict]:
+    """A connection's link and its one request frame, authenticated under the job's secret: a
+    frame that fails the MAC check raises, and nothing is sent."""
+    sock.settimeout(REQUEST_TIMEOUT)  # a peer that connects and says nothing holds no thread for long
+    nonce = secrets.token_bytes(channel.NONCE_SIZE)
+    sock.sendall(nonce)
+    link = channel.Link(sock, secret, nonce, is_server=True)
+    return link, link.recv()
+
+
 class BlobServer:
     """Serves the buffers ``publish`` names, to clients that know the job's secret, or tells a
     client which host to read one from (``RelayOrder``).
@@ -139,6 +161,7 @@ class BlobServer:
         self._buffers: dict[str, memoryview] = {}
         self._labels: dict[str, str] = {}
         self._chunks: dict[str, list[str]] = {}  # computed when a second host asks: one host needs none
+        self._chunking = threading.Lock()  # apart from _lock, which the progress counts take meanwhile
         self._relays = RelayOrder()
         self._lock = threading.Lock()
         self._closed = threading.Event()
@@ -146,7 +169,8 @@ class BlobServer:
         self._received: dict[tuple[str, str], int] = {}  # (host, digest) -> bytes it has, this progress
         self._sock = socket.create_server((host, 0))
         self.address = (host, self._sock.getsockname()[1])
-        self._thread = threading.Thread(target=self._accept_loop, name="hvdmagic-blobs", daemon=True)
+        self._thread = threading.Thread(target=serve_each_connection, name="hvdmagic-blobs", daemon=True,
+                                        args=(self._sock, self._closed, self._serve, "hvdmagic-blob-send"))
         self._thread.start()
 
     def publish(self, buffers: dict[str, memoryview], labels: dict[str, str] | None = None) -> None:
@@ -171,21 +195,9 @@ class BlobServer:
                 self._buffers.pop(digest, None)
                 self._chunks.pop(digest, None)
 
-    def _accept_loop(self) -> None:
-        while not self._closed.is_set():
-            try:
-                sock, (peer, *_) = self._sock.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._serve, args=(sock, peer), name="hvdmagic-blob-send", daemon=True).start()
-
     def _serve(self, sock: socket.socket, peer: str) -> None:
         try:
-            sock.settimeout(REQUEST_TIMEOUT)  # a peer that connects and says nothing holds no thread for long
-            nonce = secrets.token_bytes(channel.NONCE_SIZE)
-            sock.sendall(nonce)
-            link = channel.Link(sock, self._secret, nonce, is_server=True)
-            request = link.recv()  # a frame that fails the MAC check raises: nothing is sent
+            link, request = read_request(sock, self._secret)
             digest = str(request.get("digest", ""))
             offset = int(request.get("offset", 0))
             relay = _address(request.get("relay"))
@@ -202,12 +214,10 @@ class BlobServer:
                 link.send({"size": view.nbytes, "source": None})
                 self._send_bytes(sock, view, offset, peer, digest)
                 return
-            with self._lock:
+            with self._chunking:  # hosts asking at once wait for one computation, not one each
                 chunks = self._chunks.get(digest)
-            if chunks is None:
-                chunks = chunk_digests(view)  # outside the lock: about 0.25 s a GB
-                with self._lock:
-                    self._chunks[digest] = chunks
+                if chunks is None:
+                    chunks = self._chunks[digest] = chunk_digests(view)  # about 0.25 s a GB
             link.send({"size": view.nbytes, "source": list(source)})
             link.send({"chunks": chunks})  # a frame of its own: a first frame may hold 64 KiB only
             while not self._closed.is_set():  # the host's reports, until it has the blob or goes

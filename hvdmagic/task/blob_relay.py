@@ -16,13 +16,12 @@ from __future__ import annotations
 
 import contextlib
 import os
-import secrets
 import socket
 import threading
 from pathlib import Path
 
 from hvdmagic import channel
-from hvdmagic.blob_transfer import PEER_STALL, REQUEST_TIMEOUT, Relay
+from hvdmagic.blob_transfer import PEER_STALL, Relay, read_request, serve_each_connection
 from hvdmagic.protocol import Blob
 
 
@@ -66,7 +65,8 @@ class BlobRelay:
         self._readers: set[socket.socket] = set()
         self._sock = socket.create_server((host, 0))
         self.address = (host, self._sock.getsockname()[1])
-        threading.Thread(target=self._accept_loop, name="hvdmagic-relay", daemon=True).start()
+        threading.Thread(target=serve_each_connection, name="hvdmagic-relay", daemon=True,
+                         args=(self._sock, self._closed, self._serve, "hvdmagic-relay-send")).start()
 
     @contextlib.contextmanager
     def offering(self, blob: Blob, fd: int):
@@ -85,14 +85,6 @@ class BlobRelay:
             arriving.end(failed)
             os.close(arriving.fd)  # readers hold their own duplicate
 
-    def _accept_loop(self) -> None:
-        while not self._closed.is_set():
-            try:
-                sock, _ = self._sock.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._serve, args=(sock,), name="hvdmagic-relay-send", daemon=True).start()
-
     def _open(self, digest: str) -> tuple[int, _Arriving | None]:
         """A descriptor of the blob's file (the reader's own), and its arrival while it arrives."""
         with self._lock:
@@ -103,16 +95,12 @@ class BlobRelay:
             raise FileNotFoundError(digest)  # a name, never a path
         return os.open(self._directory / digest, os.O_RDONLY), None
 
-    def _serve(self, sock: socket.socket) -> None:
+    def _serve(self, sock: socket.socket, peer: str) -> None:
         fd = -1
         with self._lock:
             self._readers.add(sock)
         try:
-            sock.settimeout(REQUEST_TIMEOUT)
-            nonce = secrets.token_bytes(channel.NONCE_SIZE)
-            sock.sendall(nonce)
-            link = channel.Link(sock, self._secret, nonce, is_server=True)
-            request = link.recv()  # a frame that fails the MAC check raises: nothing is sent
+            link, request = read_request(sock, self._secret)
             position = int(request.get("offset", 0))
             try:
                 fd, arriving = self._open(str(request.get("digest", "")))
