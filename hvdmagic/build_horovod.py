@@ -209,6 +209,14 @@ PATCHES = [
      "the Keras backend of horovod.tensorflow.keras"),
     ("horovod/tensorflow/keras/callbacks.py", _KERAS_BACKEND_OLD, _KERAS_BACKEND_NEW,
      "the Keras backend of horovod.tensorflow.keras.callbacks"),
+    # GCC >= 13's libstdc++ no longer includes these through other headers (the GPU machine's
+    # Ubuntu 24.04 has GCC 13.3): "'string' in namespace 'std' does not name a type".
+    ("horovod/common/group_table.h", "#include <unordered_map>\n#include <vector>\n",
+     "#include <string>  // hvdmagic: GCC >= 13\n#include <unordered_map>\n#include <vector>\n",
+     "a missing #include <string> (GCC >= 13)"),
+    ("horovod/common/common.h", "#include <string>\n#include <unordered_map>\n",
+     "#include <stdexcept>  // hvdmagic: GCC >= 13\n#include <string>\n#include <unordered_map>\n",
+     "a missing #include <stdexcept> (GCC >= 13)"),
 ]
 
 
@@ -336,13 +344,59 @@ def usable_toolkit(nvcc: str) -> bool:
     return True
 
 
+def cuda_architectures() -> dict[str, str]:
+    """HOROVOD_BUILD_CUDA_CC_LIST for the GPUs this machine has (nvidia-smi), else for those this torch
+    was built for. horovod's own default list starts at sm_35, which CUDA 13's nvcc no longer knows,
+    and compiling every architecture is slow."""
+    if os.environ.get("HOROVOD_BUILD_CUDA_CC_LIST"):
+        return {}
+    smi = shutil.which("nvidia-smi")
+    out = subprocess.run([smi, "--query-gpu=compute_cap", "--format=csv,noheader"], capture_output=True,
+                         text=True).stdout if smi else ""
+    found = {line.strip().replace(".", "") for line in out.splitlines() if line.strip()}
+    if not found:
+        probe = "import torch; print(torch._C._cuda_getArchFlags())"  # get_arch_list() is [] without a GPU
+        out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True).stdout
+        found = {arch.split("_")[1] for arch in out.split() if arch.startswith("sm_")}
+    if not found:
+        return {}
+    log(f"compiling horovod's CUDA kernels for sm_{', sm_'.join(sorted(found))}")
+    return {"HOROVOD_BUILD_CUDA_CC_LIST": ",".join(sorted(found, key=int))}
+
+
+def nccl_from_wheel() -> dict[str, str]:
+    """HOROVOD_NCCL_INCLUDE/LIB from the nvidia-nccl wheel that a CUDA torch installs, unless the caller
+    names an NCCL. The wheel ships libnccl.so.2 without the libnccl.so that horovod's CMake looks for:
+    a link to it in the cache stands in."""
+    if any(os.environ.get(name) for name in ("HOROVOD_NCCL_HOME", "HOROVOD_NCCL_INCLUDE", "HOROVOD_NCCL_LIB")):
+        return {}
+    for entry in sys.path:
+        home = Path(entry or ".") / "nvidia" / "nccl"
+        if (home / "include" / "nccl.h").exists() and (library := next(home.glob("lib/libnccl.so.*"), None)):
+            break
+    else:
+        log("no HOROVOD_NCCL_HOME and no nvidia-nccl wheel in this Python: horovod's CMake looks for NCCL "
+            "in the CUDA toolkit")
+        return {}
+    links = cache_root().parent / "nccl-link" / hashlib.sha256(str(library).encode()).hexdigest()[:12]
+    links.mkdir(parents=True, exist_ok=True)
+    link = links / "libnccl.so"
+    if not link.exists():
+        link.symlink_to(library.resolve())
+    log(f"NCCL from {home}")
+    return {"HOROVOD_NCCL_INCLUDE": str(home / "include"), "HOROVOD_NCCL_LIB": str(links),
+            "HOROVOD_NCCL_LINK": "SHARED"}
+
+
 def build_flags(frameworks: list[str], gpu: bool | None) -> dict[str, str]:
     """Gloo always; each framework on or off; MPI when an MPI compiler is on PATH; NCCL
     with --gpu (or, without --gpu/--no-gpu, when nvcc is found and a framework is a CUDA build)."""
     flags = dict(BASE_FLAGS)
     for name, (_, switch) in FRAMEWORKS.items():
         flags[f"HOROVOD_WITH{'' if name in frameworks else 'OUT'}_{switch}"] = "1"
-    if shutil.which("mpicxx") and shutil.which("mpirun"):
+    if os.environ.get("HOROVOD_WITHOUT_MPI") == "1":
+        flags["HOROVOD_WITHOUT_MPI"] = "1"  # a wheel for machines without this one's MPI
+    elif shutil.which("mpicxx") and shutil.which("mpirun"):
         flags["HOROVOD_WITH_MPI"] = "1"
         log("MPI found: building with the MPI controller as well as Gloo")
     else:
@@ -358,6 +412,11 @@ def build_flags(frameworks: list[str], gpu: bool | None) -> dict[str, str]:
             fail("--gpu needs the CUDA toolkit: nvcc was not found on PATH, in $HOROVOD_CUDA_HOME/bin, "
                  "$CUDA_HOME/bin or /usr/local/cuda/bin.")
         flags["HOROVOD_GPU_OPERATIONS"] = "NCCL"
+        if not os.environ.get("HOROVOD_CUDA_HOME"):
+            # nvcc's own toolkit: CMake's FindCUDAToolkit, from an nvcc linked into /usr/local/bin, looks
+            # for CUDA's headers in /usr/local/include.
+            flags["HOROVOD_CUDA_HOME"] = str(Path(nvcc).parent.parent)
+        flags.update(cuda_architectures(), **nccl_from_wheel())
     elif cuda_frameworks([name for name in frameworks if name == "pytorch"]):
         # A CUDA torch (the package index's default) on a CPU build: no CUDA in horovod's torch extension.
         flags["HVDMAGIC_CPU_ONLY"] = "1"
@@ -408,12 +467,16 @@ def build(version: str, flags: dict[str, str], dest: Path) -> Path:
                if not key.startswith(("HOROVOD_WITH_", "HOROVOD_WITHOUT_", "HOROVOD_GPU_", "HVDMAGIC_CPU_ONLY",
                                       "HVDMAGIC_WITHOUT_XLA_OPS"))}
         env.update(flags, CXX=str(wrapper))
+        if cuda_home := env.get("HOROVOD_CUDA_HOME"):
+            env.setdefault("CUDA_HOME", cuda_home)  # torch's cpp_extension: where libcudart is
         # Not a flag of the cache key: whether they compile follows from TensorFlow's version, which is.
         if flags.get("HOROVOD_WITH_TENSORFLOW") and (reason := xla_ops_fail(cxx, Path(tmp))):
             env["HVDMAGIC_WITHOUT_XLA_OPS"] = "1"
             log(f"building without horovod's XLA ops (HOROVOD_ENABLE_XLA_OPS): this TensorFlow's headers cannot "
                 f"compile them ({reason})")
         env.setdefault("MAKEFLAGS", f"-j{os.cpu_count() or 2}")
+        # CMake >= 4 (pip's cmake) refuses the bundled Gloo's cmake_minimum_required(VERSION 2.8.12).
+        env.setdefault("CMAKE_POLICY_VERSION_MINIMUM", "3.5")
         out = Path(tmp) / "wheel"
         source = patched_source(version, Path(tmp))
         log(f"building horovod {version} with {' '.join(f'{k}={v}' for k, v in sorted(flags.items()))} "

@@ -1,15 +1,21 @@
-"""What only a GPU shows: NVML's figures on a rank's row, and torch's NCCL flight recorder.
+"""What only a GPU shows: NCCL under Horovod and torch.distributed, pinning, CUDA touched in the kernel
+before a cell, NVML's figures on a rank's row, and torch's NCCL flight recorder.
 
-The tier ``gpu`` runs where an NVIDIA GPU and a CUDA build of torch are (tests/conftest.py
-leaves it out elsewhere and says so). It needs no Spark and no IPython: ``hvdmagic.run``
-and the TorchDistributor drop-in in local mode. docs/diagnostics.md says where it last ran.
-A machine with one GPU runs one NCCL rank: NCCL refuses two ranks on one device, so the
+The tier ``gpu`` runs where an NVIDIA GPU and a CUDA torch are (tests/conftest.py leaves it out
+elsewhere and says so); scripts/gpu_check.sh builds horovod's NCCL operations first and runs it. The
+cells run in an IPython shell with hvdmagic loaded, in local mode (no Spark). A machine with one GPU
+runs one NCCL rank: NCCL refuses two ranks on one device (the last test says what happens), so the
 hang is made with a kernel that spins on the GPU, which the next collective waits behind.
+docs/frameworks.md says where the tier last ran and what it gave.
 """
 
 from __future__ import annotations
 
+import json
+import subprocess
+
 import pytest
+from conftest import run
 
 import hvdmagic
 from hvdmagic.errors import JobFailed, JobTimeout
@@ -18,6 +24,182 @@ pytestmark = pytest.mark.gpu
 
 GIB = 1 << 30
 
+
+# -- Horovod and torch.distributed on the GPU, from IPython cells ------------------------------------------
+def test_horovod_collectives_of_cuda_tensors_run_through_nccl(ip, tmp_path, monkeypatch):
+    timeline = tmp_path / "timeline.json"
+    monkeypatch.setenv("HOROVOD_TIMELINE", str(timeline))  # the ranks inherit the kernel's environment
+    result, error = run(ip, """%%horovod --np -1
+import torch, horovod.torch as hvd
+hvd.init()
+torch.cuda.set_device(hvd.local_rank())
+x = torch.arange(4.0, device="cuda") + hvd.rank()
+summed = hvd.allreduce(x, op=hvd.Sum, name="sum")
+gathered = hvd.allgather(x.unsqueeze(0), name="gather")
+sent = hvd.broadcast(torch.full((3,), 7.0, device="cuda"), root_rank=0, name="bcast")
+torch.cuda.synchronize()
+dict(nccl_built=bool(hvd.nccl_built()), devices={t.device.type for t in (summed, gathered, sent)},
+     summed=summed.tolist(), gathered=gathered.shape[0], sent=sent.tolist(), size=hvd.size())
+""")
+    assert error is None, error
+    assert result["nccl_built"], "horovod was built without NCCL: scripts/gpu_check.sh builds it with --gpu"
+    assert result["devices"] == {"cuda"}, result
+    assert result["summed"] == [float(i) * result["size"] + sum(range(result["size"])) for i in range(4)], result
+    assert result["gathered"] == result["size"] and result["sent"] == [7.0] * 3, result
+    activities = {event.get("name") for event in _timeline_events(timeline)}
+    print("timeline activities:", sorted(name for name in activities if name))
+    assert {"NCCL_ALLREDUCE", "NCCL_ALLGATHER", "NCCL_BCAST"} <= activities, \
+        f"no NCCL activity in the timeline for each collective: a CPU path ran: {sorted(filter(None, activities))}"
+
+
+def _timeline_events(path) -> list[dict]:
+    """Horovod's timeline is a Chrome trace that a running job leaves without its closing bracket."""
+    text = path.read_text().strip().rstrip(",")
+    return json.loads(text if text.endswith("]") else text + "]")
+
+
+CNN = """import torch, torch.nn as nn, torch.nn.functional as F
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv1, self.conv2 = nn.Conv2d(1, 16, 3), nn.Conv2d(16, 32, 3)
+        self.fc = nn.Linear(32 * 5 * 5, 10)
+
+    def forward(self, x):
+        x = F.max_pool2d(F.relu(self.conv1(x)), 2)
+        x = F.max_pool2d(F.relu(self.conv2(x)), 2)
+        return self.fc(x.flatten(1))
+
+def digits(seed, n=2048):
+    # Ten fixed 28x28 patterns plus noise: a task a small CNN learns in a few dozen steps.
+    g = torch.Generator().manual_seed(0)
+    patterns = torch.randn(10, 1, 28, 28, generator=g)
+    g.manual_seed(seed)
+    labels = torch.randint(0, 10, (n,), generator=g)
+    return patterns[labels] + 0.5 * torch.randn(n, 1, 28, 28, generator=g), labels
+"""
+
+TRAIN_LOOP = """x, y = x.cuda(), y.cuda()
+losses = []
+for step in range(60):
+    batch = slice((step * 64) % 2048, (step * 64) % 2048 + 64)
+    opt.zero_grad()
+    loss = F.cross_entropy(model(x[batch]), y[batch])
+    loss.backward()
+    opt.step()
+    losses.append(loss.item())
+"""
+
+
+def test_a_cnn_trains_on_the_gpu_with_horovods_distributed_optimizer(ip):
+    ip.run_cell(CNN)
+    result, error = run(ip, """%%horovod --np -1
+import horovod.torch as hvd
+hvd.init()
+torch.cuda.set_device(hvd.local_rank())
+model = Net().cuda()
+opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+                               named_parameters=model.named_parameters())
+hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+x, y = digits(hvd.rank())
+""" + TRAIN_LOOP + """
+dict(first=losses[0], last=sum(losses[-5:]) / 5, device=str(next(model.parameters()).device))
+""")
+    assert error is None, error
+    print("horovod CNN:", result)
+    assert result["device"] == "cuda:0", result
+    assert result["last"] < result["first"] / 4, f"the loss did not fall: {result}"
+
+
+def test_torchrun_cell_trains_the_cnn_with_ddp_over_nccl(ip):
+    ip.run_cell(CNN)
+    result, error = run(ip, """%%torchrun --np -1
+import os, torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+local_rank = int(os.environ["LOCAL_RANK"])
+torch.cuda.set_device(local_rank)
+dist.init_process_group("nccl")
+model = DDP(Net().cuda(), device_ids=[local_rank])
+opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+x, y = digits(dist.get_rank())
+""" + TRAIN_LOOP + """
+t = torch.ones(2, device="cuda")
+dist.all_reduce(t)
+dict(backend=dist.get_backend(), first=losses[0], last=sum(losses[-5:]) / 5, reduced=t.tolist(),
+     world=dist.get_world_size())
+""")
+    assert error is None, error
+    print("DDP CNN:", result)
+    assert result["backend"] == "nccl", result
+    assert result["reduced"] == [float(result["world"])] * 2, result
+    assert result["last"] < result["first"] / 4, f"the loss did not fall: {result}"
+
+
+def _driver_gpu_indices() -> list[str]:
+    listing = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, check=True).stdout
+    return [str(i) for i, line in enumerate(listing.splitlines()) if line.startswith("GPU ")]
+
+
+@pytest.mark.parametrize("magic", ["horovod", "torchrun"])
+def test_one_rank_sees_only_its_gpu(ip, magic, monkeypatch):
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    result, error = run(ip, f"""%%{magic} --np -1
+import os, torch
+(os.environ.get("CUDA_VISIBLE_DEVICES"), os.environ.get("HVDMAGIC_CUDA_DEVICE"), torch.cuda.device_count(),
+ torch.cuda.get_device_name(0))
+""")
+    assert error is None, error
+    visible, index, count, name = result
+    print(f"%%{magic} --np -1: CUDA_VISIBLE_DEVICES={visible} HVDMAGIC_CUDA_DEVICE={index} count={count} {name}")
+    assert visible == _driver_gpu_indices()[0] and index == "0" and count == 1, result
+
+
+def test_cuda_touched_in_the_kernel_before_a_cell_leaves_the_ranks_working(ip):
+    """Fork-based launchers fail here ("Cannot re-initialize CUDA in forked subprocess"); hvdmagic's
+    ranks are new interpreters, so the kernel's CUDA context is not theirs."""
+    ip.run_cell("import torch\nkernel_side = torch.zeros(1).cuda()\nkernel_cuda = torch.cuda.is_initialized()")
+    assert ip.user_ns["kernel_cuda"] is True
+    result, error = run(ip, """%%horovod --np -1
+import torch, horovod.torch as hvd
+hvd.init()
+torch.cuda.set_device(hvd.local_rank())
+hvd.allreduce(torch.ones(2, device="cuda"), op=hvd.Sum).tolist()
+""")
+    assert error is None, error
+    assert result == [1.0, 1.0], result
+
+
+def test_a_cuda_tensor_of_the_kernel_reaches_the_rank_on_its_gpu(ip):
+    ip.run_cell("import torch\nweights = torch.arange(6.0).cuda()")
+    result, error = run(ip, """%%horovod --np -1
+import torch
+(str(weights.device), (weights * 2).sum().item())
+""")
+    assert error is None, error
+    assert result == ("cuda:0", 30.0), result
+
+
+def test_two_ranks_on_one_gpu_are_told_why_before_launch_then_fail_in_nccl_at_once(ip, monkeypatch):
+    devices = _driver_gpu_indices()
+    if len(devices) != 1:
+        pytest.skip(f"this checks a machine with one GPU; this one has {len(devices)}")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    result, error = run(ip, """%%horovod --np -2 --timeout 30
+import torch, horovod.torch as hvd
+hvd.init()
+torch.cuda.set_device(0)
+hvd.allreduce(torch.ones(2, device="cuda"), op=hvd.Sum).tolist()
+""")
+    note = hvdmagic.last_run().notes[0]
+    print("note before launch:", note)
+    print("outcome:", result if error is None else f"{type(error).__name__}: {error}")
+    assert note.startswith("2 ranks on 1 GPU: NCCL needs one GPU per rank"), note
+    # What NCCL 2.28 did on the H200 (docs/frameworks.md): both ranks fail at once, neither hangs.
+    assert isinstance(error, JobFailed) and "ncclCommInitRank failed: invalid usage" in str(error), error
+
+
+# -- NVML on a rank's row, and torch's flight recorder ---------------------------------------------------
 
 def _busy_gpu(seconds: float) -> float:
     import time

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 
 import pytest
@@ -10,6 +11,7 @@ from conftest import run
 from helpers import execute
 from IPython.core.error import UsageError
 
+import hvdmagic
 from hvdmagic.errors import CaptureError, CellSyntaxError, JobFailed, LaunchError
 
 
@@ -308,3 +310,63 @@ def test_a_framework_version_that_differs_from_the_build_names_the_rebuild(ip, f
 def test_mxnet_says_it_was_retired(ip):
     _, error = run(ip, "%%horovod --np -2\nimport mxnet as mx\nimport horovod.mxnet as hvd")
     assert isinstance(error, LaunchError) and "Apache retired MXNet in 2023" in str(error), error
+
+
+# -- GPUs in local mode, on a fake nvidia-smi (tests/test_gpu.py runs the same on a real GPU) ----------
+@pytest.fixture
+def driver_with_gpus(tmp_path, monkeypatch):
+    """Give the driver ``count`` fake GPUs: an nvidia-smi on PATH that lists them, as the real one does."""
+
+    def give(count: int) -> None:
+        bin_dir = tmp_path / "fake-nvidia"
+        bin_dir.mkdir(exist_ok=True)
+        listing = "\n".join(f"GPU {i}: NVIDIA H200 (UUID: GPU-00000000-0000-0000-0000-00000000000{i})"
+                            for i in range(count))
+        smi = bin_dir / "nvidia-smi"
+        smi.write_text(f"#!/bin/sh\ncat <<'LISTING'\n{listing}\nLISTING\n")
+        smi.chmod(0o755)
+        monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+
+    return give
+
+
+PINNING_CELL = """import os, horovod.torch as hvd
+hvd.init()
+hvd.allgather_object((hvd.local_rank(), os.environ.get("CUDA_VISIBLE_DEVICES"), os.environ.get("HVDMAGIC_CUDA_DEVICE")))
+"""
+
+
+def test_local_ranks_are_pinned_to_the_drivers_gpus_in_local_rank_order(ip, driver_with_gpus):
+    """As on Spark: each rank sees its job's GPUs on its host, its own at index hvd.local_rank(), which is
+    what Horovod code passes to torch.cuda.set_device."""
+    driver_with_gpus(3)
+    result, error = run(ip, f"%%horovod --np -2\n{PINNING_CELL}")
+    assert error is None, error
+    assert result == [(0, "0,1", "0"), (1, "0,1", "1")], result
+    assert not hvdmagic.last_run().notes, hvdmagic.last_run().notes
+
+
+def test_more_local_ranks_than_gpus_say_why_nccl_will_fail_before_launch(ip, driver_with_gpus):
+    """NCCL refuses two ranks on one GPU (tests/test_gpu.py shows what it does): the run says so in one
+    paragraph before its ranks start, and still runs unpinned, since Gloo with CPU tensors works."""
+    driver_with_gpus(1)
+    result, error = run(ip, f"%%horovod --np -2\n{PINNING_CELL}")
+    assert error is None, error
+    assert result == [(0, None, None), (1, None, None)], result
+    (note,) = hvdmagic.last_run().notes
+    assert note.startswith("2 ranks on 1 GPU: NCCL needs one GPU per rank"), note
+    assert "Use --np -1, or Gloo for CPU tensors" in note, note
+
+
+def test_ranks_are_started_fresh_not_forked_from_the_kernel(ip):
+    """Why CUDA touched in the kernel cannot break a rank (tests/test_gpu.py checks it on a GPU): every
+    rank is a new interpreter (exec), sharing no memory, and so no CUDA context, with the kernel."""
+    result, error = run(ip, """%%horovod --np -1
+import os, sys
+(os.getpid(), sys.argv[0], open(f"/proc/{os.getpid()}/cmdline", "rb").read().split(b"\\0")[:3])
+""")
+    assert error is None, error
+    pid, _argv0, cmdline = result
+    assert pid != os.getpid()
+    assert cmdline[1:3] == [b"-m", b"hvdmagic.rank"], cmdline

@@ -334,3 +334,40 @@ def test_a_hang_among_128_ranks_names_the_quiet_rank_and_its_host_in_one_clause_
     assert "rank 84 stopped progressing 40 s ago, on host11 (no heartbeat for 40 s)" in message, message
     assert "ranks 0–83, 85–127 stopped progressing 30 s ago, on 16 hosts (alive" in message, message
     assert message.count("stopped progressing") == 2, message
+
+
+# -- build_horovod's GPU flags (the GPU machine's build: tests/test_gpu.py, scripts/gpu_check.sh) ---------
+def test_a_gpu_build_compiles_for_the_gpus_nvidia_smi_lists(tmp_path, monkeypatch):
+    from hvdmagic import build_horovod
+
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text("#!/bin/sh\necho 9.0\necho 9.0\necho 8.6\n")
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:/usr/bin:/bin")
+    monkeypatch.delenv("HOROVOD_BUILD_CUDA_CC_LIST", raising=False)
+    assert build_horovod.cuda_architectures() == {"HOROVOD_BUILD_CUDA_CC_LIST": "86,90"}
+    monkeypatch.setenv("HOROVOD_BUILD_CUDA_CC_LIST", "80")
+    assert build_horovod.cuda_architectures() == {}, "the caller's list wins (it passes through)"
+
+
+def test_a_gpu_build_finds_nccl_in_the_nvidia_wheel_through_a_link_named_as_cmake_expects(tmp_path, monkeypatch):
+    from hvdmagic import build_horovod
+
+    site = tmp_path / "site-packages"
+    (site / "nvidia" / "nccl" / "include").mkdir(parents=True)
+    (site / "nvidia" / "nccl" / "include" / "nccl.h").write_text("")
+    (site / "nvidia" / "nccl" / "lib").mkdir()
+    (site / "nvidia" / "nccl" / "lib" / "libnccl.so.2").write_text("")
+    monkeypatch.setattr("sys.path", [str(site)])
+    monkeypatch.setenv("HVDMAGIC_CACHE", str(tmp_path / "cache"))
+    for name in ("HOROVOD_NCCL_HOME", "HOROVOD_NCCL_INCLUDE", "HOROVOD_NCCL_LIB"):
+        monkeypatch.delenv(name, raising=False)
+    flags = build_horovod.nccl_from_wheel()
+    assert flags["HOROVOD_NCCL_INCLUDE"] == str(site / "nvidia" / "nccl" / "include")
+    assert flags["HOROVOD_NCCL_LINK"] == "SHARED"
+    link = tmp_path / "cache" / "hvdmagic" / "nccl-link"
+    assert (link / flags["HOROVOD_NCCL_LIB"].rsplit("/", 1)[1] / "libnccl.so").resolve() == \
+        (site / "nvidia" / "nccl" / "lib" / "libnccl.so.2").resolve()
+    assert build_horovod.nccl_from_wheel() == flags, "a second build reuses the link"
+    monkeypatch.setenv("HOROVOD_NCCL_HOME", "/opt/nccl")
+    assert build_horovod.nccl_from_wheel() == {}, "the caller's NCCL wins"

@@ -101,11 +101,12 @@ def make_backend(placement: Placement, on_event: Callable[[dict], None] | None, 
             if placement.where == Where.LOCAL:
                 from hvdmagic.launch.local import LocalBackend
 
-                return LocalBackend(placement.tasks, data, gpus=placement.gpus)
-            from hvdmagic.launch.spark import SparkBackend
+                backend = LocalBackend(placement.tasks, data, gpus=placement.gpus)
+            else:
+                from hvdmagic.launch.spark import SparkBackend
 
-            backend = SparkBackend(placement.tasks, spark, data, on_stage=on_stage, gpus=placement.gpus,
-                                   elastic_start=placement.np if placement.elastic else None)
+                backend = SparkBackend(placement.tasks, spark, data, on_stage=on_stage, gpus=placement.gpus,
+                                       elastic_start=placement.np if placement.elastic else None)
             for note in backend.notes:
                 notify(protocol.note(note))
             return backend

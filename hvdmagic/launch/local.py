@@ -28,10 +28,25 @@ class LocalBackend(Backend):
         self.np = np
         self.data = data
         self.notes: list[str] = []
-        self.gpus = driver_gpus(np) if gpus else [[] for _ in range(np)]  # one device per task
+        # One device per task: required (use_gpu), else wherever the driver has one for each rank.
+        self.gpus = driver_gpus(np) if gpus else self._gpus_if_enough(np)
         self._threads: list[threading.Thread] = []
         self._errors: list[str] = []
         self._shard_dir: str | None = None
+
+    def _gpus_if_enough(self, np: int) -> list[list[str]]:
+        """Pin rank i to the driver's GPU i when it has one for each rank. With more ranks than GPUs,
+        NCCL fails (it refuses two ranks on one device): say so before the launch, and leave the ranks
+        unpinned, since a cell that reduces CPU tensors over Gloo still runs."""
+        devices = driver_devices()
+        if devices and np > len(devices):
+            self.notes.append(
+                f"{np} ranks on {len(devices)} GPU{'s' if len(devices) > 1 else ''}: NCCL needs one GPU per rank, "
+                "so its collectives fail here (\"invalid usage\", \"Duplicate GPU detected\"). Use "
+                f"--np -{len(devices)}, or Gloo for CPU tensors (torch.distributed's gloo backend also takes CUDA "
+                "tensors). The ranks are not pinned: each sees every GPU.")
+            devices = []
+        return [[device] for device in devices[:np]] if devices else [[] for _ in range(np)]
 
     def describe(self) -> str:
         return f"local mode, {self.np} processes on the driver"
@@ -75,23 +90,25 @@ class LocalBackend(Backend):
             shutil.rmtree(self._shard_dir, ignore_errors=True)
 
 
-def driver_gpus(np: int) -> list[list[str]]:
-    """One of the driver's GPUs per task, found without initialising CUDA in the kernel.
-
-    CUDA_VISIBLE_DEVICES when set, else nvidia-smi's list; fewer GPUs than tasks fail
-    the launch here, in one paragraph, rather than in every rank.
-    """
+def driver_devices() -> list[str]:
+    """The driver's GPUs, found without initialising CUDA in the kernel: CUDA_VISIBLE_DEVICES when set,
+    else nvidia-smi's list."""
     import shutil
     import subprocess
 
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if visible is not None:
-        devices = [d.strip() for d in visible.split(",") if d.strip()]
-    elif shutil.which("nvidia-smi"):
-        listing = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True).stdout
-        devices = [str(i) for i, line in enumerate(listing.splitlines()) if line.startswith("GPU ")]
-    else:
-        devices = []
+        return [d.strip() for d in visible.split(",") if d.strip()]
+    if not shutil.which("nvidia-smi"):
+        return []
+    listing = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True).stdout
+    return [str(i) for i, line in enumerate(listing.splitlines()) if line.startswith("GPU ")]
+
+
+def driver_gpus(np: int) -> list[list[str]]:
+    """One of the driver's GPUs per task; fewer GPUs than tasks fail the launch here, in one
+    paragraph, rather than in every rank."""
+    devices = driver_devices()
     if len(devices) < np:
         raise LaunchError(f"{np} processes with a GPU each need {np} GPUs on the driver, and it has {len(devices)} "
                           "(CUDA_VISIBLE_DEVICES or nvidia-smi). Use fewer processes, use_gpu=False, or the "
