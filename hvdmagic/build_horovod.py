@@ -36,10 +36,14 @@ horovod 0.28.1's sdist does not build against today's frameworks as it is:
     uses ``tf.keras.backend``, which is what it meant. And since horovod's Keras
     DistributedOptimizer silently does not average gradients under Keras 3, importing
     horovod.tensorflow.keras there raises an ImportError that says what to do.
+  * GCC >= 13: two headers lack the <string> and <stdexcept> that older libstdc++
+    brought in through other headers.
+- CMake >= 4 refuses the bundled Gloo's minimum version without CMAKE_POLICY_VERSION_MINIMUM.
 
 MPI is built in when ``mpicxx`` and ``mpirun`` are on PATH (Gloo always is). ``--gpu``
 builds NCCL operations (HOROVOD_GPU_OPERATIONS=NCCL); it needs the CUDA toolkit
-(nvcc) and NCCL (``HOROVOD_NCCL_HOME``, or the nvidia-nccl wheel of a CUDA torch). With
+(nvcc) and NCCL (``HOROVOD_NCCL_HOME``, or the nvidia-nccl wheel of a CUDA torch), and compiles
+CUDA kernels for the GPUs nvidia-smi lists (HOROVOD_BUILD_CUDA_CC_LIST). With
 neither ``--gpu`` nor ``--no-gpu`` it is on when nvcc is found and a framework is a CUDA
 build. See docs/frameworks.md.
 
