@@ -62,16 +62,21 @@ def test_ranks_whose_last_collectives_match_are_shown_once():
 
 @pytest.mark.unit
 def test_the_rank_gets_a_private_directory_and_the_users_own_settings_win():
-    recorder = FlightRecorder({})
+    recorder = FlightRecorder({}, torch_version="2.13.0+cpu")
     env = recorder.environment()
     prefix = str(recorder.directory / "nccl_trace_rank_")
+    # Only the names torch 2.13 reads: the old ones make every rank print a deprecation warning.
     assert env == {"TORCH_NCCL_DUMP_ON_TIMEOUT": "1", "TORCH_FR_DUMP_TEMP_FILE": prefix,
-                   "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": prefix, "TORCH_FR_DEBUG_INFO_PIPE_FILE": prefix,
-                   "TORCH_NCCL_DEBUG_INFO_PIPE_FILE": prefix, "TORCH_FR_BUFFER_SIZE": "2000",
-                   "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000"}
+                   "TORCH_NCCL_DEBUG_INFO_PIPE_FILE": prefix, "TORCH_FR_BUFFER_SIZE": "2000"}
     assert recorder.directory.stat().st_mode & 0o777 == 0o700, "a dump is read by unpickling: nobody else writes here"
     recorder.close()
     assert not recorder.directory.exists(), "an empty directory is not left behind"
+
+    older = FlightRecorder({}, torch_version="2.7.0")  # Databricks 17.3's torch knows only the old names
+    prefix = str(older.directory / "nccl_trace_rank_")
+    assert older.environment() == {"TORCH_NCCL_DUMP_ON_TIMEOUT": "1", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": prefix,
+                                   "TORCH_NCCL_DEBUG_INFO_PIPE_FILE": prefix, "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000"}
+    older.close()
 
     mine = FlightRecorder({"TORCH_NCCL_DEBUG_INFO_TEMP_FILE": "/shared/fr/rank_", "TORCH_FR_BUFFER_SIZE": "50"})
     assert mine.environment() == {} and mine.directory is None and mine.prefix == "/shared/fr/rank_"

@@ -250,21 +250,45 @@ def where(timeout: float = 10.0) -> str:
     """Where every rank of the live run is now: each one's Python stacks (and, where py-spy is
     installed, its native frames), ranks in the same place grouped.
 
-    A running cell holds the kernel, so this is for another thread or a kernel subshell; in
-    JupyterLab the dashboard's "where are the ranks?" button does the same. The answers also
-    stay in ``last_run().where``. ``timeout``: seconds to wait for the ranks' answers (py-spy
-    takes about a second, more on a busy host; it ends once every rank answered).
+    A running cell holds the kernel, so a notebook cell that asks waits until the run is over: ask
+    from a subshell console (JupyterLab >= 4.4 with ipykernel >= 7, "New Subshell Console for
+    Notebook"), which runs beside the cell, or press the dashboard's "where are the ranks?" button.
+    The answers also stay in ``last_run().where``. With no run live, it shows where the last run's
+    ranks were when last asked, or when the run was stopped. ``timeout``: seconds to wait for the
+    ranks' answers (py-spy takes about a second, more on a busy host; it ends once every rank answered).
     """
     from hvdmagic import stacks
     from hvdmagic.kernel.record import last_run
 
     record = last_run()
     if record is None or record.state not in ("launching", "running"):
-        return ("hvdmagic: no run is live. A run stopped by --timeout, --stall-timeout or Stop showed where its "
-                "ranks were in its error (hvdmagic.last_run().stacks).")
+        return _where_they_were(record)
     record.ask_where()
     running = {rank.rank for rank in record.ranks if rank.state in ("launching", "running")}
     deadline = time.monotonic() + timeout
     while not running <= record.where.keys() and time.monotonic() < deadline:
         time.sleep(0.05)  # the answers arrive on the job's thread; there is no event to wait on here
     return "\n".join(stacks.describe(dict(record.where), "task" if record.elastic else "rank"))
+
+
+WHERE_LIVE = ("While a cell runs, a notebook cell that asks waits behind it: press the cell's \"where are the "
+              "ranks?\" button, or ask in a subshell console (JupyterLab >= 4.4: \"New Subshell Console for "
+              "Notebook\"), which runs beside the cell.")
+
+
+def _where_they_were(record) -> str:
+    """With no run live: what the last run kept (its ranks' last answers, else their stacks when it was
+    stopped), and how to ask while a run is live."""
+    from hvdmagic import stacks
+
+    noun = "task" if record is not None and record.elastic else "rank"
+    if record is not None and record.stacks:
+        kept = ["hvdmagic: no run is live. Where the last run's ranks were when it was stopped:",
+                *stacks.describe(dict(record.stacks), noun)]
+    elif record is not None and record.where:
+        asked = f" at {time.strftime('%H:%M:%S', time.localtime(record.where_asked))}" if record.where_asked else ""
+        kept = [f"hvdmagic: no run is live. The last run's ranks when last asked{asked}:",
+                *stacks.describe(dict(record.where), noun)]
+    else:
+        kept = ["hvdmagic: no run is live, and the last run kept no stacks."]
+    return "\n".join([*kept, WHERE_LIVE])

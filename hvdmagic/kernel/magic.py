@@ -65,8 +65,9 @@ def cell_help(magic: str, parser, what: str, example: str, local_example: str) -
     options = [(_invocation(action), action.help or "") for action in parser._actions if action.option_strings]
     width = max(len(name) for name, _ in options) + 2
     line = magic[1:]
-    sessions = (f"Sessions: {line} start --np N starts ranks that stay up; cells without --np run on them "
-                f"and keep their state. {line} status | {line} stop | {line} env; {line}? has more.")
+    sessions = (f"Sessions: {line} start --np N keeps ranks up, with their state, for cells without --np; "
+                f"{line} status | stop | env | where (a live run's stacks: ask from a subshell console); "
+                f"{line}? has more.")
     return "\n".join([
         *textwrap.wrap(f"{magic} --np N [options]: {what}", HELP_WIDTH),
         "",
@@ -216,7 +217,8 @@ evaluate(model)                                   # rank 0's value: the result, 
         record = execute(capture.payload, placement, timeout=args.timeout, stall_timeout=args.stall_timeout,
                          data=data, results=ResultPolicy.ALL_OR_REPR, session=session, command=magic,
                          timeline=timeline, captured=capture.summary(), env=env,
-                         charts_expected=bool(args.metrics or LOGS_METRICS.search(source)))
+                         charts_expected=bool(args.metrics or LOGS_METRICS.search(source)),
+                         cell=capture.function)
         if args.out:
             self.shell.user_ns[args.out] = record.result
         if args.metrics:

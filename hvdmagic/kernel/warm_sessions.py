@@ -89,7 +89,8 @@ COMMANDS = {
     "status": "each rank's host, busy or idle, its memory and idle time",
     "stop": "stop the ranks, freeing their Spark slots and GPUs",
     "env": "this kernel's Python and packages beside each executor host's",
-    "where": "where each rank of the run under way is now (its Python stack)",
+    "where": "where each rank of the live run is now (its Python stack); a notebook cell waits behind the\n"
+             "      running one, so ask from a subshell console, or press the cell's where button",
 }
 
 

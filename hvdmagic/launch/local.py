@@ -5,6 +5,7 @@ Runs in the kernel; matches ``launch.backend.Backend``.
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import tempfile
@@ -93,16 +94,21 @@ class LocalBackend(Backend):
 def driver_devices() -> list[str]:
     """The driver's GPUs, found without initialising CUDA in the kernel: CUDA_VISIBLE_DEVICES when set,
     else nvidia-smi's list."""
-    import shutil
-    import subprocess
-
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if visible is not None:
         return [d.strip() for d in visible.split(",") if d.strip()]
-    if not shutil.which("nvidia-smi"):
-        return []
-    listing = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True).stdout
-    return [str(i) for i, line in enumerate(listing.splitlines()) if line.startswith("GPU ")]
+    smi = shutil.which("nvidia-smi")
+    return list(_listed_gpus(smi)) if smi else []
+
+
+@functools.cache
+def _listed_gpus(smi: str) -> tuple[str, ...]:
+    """nvidia-smi's GPU indices, asked once per kernel: it takes a tenth of a second or more, and a
+    machine's GPUs do not change under a running kernel."""
+    import subprocess
+
+    listing = subprocess.run([smi, "-L"], capture_output=True, text=True).stdout
+    return tuple(str(i) for i, line in enumerate(listing.splitlines()) if line.startswith("GPU "))
 
 
 def driver_gpus(np: int) -> list[list[str]]:

@@ -1,7 +1,8 @@
 """A rank's NCCL flight recorder, as its supervisor sees it: where torch writes it, how to ask for it.
 
-Each rank gets a directory of its own for torch's dumps, named in the variables torch reads
-(newer names and older ones alike), unless the user's environment names its own:
+Each rank gets a directory of its own for torch's dumps, named in the variables the installed torch
+reads (RECORDER_NAMES: torch 2.8 renamed two of them and warns, on every rank, about the old names),
+unless the user's environment names its own:
 
 - the dump file's prefix: torch writes ``<prefix><rank>`` when its watchdog times a
   collective out (``TORCH_NCCL_DUMP_ON_TIMEOUT``, set here, so it does);
@@ -18,12 +19,14 @@ this host: reading it trusts nothing that came from the network.
 from __future__ import annotations
 
 import errno
+import functools
 import os
 import pickle
 import shutil
 import socket
 import tempfile
 import time
+from importlib import metadata
 from pathlib import Path
 
 from hvdmagic import flight_records
@@ -36,28 +39,55 @@ SETTLE = 0.2  # seconds a dump's size must hold still before it is read: torch w
 ASKED_WAIT = 6.0  # seconds torch gets to write a dump it was asked for through its pipe (see the docstring)
 
 
+# The variables torch reads, by its version: torch >= 2.8 reads TORCH_FR_* first, and each rank prints
+# "Environment variable TORCH_NCCL_TRACE_BUFFER_SIZE is deprecated" where the old name is set (read off
+# the strings of libtorch 2.7 to 2.13). The pipe and the dump-on-timeout switch kept their names.
+OLD_NAMES = {"buffer": "TORCH_NCCL_TRACE_BUFFER_SIZE", "dump": "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"}
+NEW_NAMES = {"buffer": "TORCH_FR_BUFFER_SIZE", "dump": "TORCH_FR_DUMP_TEMP_FILE"}
+PIPE_NAME = "TORCH_NCCL_DEBUG_INFO_PIPE_FILE"
+
+
+def recorder_names(torch_version: str | None) -> dict[str, str]:
+    """The names of the buffer-size and dump-file variables that this torch reads (its metadata's version;
+    None, as without torch, gives the new names, which an old torch ignores harmlessly)."""
+    if torch_version is None:
+        return NEW_NAMES
+    try:
+        major, minor = (int(part) for part in torch_version.split("+")[0].split(".")[:2])
+    except ValueError:
+        return NEW_NAMES
+    return NEW_NAMES if (major, minor) >= (2, 8) else OLD_NAMES
+
+
+@functools.cache
+def installed_torch_version() -> str | None:
+    """From the metadata, without importing torch (seconds) in the supervisor."""
+    try:
+        return metadata.version("torch")
+    except metadata.PackageNotFoundError:
+        return None
+
+
 class FlightRecorder:
     """The flight-recorder directory of one rank process, from its start to its reaping."""
 
-    def __init__(self, env: dict[str, str]):
-        user_prefix = env.get("TORCH_FR_DUMP_TEMP_FILE") or env.get("TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
+    def __init__(self, env: dict[str, str], torch_version: str | None = None):
+        user_prefix = env.get(NEW_NAMES["dump"]) or env.get(OLD_NAMES["dump"])
         self._own = user_prefix is None
         self.directory = Path(tempfile.mkdtemp(prefix="hvdmagic-flight-")) if self._own else None
         self.prefix = str(self.directory / PREFIX) if self._own else user_prefix
-        self._pipe_prefix = (env.get("TORCH_FR_DEBUG_INFO_PIPE_FILE") or env.get("TORCH_NCCL_DEBUG_INFO_PIPE_FILE")
-                             or (self.prefix if self._own else None))
+        self._pipe_prefix = env.get(PIPE_NAME) or (self.prefix if self._own else None)
         self._env = env
+        self._names = recorder_names(torch_version or installed_torch_version())
 
     def environment(self) -> dict[str, str]:
-        """The variables to add to the rank's environment (none that the user set)."""
+        """The variables to add to the rank's environment, in the names this torch reads (none that the
+        user set)."""
         if not self._own:
             return {}
-        pipes = self._pipe_prefix
-        wanted = {"TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
-                  "TORCH_FR_DUMP_TEMP_FILE": self.prefix, "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": self.prefix,
-                  "TORCH_FR_DEBUG_INFO_PIPE_FILE": pipes, "TORCH_NCCL_DEBUG_INFO_PIPE_FILE": pipes}
-        if not (self._env.get("TORCH_FR_BUFFER_SIZE") or self._env.get("TORCH_NCCL_TRACE_BUFFER_SIZE")):
-            wanted.update(TORCH_FR_BUFFER_SIZE=BUFFER_ENTRIES, TORCH_NCCL_TRACE_BUFFER_SIZE=BUFFER_ENTRIES)
+        wanted = {"TORCH_NCCL_DUMP_ON_TIMEOUT": "1", self._names["dump"]: self.prefix, PIPE_NAME: self._pipe_prefix}
+        if not (self._env.get(NEW_NAMES["buffer"]) or self._env.get(OLD_NAMES["buffer"])):
+            wanted[self._names["buffer"]] = BUFFER_ENTRIES
         return {name: value for name, value in wanted.items() if name not in self._env}
 
     def _pipes(self) -> list[Path]:
