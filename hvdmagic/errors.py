@@ -69,8 +69,17 @@ class RankFailure:
         return kind in FALLOUT or (kind.endswith("Error") and any(sign in self.summary for sign in PEER_GONE))
 
 
+# How the launcher's watchdog (``launch.job``) says a silent rank still sends heartbeats. Where the
+# stacks say where the rank is, the guess gives way to them (``JobFailed._headline``).
+ALIVE_GUESS = "alive, e.g. stuck in a collective"
+
+
 class JobFailed(HvdmagicError, RuntimeError):
-    """One or more ranks failed; the others were stopped."""
+    """One or more ranks failed; the others were stopped.
+
+    Its message is made when it is shown (``str``): the kernel names the notebook cells in
+    ``stacks`` after the launcher raised it (``kernel.runner``), and the message says where
+    the ranks were from them (``stacks.summary``)."""
 
     MAX_TRACEBACKS = 3
     QUIET_LINES = 20
@@ -100,9 +109,14 @@ class JobFailed(HvdmagicError, RuntimeError):
             parts.append(f"rank(s) {rank_ranges.compress(others)} failed too")
         if self.stopped:
             parts.append(f"rank(s) {rank_ranges.compress(self.stopped)} were stopped")
+        where = rank_stacks.summary(self.stacks)
         if self.note:
-            parts.append(self.note)
-        return "; ".join(parts) + "."
+            parts.append(self.note.replace(f"({ALIVE_GUESS})", "(alive)") if where else self.note)
+        headline = "; ".join(parts) + "."
+        return f"{headline} {where[0].upper()}{where[1:]}." if where else headline
+
+    def __str__(self) -> str:
+        return self._headline()
 
     def _render_traceback_(self) -> list[str]:
         lines = [f"{type(self).__name__}: {self}"]

@@ -300,6 +300,9 @@ class StageReached(TypedDict, total=False):
     type: Literal[Event.STAGE]
     stage: Stage
     rank: int  # absent: the driver reached it
+    # A rank's, with stage IMPORTING: the framework it starts importing ("tensorflow"), "" once that
+    # import is done (rank.framework_imports); absent from every other stage message.
+    importing: str
 
 
 class Idle(TypedDict):

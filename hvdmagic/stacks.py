@@ -8,11 +8,19 @@ thread's innermost Python call, shown under the Python stacks. A rank that a cra
 kills waits in its crash hold (``rank.crash_hold``) while its supervisor reads it with py-spy;
 ``died_in`` writes those frames out in the task, after the fault handler's dump on the rank's
 stderr. This module reads that text in the kernel: standard library only.
+
+A frame in a notebook cell is written as the file the cell was compiled into, which exists in
+the kernel alone; ``name_cells`` names it as IPython does (``Cell In[5], line 3``), with its line,
+from what the kernel knows of its cells (``kernel.cell_frames``). ``summary`` says in one sentence
+where each group of ranks is: in which of the user's functions, or waiting in which collective.
 """
 
 from __future__ import annotations
 
 import json
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from hvdmagic import rank_ranges
 from hvdmagic.protocol import NATIVE_STACKS_MARK
@@ -201,3 +209,115 @@ def describe(stacks: dict[int, str], noun: str = "rank") -> list[str]:
 
 def _indented(text: str, by: int) -> list[str]:
     return [" " * by + line if line else "" for line in text.splitlines()]
+
+
+# A frame as the fault handler writes it: '  File "/tmp/ipykernel_7/3.py", line 3 in slow_step'.
+_FILE_FRAME = re.compile(r'^(?P<indent> *)File "(?P<file>.*)", line (?P<line>\d+) in (?P<function>.*)$')
+# A frame ``name_cells`` named: '  Cell In[5], line 3 in slow_step', its source line under it.
+_CELL_FRAME = re.compile(r"^(?P<indent> *)(?P<file>Cell In\[\d+\]), line (?P<line>\d+) in (?P<function>.*)$")
+
+# A frame's file -> (its notebook cell's name, "Cell In[5]", and the cell's lines), or None for a file of no cell.
+CellLookup = Callable[[str], tuple[str, Sequence[str]] | None]
+
+
+def name_cells(text: str, cell_of: CellLookup) -> str:
+    """``text`` (``user_stacks``) with each frame in a notebook cell named as IPython's tracebacks name it,
+    its source line under it, as a traceback shows it::
+
+        Cell In[5], line 3 in slow_step
+          time.sleep(60)
+
+    Other frames, native frames and text named already stay as they are."""
+    lines = []
+    for line in text.splitlines():
+        frame = _FILE_FRAME.match(line)
+        cell = cell_of(frame["file"]) if frame else None
+        if cell is None:
+            lines.append(line)
+            continue
+        (name, source), number, indent = cell, int(frame["line"]), frame["indent"]
+        lines.append(f"{indent}{name}, line {number} in {frame['function']}")
+        code = source[number - 1].strip() if 0 < number <= len(source) else ""
+        if code:
+            lines.append(f"{indent}  {code}")
+    return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class _Frame:
+    file: str  # a path, "<horovod-cell>" or, once named, "Cell In[5]"
+    line: int
+    function: str
+
+    @property
+    def place(self) -> str:
+        """Where it is, short: "Cell In[5], line 3", "train.py, line 12"."""
+        return f"{self.file.rsplit('/', 1)[-1]}, line {self.line}"
+
+
+# Frames that are not the user's own code: installed packages, the standard library, frozen modules.
+_LIBRARY = re.compile(r"/(site|dist)-packages/|/lib(64)?/python\d[\d.]*/|^<frozen ")
+# Frames of the collectives a rank waits in for the others: Horovod's (its synchronize, under
+# allreduce and the rest), torch.distributed's. Wherever either is installed from.
+_COLLECTIVE = re.compile(r"/horovod/|/torch/distributed/")
+# Functions that only wrap a collective (torch's c10d_logger decorates dist.all_reduce with ``wrapper``).
+_WRAPPERS = ("wrapper", "inner", "wrapped", "decorator")
+SUMMARY_PLACES = 4  # the groups a summary names; the stacks under it show the rest
+
+
+def _frames(thread: str) -> list[_Frame]:
+    found = (_FILE_FRAME.match(line) or _CELL_FRAME.match(line) for line in thread.splitlines())
+    return [_Frame(m["file"], int(m["line"]), m["function"]) for m in found if m]
+
+
+def _users(frame: _Frame) -> bool:
+    return not (_LIBRARY.search(frame.file) or _COLLECTIVE.search(frame.file))
+
+
+def _place(stack: str) -> tuple[bool, str] | None:
+    """Where a rank is, from its stacks (most recent call first): (whether it waits in a collective,
+    what it does there), e.g. (True, "`allreduce` (Cell In[6], line 7)"); None without a frame.
+
+    The thread read is the first of its Python stacks (the interrupted one) that runs the user's code:
+    its innermost frame of user code says where it is; its innermost frame of all, whether it waits."""
+    threads = [frames for part in split(stack)[0].split("\n\n") if (frames := _frames(part))]
+    if not threads:
+        return None
+    frames = next((t for t in threads if any(map(_users, t))), threads[0])
+    own = next((frame for frame in frames if _users(frame)), None)
+    at = f" ({own.place})" if own is not None else ""
+    if _COLLECTIVE.search(frames[0].file):
+        # The collective the user called: the outermost frame of the collective's library under the
+        # user's call (torch's autograd may sit in between: Horovod's allreduce is a torch Function).
+        called = [frame for frame in frames[:frames.index(own) if own else len(frames)]
+                  if _COLLECTIVE.search(frame.file)]
+        named = [frame for frame in called if not frame.function.startswith("_") and frame.function not in _WRAPPERS]
+        return True, f"`{(named or called)[-1].function}`{at}"
+    if own is None:
+        return False, f"`{frames[0].function}` ({frames[0].place})"
+    if own.function == "<module>":
+        return False, f"at {own.place}"
+    return False, f"`{own.function}`{at}"
+
+
+def summary(stacks: dict[int, str], noun: str = "rank") -> str:
+    """Where the ranks are, in one sentence, ranks in the same place together: "rank 1 is in
+    `slow_step` (Cell In[5], line 3); ranks 0, 2–23 wait in `allreduce` (Cell In[6], line 7)".
+    The ranks that do not wait in a collective come first: they are the news. "" without a frame."""
+    places: dict[tuple[bool, str], list[int]] = {}
+    for rank in sorted(stacks):
+        if (place := _place(stacks[rank])) is not None:
+            places.setdefault(place, []).append(rank)
+    ordered = sorted(places.items(), key=lambda item: (item[0][0], item[1][0]))
+    parts = []
+    for (waits, what), ranks in ordered[:SUMMARY_PLACES]:
+        one = len(ranks) == 1
+        if waits:
+            verb = "waits in" if one else "wait in"
+        else:
+            verb = ("is" if one else "are") + ("" if what.startswith("at ") else " in")
+        parts.append(f"{rank_ranges.label(ranks, noun)} {verb} {what}")
+    elsewhere = [rank for _, ranks in ordered[SUMMARY_PLACES:] for rank in ranks]
+    if elsewhere:
+        parts.append(f"{rank_ranges.label(elsewhere, noun)} {'is' if len(elsewhere) == 1 else 'are'} elsewhere")
+    return "; ".join(parts)

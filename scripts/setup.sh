@@ -102,6 +102,19 @@ install_mpi() {
     fi
 }
 
+# Optional: pandoc, which nbconvert's AsciiDoc export needs for any HTML output (the snapshot's);
+# tests/test_frontends.py exports a notebook with it. Nothing of hvdmagic itself needs it.
+install_pandoc() {
+    command -v pandoc >/dev/null 2>&1 && return
+    if [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then
+        say "installing pandoc for nbconvert's AsciiDoc export (apt-get install pandoc)"
+        apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq pandoc >/dev/null \
+            || say "could not install pandoc: the AsciiDoc export test is skipped"
+    else
+        say "pandoc not found: the AsciiDoc export test is skipped (install pandoc, then re-run)"
+    fi
+}
+
 # pip's arguments: the lock's, then the upgrade's, then the caller's. (Empty arrays expand
 # to nothing, also under set -u of bash < 4.4.)
 pip_install() {
@@ -312,6 +325,7 @@ if [ "${1:-}" = tools ]; then
 fi
 check_java
 install_mpi
+install_pandoc
 make_venv
 install_build_deps
 install_horovod

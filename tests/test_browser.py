@@ -702,14 +702,15 @@ def test_where_button_shows_every_ranks_stack_mid_run(lab, browser):
     assert text.startswith("asked at ") and "2 of 2 ranks answered" in text.splitlines()[0], text
     blocks = _where_blocks(text)
     assert sorted(blocks) == ["rank 0", "rank 1"], f"not one block per rank: {sorted(blocks)}\n{text}"
-    # Most recent call first, numbered as the cell's lines (its %%horovod line is line 1).
+    # Most recent call first, named as IPython names the notebook's cells (In[2], its %%horovod line is
+    # line 1), each frame with its source line.
     line = {code.strip(): n for n, code in enumerate(WHERE_CELL.splitlines(), 1)}
-    assert re.search(f'File "<horovod-cell>", line {line["time.sleep(seconds)"]} in nap\n'
-                     f'.*File "<horovod-cell>", line {line[f"nap({NAP_SECONDS})"]} in <module>',
+    assert re.search(f'Cell In\\[2\\], line {line["time.sleep(seconds)"]} in nap\n *time.sleep\\(seconds\\)\n'
+                     f' *Cell In\\[2\\], line {line[f"nap({NAP_SECONDS})"]} in <module>',
                      blocks["rank 1"]), text
     assert "in synchronize" in blocks["rank 0"] and "in nap" not in blocks["rank 0"], text
     assert blocks["rank 0"].index("in synchronize") < blocks["rank 0"].index(
-        f'File "<horovod-cell>", line {line["hvd.allreduce(torch.ones(1))"]} in <module>'), text
+        f'Cell In[2], line {line["hvd.allreduce(torch.ones(1))"]} in <module>'), text
     # Shown, unchanged, from the answer until the snapshot replaced the widgets.
     assert watched["samples"] >= 10 and not watched["lost"], watched
     assert state == "finished", snapshot
@@ -793,3 +794,181 @@ def test_quick_session_cell_is_one_line_and_a_slow_one_gets_the_dashboard(lab, b
     assert slow_state == "finished" and seen["slow_compact"] == 0, seen
     assert seen["slow_widgets"] == 0 and seen["dashboards"] == 0, "the 3 s cell's widgets outlived its run"
     assert "rank 1 napping" in seen["slow_text"], seen["slow_text"]
+
+
+# -- issue 37: where from a subshell console, a hang that names cells, a tie that is no straggler --------
+
+CONSOLE = ".jp-CodeConsole"
+CONSOLE_OUTPUT = f"{CONSOLE} .jp-CodeConsole-content .jp-OutputArea-output"
+
+
+def open_subshell_console(page) -> None:
+    """JupyterLab >= 4.4's "New Subshell Console for Notebook" (ipykernel >= 7), from the command palette:
+    a console on the notebook's kernel whose cells run beside the notebook's running one."""
+    page.keyboard.press("Control+Shift+C")
+    palette = page.locator(".lm-CommandPalette-input")
+    palette.wait_for(state="visible", timeout=10_000)
+    palette.fill("New Subshell Console for Notebook")
+    item = page.locator(".lm-CommandPalette-item", has_text="New Subshell Console for Notebook").first
+    try:
+        item.wait_for(state="visible", timeout=10_000)
+    except Exception:
+        pytest.fail("The command palette has no 'New Subshell Console for Notebook' (JupyterLab >= 4.4 with a "
+                    "kernel that has subshells, ipykernel >= 7)", pytrace=False)
+    item.click()
+    page.locator(f"{CONSOLE} .jp-CodeConsole-promptCell .cm-content").wait_for(state="visible", timeout=30_000)
+
+
+def run_in_console(page, code: str) -> None:
+    prompt = page.locator(f"{CONSOLE} .jp-CodeConsole-promptCell .cm-content")
+    prompt.click()
+    page.keyboard.type(code)
+    page.keyboard.press("Shift+Enter")
+
+
+@pytest.mark.skipif(not CONTROLS_MID_RUN, reason="subshells need ipykernel >= 7 (this runtime's kernel has none)")
+@pytest.mark.timeout(300)
+def test_where_from_a_subshell_console_answers_while_the_cell_runs(lab, browser):
+    """%horovod where in a notebook cell would wait behind the running cell; in a subshell console it
+    answers mid-run with every rank's stack (the help and README say so)."""
+    path = write_notebook(lab, "where-subshell.ipynb", LOAD_CELL, WHERE_CELL)
+    try:
+        with new_page(browser, "where-subshell") as page:
+            open_notebook(page, lab, path.name)
+            # Opened while the kernel is idle: the console's own start-up requests go to the main shell.
+            open_subshell_console(page)
+            wait_for(page, f"() => /IPython/.test(document.querySelector({json.dumps(CONSOLE)})?.innerText || '')",
+                     timeout=60, failure="The subshell console did not show the kernel's banner")
+            page.locator(".jp-NotebookPanel .jp-Notebook").first.click()
+            run_all_cells(page)
+            wait_for(page, f"() => {{ const t = document.querySelector({json.dumps(RECENT)})?.innerText || ''; "
+                           "return /\\[0\\] rank 0 started/.test(t) && /\\[1\\] rank 1 started/.test(t); }",
+                     timeout=150, failure="The dashboard did not show both ranks' first line")
+            run_in_console(page, "%horovod where")
+            answer = wait_for(page, f"""() => {{
+                    const t = Array.from(document.querySelectorAll({json.dumps(CONSOLE_OUTPUT)}),
+                                         e => e.innerText).join("\\n");
+                    return /where the ranks were/.test(t) && /rank 1:/.test(t) && t;
+                }}""", timeout=60, failure="The subshell console's %horovod where gave no stacks")
+            still_running = page.evaluate(cell_js(1, f"!!cell?.querySelector({json.dumps(DASHBOARD)}) && "
+                                                     f"!cell.querySelector({json.dumps(SNAPSHOT)})"))
+            page.screenshot(path=SCREENSHOTS / "where-subshell.png")
+            state = wait_for_snapshot(page, 1, timeout=NAP_SECONDS + 90, what="The napping run did not end")
+    finally:
+        shut_down_kernels(lab)
+    print(f"subshell console's answer:\n{answer}")
+    assert still_running, "the answer came only after the cell ended: it ran behind the cell, not beside it"
+    blocks = _where_blocks(answer.split("where the ranks were (most recent call first):", 1)[1])
+    assert "in nap" in blocks.get("rank 1", "") and "time.sleep(seconds)" in blocks["rank 1"], answer
+    assert state == "finished"
+
+
+SLOW_STEP_CELL = """\
+import time
+
+def slow_step():
+    time.sleep(600)  # the user's own code, not a collective
+"""
+HANG_CELL = """\
+%%horovod --np -2 --stall-timeout 8
+import torch
+import horovod.torch as hvd
+
+hvd.init()
+print(f"rank {hvd.rank()} started", flush=True)
+if hvd.rank() == 1:
+    slow_step()
+hvd.allreduce(torch.ones(1))
+"""
+
+
+@pytest.mark.timeout(240)
+def test_a_hang_names_the_notebook_cells_and_says_where_each_rank_is(lab, browser):
+    """Functions from other cells and the %%horovod cell itself as IPython names them ("Cell In[2], line 4",
+    with the line), and a summary that says which rank is in the user's code and which waits in a collective."""
+    path = write_notebook(lab, "hang-cells.ipynb", LOAD_CELL, SLOW_STEP_CELL, HANG_CELL)
+    try:
+        with new_page(browser, "hang-cells") as page:
+            open_notebook(page, lab, path.name)
+            run_all_cells(page)
+            error = wait_for(page, cell_js(2, f"""(() => {{
+                    const e = cell?.querySelector({json.dumps(ERROR_OUTPUT)});
+                    return e && /JobTimeout/.test(e.innerText) && e.innerText;
+                }})()"""), timeout=150, failure="The hanging cell did not fail with a JobTimeout")
+            wait_until_idle(page, timeout=30, what="After the hang")
+            page.locator(f"{NOTEBOOK_CELLS} >> nth=2").locator(ERROR_OUTPUT).first.evaluate(
+                "e => e.scrollIntoView({block: 'start'})")
+            page.screenshot(path=SCREENSHOTS / "hang-cells.png")
+    finally:
+        shut_down_kernels(lab)
+    print(error)
+    headline = error.split("\n\n", 1)[0]
+    assert re.search(r"[Rr]ank 1 is in `slow_step` \(Cell In\[2\], line 4\)", headline), headline
+    assert re.search(r"rank 0 waits in `allreduce` \(Cell In\[3\], line 9\)", headline), headline
+    assert "e.g. stuck in a collective" not in headline, "the stacks say where the ranks are: no guess"
+    assert re.search(r"Cell In\[2\], line 4 in slow_step\n *time\.sleep\(600\)", error), error
+    assert "<horovod-cell>" not in error and "ipykernel_" not in error, error
+
+
+BARRIER_CELL = "import tempfile\nbarrier = tempfile.mkdtemp(prefix='hvdmagic-tie-')"
+TIE_RANKS, TIE_STEPS = 24, 20
+TIE_CELL = f"""\
+%%horovod --np -{TIE_RANKS}
+import os, time, hvdmagic
+rank = int(os.environ["HOROVOD_RANK"])
+open(os.path.join(barrier, str(rank)), "w").close()
+while len(os.listdir(barrier)) < {TIE_RANKS}:  # every rank steps from the same moment: a tie, by construction
+    time.sleep(0.05)
+for step in range({TIE_STEPS}):
+    time.sleep(0.3)
+    hvdmagic.progress(step + 1, total={TIE_STEPS}, desc="train")
+"""
+# The live rows, and any text cut by its box without an ellipsis (wider than the box that clips it).
+ROWS_NOW = f"""() => {{
+    const board = document.querySelector({json.dumps(DASHBOARD)});
+    if (!board) return null;
+    const clipped = e => ["hidden", "clip"].includes(getComputedStyle(e).overflowX)
+                         && e.scrollWidth > e.clientWidth + 1;
+    const marked = e => getComputedStyle(e).textOverflow === "ellipsis";
+    return Array.from(board.querySelectorAll(".hvdmagic-rank"), row => ({{
+        text: row.innerText.replace(/\\s+/g, " ").trim(),
+        over: Array.from(row.children, c => [c.clientWidth, c.scrollWidth]),
+        cut: [row, ...row.querySelectorAll("*")]
+            .filter(e => e.innerText && clipped(e) && !marked(e)
+                         && ![...e.querySelectorAll("*")].some(d => marked(d) && clipped(d)))
+            .map(e => e.innerText),
+    }}));
+}}"""
+
+
+@pytest.mark.timeout(300)
+def test_tied_ranks_share_one_row_with_no_slowest_and_nothing_cut(lab, browser):
+    """24 ranks stepping together: one group row for all of them, none singled out as "slowest" (a tie is
+    not a straggler), and the row's columns whole, its step range included."""
+    path = write_notebook(lab, "tie.ipynb", LOAD_CELL, BARRIER_CELL, TIE_CELL)
+    samples: list = []
+    try:
+        with new_page(browser, "tie") as page:
+            open_notebook(page, lab, path.name)
+            run_all_cells(page)
+            wait_for(page, f"""() => {{
+                    const t = document.querySelector({json.dumps(DASHBOARD)})?.innerText || "";
+                    return /ranks 0–{TIE_RANKS - 1}/.test(t) && /\\b[3-9](–\\d+)?\\/{TIE_STEPS}\\b/.test(t);
+                }}""", timeout=180, failure=f"The {TIE_RANKS} ranks' group row did not reach step 3")
+            page.locator(DASHBOARD).evaluate("e => e.scrollIntoView({block: 'start'})")
+            page.screenshot(path=SCREENSHOTS / "tie-live.png")
+            while (rows := page.evaluate(ROWS_NOW)) is not None:
+                samples.append(rows)
+                page.wait_for_timeout(300)  # a sampling interval, not a wait for an event
+            state = wait_for_snapshot(page, 2, timeout=60, what="The tied run did not end")
+    finally:
+        shut_down_kernels(lab)
+    mid_run = [rows for rows in samples if any(re.search(rf"\b([3-9]|1[0-7])(–\d+)?/{TIE_STEPS}\b", r["text"])
+                                                for r in rows)]
+    print(f"{len(samples)} samples, {len(mid_run)} mid-run; first: {mid_run[:1]}")
+    assert len(mid_run) >= 5, f"too few samples mid-run to judge: {samples[:3]}"
+    singled = [rows for rows in mid_run if len(rows) != 1 or "slowest" in rows[0]["text"]]
+    assert not singled, f"a tied rank got a row of its own: {singled[:3]}"
+    cut = [row for rows in mid_run for row in rows if row["cut"]]
+    assert not cut, f"a row's text was cut: {cut[:3]}"
+    assert state == "finished"

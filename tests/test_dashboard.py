@@ -352,6 +352,53 @@ def test_the_header_and_rows_show_each_start_up_stage():
 
 
 @pytest.mark.unit
+def test_a_frameworks_import_is_named_on_its_row_and_counts_as_importing():
+    """Issue 37: TensorFlow's import (seconds) read "running" with no stage, and its start-up notices,
+    printed meanwhile, counted as the rank's first output: the stage list called it training."""
+    from hvdmagic import protocol
+    from hvdmagic.kernel.record import Bar
+    from hvdmagic.kernel.ui import progress_text
+    from hvdmagic.kernel.ui.dashboard import Dashboard
+    from hvdmagic.protocol import Stage
+
+    def said(rank: int, message: dict) -> None:
+        record.apply({**message, "rank": rank})
+
+    record = RunRecord(Placement.of(2))
+    board = Dashboard(record)
+    for rank in (0, 1):
+        record.apply({"type": "placed", "rank": rank, "host": "127.0.0.1"})
+        said(rank, protocol.stage_reached(Stage.IMPORTING))
+        said(rank, protocol.stage_reached(Stage.IMPORTING, importing="tensorflow"))
+    record.ranks[1].importing_since -= 7  # it began importing 7 s ago
+    notice = ("I0000 00:00:1795806984.130133   31497 cpu_feature_guard.cc:227] This TensorFlow binary is "
+              "optimized to use available CPU instructions in performance-critical operations.")
+    said(0, protocol.output(0, "stderr", [notice]))
+    assert record.ranks[0].stage is Stage.IMPORTING, "TensorFlow's notice is not the cell's first output"
+    board._draw()
+    assert "importing tensorflow" in board.rows[0].left.value and "importing tensorflow" in board.rows[1].left.value
+    assert board.rows[0].bar.layout.visibility == "hidden"  # the stage runs over the empty bar's room
+    assert "0:07" in board.rows[1].right.value  # the time spent importing it
+    assert "importing tensorflow for 0:0" in board.header.value
+    assert "importing tensorflow" in board.fallback_text()
+    training = RankRecord(0, state="running", bars={"train": Bar(5, 10, 0, 0.0, 2.0)})
+    assert len(progress_text.row(record.ranks[0])) == len(progress_text.row(training)), "the text row keeps its width"
+    # The import is done: the rank is back to its stage, and its cell's first line ends it.
+    said(0, protocol.stage_reached(Stage.IMPORTING, importing=""))
+    assert progress_text.starting_stage(record.ranks[0]) == "importing"
+    said(0, protocol.output(0, "stdout", ["loading the data"]))
+    assert record.ranks[0].stage is Stage.TRAINING
+    said(0, protocol.stage_reached(Stage.IMPORTING, importing="tf_keras"))  # imported while it trains
+    assert progress_text.starting_stage(record.ranks[0]) is None, "a rank that trains shows no stage"
+    said(0, protocol.output(0, "stdout", ["step 1"]))
+    record.apply({"type": "report", "rank": 0, "progress": {"train": [1, 10, 5.0]}})
+    board._draw()
+    assert board.rows[0].bar.layout.visibility is None and "train" in board.rows[0].left.value
+    assert "importing for 0:0" not in board.header.value and "importing tensorflow for" in board.header.value
+    assert list(record.timings["stages"]) == ["importing"]  # rank 1 still imports: the run's stage
+
+
+@pytest.mark.unit
 def test_chart_controls_redraw_the_charts_at_the_next_frame():
     from hvdmagic.kernel.ui.dashboard import Dashboard
 

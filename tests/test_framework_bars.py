@@ -162,6 +162,30 @@ def test_install_imports_no_framework():
 
 
 @pytest.mark.unit
+def test_a_frameworks_import_is_said_while_it_runs_the_outermost_only(tmp_path):
+    # Issue 37: the rank says "importing tensorflow" from the import's start to its end, the kernel shows it.
+    (tmp_path / "outer_fw.py").write_text("import inner_fw\n")
+    (tmp_path / "inner_fw.py").write_text("VALUE = 1\n")
+    (tmp_path / "broken_fw.py").write_text("raise ImportError('a missing library')\n")
+    before = (f"import sys; sys.path.insert(0, {str(tmp_path)!r})\n"
+              "from hvdmagic.rank import framework_imports\n"
+              "framework_imports.FRAMEWORKS |= {'outer_fw', 'inner_fw', 'broken_fw'}\n")
+    out, err, events = run_as_rank("""
+        import outer_fw, inner_fw
+        print(type(outer_fw.__loader__).__name__, inner_fw.VALUE)  # the module keeps its own loader
+        try:
+            import broken_fw
+        except ImportError:
+            pass
+        import torch
+    """, before)
+    assert out == "SourceFileLoader 1\n", err
+    said = [(event["stage"], event["importing"]) for event in events if event["type"] == "stage"]
+    assert said == [("importing", "outer_fw"), ("importing", ""), ("importing", "broken_fw"), ("importing", ""),
+                    ("importing", "torch"), ("importing", "")], said
+
+
+@pytest.mark.unit
 def test_a_bar_module_imported_before_install_is_adopted_by_it():
     _, err, reported, _ = as_rank("""
         for step in tqdm.tqdm(range(4), desc="imported before"):

@@ -10,10 +10,17 @@ no widget view left in it. ``HVDMAGIC_NONINTERACTIVE`` is left unset throughout.
 from __future__ import annotations
 
 import queue
+import re
+import shutil
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 from helpers import execute, iopub_messages, shell_reply
+
+from hvdmagic.kernel.ui.dashboard import ENDED_TEXT_BUNDLE
 
 WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
 
@@ -117,7 +124,7 @@ def test_a_kernel_without_a_jupyter_server_shows_widgets_then_the_snapshot(kerne
     assert 'class="hvdmagic-snapshot"' in final["data"]["text/html"]
     assert WIDGET_VIEW not in final["data"]
     assert len(ours) == 1, f"the dashboard's display was updated {len(ours)} times"
-    assert updates[-1] == {"data": {"text/plain": ""}, "metadata": {},
+    assert updates[-1] == {"data": ENDED_TEXT_BUNDLE, "metadata": {},
                            "transient": {"display_id": text["transient"]["display_id"]}}, updates[-1]
     closed = {m["content"]["comm_id"] for m in messages[end:] if m["msg_type"] == "comm_close"}
     assert set(models) <= closed, f"{len(set(models) - closed)} widget(s) left open after the run"
@@ -193,7 +200,7 @@ def test_nbclient_stores_the_snapshot_not_the_widgets(tmp_path, monkeypatch):
     assert not any(WIDGET_VIEW in o.get("data", {}) for o in outputs), "a widget view was left in the saved output"
     displays = [o for o in outputs if o.output_type == "display_data"]
     # The snapshot, and the live text for front ends without widgets, emptied when the run ended.
-    assert len(displays) == 2 and displays[1].data == {"text/plain": ""}, outputs
+    assert len(displays) == 2 and displays[1].data == ENDED_TEXT_BUNDLE, outputs
     data = displays[0].data
     assert data["text/plain"] == ("%%horovod np=2 (local): finished\n"
                                   "[rank 0] trained\n"
@@ -204,5 +211,78 @@ def test_nbclient_stores_the_snapshot_not_the_widgets(tmp_path, monkeypatch):
     page = data["text/html"]
     assert 'class="hvdmagic-snapshot" data-state="finished"' in page
     assert 'data-metric="loss"' in page and "<script" not in page
-    assert "trained" in page, "the snapshot should keep the ranks' last lines"
+    assert re.search(r'class="hvdmagic-log" data-rank="1".*?<pre[^>]*>trained</pre>', page), \
+        "the snapshot should show the ranks' last lines"
     assert not any("[rank 0] trained" in o.get("text", "") for o in outputs), "text view used in a Jupyter kernel"
+
+
+# -- nbconvert's text exports ---------------------------------------------------------------------------
+EPOCHS = """%%horovod --np -2
+import time, hvdmagic
+print("epoch 1")
+print()
+for i in hvdmagic.track(range(30), desc='train'):
+    hvdmagic.log_metrics(step=i, loss=1.0 / (i + 1))
+    time.sleep(0.05)  # past the dashboard's delay: the live text's display is made, then emptied
+print("epoch 2")
+"""
+
+
+@pytest.fixture(scope="module")
+def executed_notebook(tmp_path_factory):
+    """A notebook as nbclient executes and saves it: a run that showed its widgets, whose ranks
+    printed an empty line between two others."""
+    import nbformat
+    from nbclient import NotebookClient
+
+    folder = tmp_path_factory.mktemp("exports")
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell("%load_ext hvdmagic"), nbformat.v4.new_code_cell(EPOCHS)]
+    with pytest.MonkeyPatch.context() as env:
+        env.delenv("HVDMAGIC_NONINTERACTIVE", raising=False)
+        NotebookClient(nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(folder)}}).execute()
+    path = folder / "run.ipynb"
+    nbformat.write(nb, path)
+    return path
+
+
+def _empty_directives(rst: str) -> list[str]:
+    """The reST directives with no content below them (docutils: "Content block expected")."""
+    lines = rst.splitlines()
+    empty = []
+    for i, line in enumerate(lines):
+        if re.match(r"\.\. [\w-]+::\s*$", line):
+            body = next((later for later in lines[i + 1:] if later.strip()), "")
+            if not body[:1].isspace():
+                empty.append(line)
+    return empty
+
+
+@pytest.mark.parametrize("export", ["markdown", "rst", "asciidoc", "script"])
+def test_nbconverts_text_exports_keep_the_ranks_output_lines(executed_notebook, export):
+    """Markdown and AsciiDoc take the snapshot's HTML over its text/plain, and reST takes it as raw
+    HTML: the ranks' lines are in the HTML for them, and the emptied live text leaves no block."""
+    if export == "asciidoc" and shutil.which("pandoc") is None:
+        pytest.skip("nbconvert's AsciiDoc export converts HTML with pandoc, which is not installed "
+                    "(scripts/setup.sh installs it)")
+    jupyter = Path(sys.executable).with_name("jupyter")
+    done = subprocess.run([str(jupyter), "nbconvert", "--to", export, "--stdout", str(executed_notebook)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "not able to be represented" not in done.stderr, done.stderr
+    converted = done.stdout
+    if export == "script":  # nbconvert's script export writes the code alone, as the docs say
+        assert "run_cell_magic('horovod', '--np -2'" in converted and "[rank" not in converted, converted
+        return
+    for rank in (0, 1):
+        for line in ("epoch 1", "", "epoch 2"):
+            assert f"[rank {rank}] {line}\n" in converted, (rank, line, converted[:3000])
+    if export == "markdown":
+        # The snapshot is one block of HTML: Markdown would end it at a blank line, and read the rest as Markdown.
+        start = converted.index('<div class="hvdmagic-snapshot"')
+        block = re.split(r"\n[ \t]*\n", converted[start:])[0]
+        assert block.count("<div") == block.count("</div>") and block.endswith("</div>"), block[-500:]
+        # The emptied live text: an empty text/plain was an indented empty line, an empty code block.
+        assert not re.search(r"^[ \t]+$", converted, re.MULTILINE), converted[-2000:]
+    if export == "rst":
+        assert not _empty_directives(converted), converted[-2000:]

@@ -169,6 +169,28 @@ def test_tensorflow_start_up_notices_stay_out_of_the_cell(ip, capfd):
         assert notice not in shown, f"{notice!r} reached the cell"
 
 
+def test_tensorflows_import_reads_importing_tensorflow_and_counts_as_importing(ip, monkeypatch):
+    # Issue 37: the rows said "running" through TensorFlow's import, and its notices ended the importing stage.
+    from hvdmagic.kernel import record as records
+    from hvdmagic.kernel.ui import progress_text
+
+    rows_said: set[str] = set()
+    apply = records.RunRecord.apply
+
+    def watched(self, event):  # what each rank's row said after each event, as the views would draw it
+        apply(self, event)
+        rows_said.update(filter(None, map(progress_text.starting_stage, self.ranks)))
+
+    monkeypatch.setattr(records.RunRecord, "apply", watched)
+    result, error = run(ip, "%%horovod --np -2\nimport tensorflow as tf\nimport horovod.tensorflow as hvd\n"
+                            "hvd.init()\nprint('trained')\nhvd.rank()")
+    assert error is None and result == 0, error
+    assert "importing tensorflow" in rows_said, rows_said
+    stages = hvdmagic.last_run().timings["stages"]
+    # The seconds of TensorFlow's import are importing's; training is the print and the return.
+    assert stages["importing"] > stages["training"], stages
+
+
 def test_a_failing_keras_rank_is_named(ip):
     _, error = run(ip, """%%horovod --np -2
 import horovod.tensorflow.keras as hvd, tensorflow as tf

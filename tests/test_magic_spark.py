@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import re
+import sys
 
 import pytest
 from conftest import run
 from helpers import stop_active_session
 from procs import rank_processes
 
-from hvdmagic.errors import JobFailed, JobTimeout
+from hvdmagic.errors import JobFailed, JobTimeout, LaunchError
 
 
 @pytest.mark.profile
@@ -157,6 +158,69 @@ time.sleep(600)
     assert rank_processes() == [], "rank processes outlived the failed cell"
     tracker = SparkContext._active_spark_context.statusTracker()
     assert tracker.getActiveJobsIds() == [], "the barrier job is still running"
+
+
+def _log_levels(spark) -> tuple:
+    """The JVM's log settings a user may have made: the root level, the loggers that have a level
+    of their own, and the level each of Spark's task-failure loggers gets."""
+    from hvdmagic.launch.spark_session import TASK_FAILURE_LOGGERS
+
+    log4j = spark.sparkContext._jvm.org.apache.logging.log4j
+    config = log4j.LogManager.getContext(False).getConfiguration()
+    return (str(config.getRootLogger().getLevel()), sorted(config.getLoggers().keySet()),
+            [str(log4j.LogManager.getLogger(name).getLevel()) for name in TASK_FAILURE_LOGGERS])
+
+
+def test_sparks_task_failure_log_stays_out_of_the_cell_on_the_users_own_session(ip, capfd, tmp_path, monkeypatch):
+    """A notebook's own session whose executors' Python lacks hvdmagic: Spark's executor and
+    scheduler log each failed task with some 70 Java frames, into the cell. The cell shows
+    hvdmagic's paragraph alone; the record keeps the whole error; the user's levels stay theirs."""
+    from pyspark.sql import SparkSession
+
+    import hvdmagic
+    from hvdmagic.launch import spark_session
+    from hvdmagic.launch.spark_session import TASK_FAILURE_LOGGERS, on_spark_thread
+
+    python = tmp_path / "python-without-site-packages"
+    # As a bare python3: no site-packages, so no hvdmagic; and, since `-m pyspark.daemon` puts its directory
+    # first on sys.path, not in the JVM's directory (maybe the checkout, with its hvdmagic).
+    python.write_text(f'#!/bin/sh\ncd "{tmp_path}" && exec "{sys.executable}" -S "$@"\n')
+    python.chmod(0o755)
+    stop_active_session()  # one SparkContext per process: this test needs one with that Python
+    monkeypatch.setenv("PYSPARK_PYTHON", str(python))
+    spark = (SparkSession.builder.master("local[2]").config("spark.driver.host", "127.0.0.1")
+             .config("spark.ui.enabled", "false").getOrCreate())
+    log4j = spark.sparkContext._jvm.org.apache.logging.log4j
+    try:
+        spark.sparkContext.setLogLevel("WARN")  # the user's choices, which let task failures through
+        log4j.core.config.Configurator.setLevel(TASK_FAILURE_LOGGERS[0], log4j.Level.ERROR)
+        levels = _log_levels(spark)
+        capfd.readouterr()
+        _, error = run(ip, "%%horovod --np 2\nprint('never runs')\n")
+        out, err = capfd.readouterr()
+        assert isinstance(error, LaunchError), error
+        assert "No module named 'hvdmagic' on the executors" in str(error) and "PYSPARK_PYTHON" in str(error)
+        assert "\tat org.apache.spark" not in out + err and "Exception in task" not in err, err
+        assert "No module named 'hvdmagic'" in out + err, "the cell should still say why"
+        assert "\tat org.apache.spark" in hvdmagic.last_run().error.details, "the record lost Spark's error"
+        assert _log_levels(spark) == levels, "hvdmagic left its own log settings in the user's JVM"
+        # No other logger was left with a level of its own: the user's setLogLevel still reaches them.
+        spark.sparkContext.setLogLevel("INFO")
+        assert _log_levels(spark)[2] == ["ERROR"] + ["INFO"] * (len(TASK_FAILURE_LOGGERS) - 1)
+        # Two stages at once (a session's and a cell's): the loggers come back when the last one ends.
+        levels = _log_levels(spark)
+        on_spark_thread(spark_session.quiet_task_logs, spark.sparkContext)
+        on_spark_thread(spark_session.quiet_task_logs, spark.sparkContext)
+        on_spark_thread(spark_session.restore_task_logs)
+        assert set(_log_levels(spark)[2]) == {"OFF"}, "the stage still running lost its quiet"
+        on_spark_thread(spark_session.restore_task_logs)
+        assert _log_levels(spark) == levels
+    finally:
+        # The JVM outlives the session, and later tests' sessions run in it: without the user's choice.
+        context = log4j.LogManager.getContext(False)
+        context.getConfiguration().removeLogger(TASK_FAILURE_LOGGERS[0])
+        context.updateLoggers()
+        stop_active_session()
 
 
 def test_output_reaches_the_driver_while_the_job_runs(tmp_path):

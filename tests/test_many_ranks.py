@@ -104,6 +104,44 @@ def test_while_live_the_slowest_rank_is_kept_apart_and_equal_ranks_keep_none():
         record.apply({"type": "placed", "rank": rank, "host": "vm"})
         record.apply({"type": "stage", "rank": rank, "stage": "hvd.init" if rank < 10 else "first step"})
     assert _names(record) == [("ranks 0–9", ""), ("ranks 10, 11", "")]
+    # And by what they import: "importing tensorflow" is not "importing".
+    record = RunRecord(Placement.of(-12))
+    for rank in range(12):
+        record.apply({"type": "placed", "rank": rank, "host": "vm"})
+        record.apply({"type": "stage", "rank": rank, "stage": "importing"})
+        if rank != 4:
+            record.apply({"type": "stage", "rank": rank, "stage": "importing", "importing": "tensorflow"})
+    assert _names(record) == [("ranks 0–3, 5–11", ""), ("rank 4", "")]
+
+
+def _paced(np_: int, steps, total: int = 20, rate: float = 10 / 3) -> RunRecord:
+    """A live run of ``np_`` ranks that all made their steps at ``rate`` a second: rank r at ``steps(r)``."""
+    record = RunRecord(Placement.of(-np_))
+    for rank in range(np_):
+        record.apply({"type": "placed", "rank": rank, "host": "vm"})
+        record.apply({"type": "report", "rank": rank, "progress": {"train": [0, total, 100.0]}})
+        step = steps(rank)
+        record.apply({"type": "report", "rank": rank, "progress": {"train": [step, total, 100.0 + step / rate]}})
+    return record
+
+
+@pytest.mark.unit
+def test_a_tie_is_not_a_slowest_row():
+    # Issue 37: 24 ranks in step at 3.3 steps a second, read at step 5 or 6 of 20. Rank 0 is the
+    # lowest, by one step: a tie, so one row, drawn as rank 0, with the step range.
+    record = _paced(24, lambda r: 5 if r % 3 == 0 else 6)
+    assert _names(record) == [("ranks 0–23", "")]
+    assert grouping.rows(record)[0].steps() == "5–6/20"
+    # Further behind than reporting explains (a step, and half a second's worth: 1.7 steps here): rank 0 is
+    # news, the others share a row.
+    assert _names(_paced(24, lambda r: 4 if r == 0 else 6)) == [("rank 0", grouping.SLOWEST), ("ranks 1–23", "")]
+    # Many steps a second: a lag of less than half a second is a tie, whatever its steps.
+    fast = _paced(24, lambda r: 130 if r == 7 else 170 + r % 5, total=1000, rate=100.0)
+    assert _names(fast) == [("ranks 0–23", "")]
+    assert grouping.really_behind(fast.ranks[7], fast.ranks[:7]) is False
+    # Without a rate yet (one report each), more than a whole step behind is behind.
+    assert _names(_record(12, steps=lambda r: 99 if r == 4 else 100)) == [("ranks 0–11", "")]
+    assert ("rank 4", grouping.SLOWEST) in _names(_record(12, steps=lambda r: 98 if r == 4 else 100))
 
 
 @pytest.mark.unit
@@ -224,6 +262,49 @@ def test_the_text_view_prints_a_line_several_ranks_gave_once():
     assert printed.count("epoch 1 done") == 1 and "[ranks 0–15] epoch 1 done" in printed, printed
     assert "[rank 7] rank 7 says hi" in printed and "rank 3 says hi" not in printed
     assert printed.index("epoch 1 done") < printed.index("%%horovod np=16 (local): finished")
+
+
+@pytest.mark.unit
+def test_a_group_rows_step_range_is_whole_and_its_last_line_ends_in_an_ellipsis_with_its_title():
+    from hvdmagic.kernel.ui import progress_text
+    from hvdmagic.kernel.ui.dashboard import Dashboard
+
+    def drawn(record: RunRecord) -> tuple[Dashboard, str, str]:
+        for rank in range(record.np):
+            record.apply({"type": "output", "rank": rank, "stream": "stdout", "lines": [line]})
+        board = Dashboard(record)
+        board._draw(force=True)
+        assert board.draw_error is None and len(board.group_rows.children) == 1
+        return board, board._group_pool[0].right.value, board._group_pool[0].line.value
+
+    line = "epoch 3: loss 2.2154 " + "x" * 200  # longer than any row has room for
+    # Issue 37: the range went before the last line, and the row cut it ("steps 5–6/20 ·"). It is in the
+    # steps column now, where the rank's own "5/20" would be, and nothing cuts it.
+    board, right, cell = drawn(_paced(24, lambda r: 5 if r % 3 == 0 else 6))
+    assert "  5–6/20      3.33 it/s" in right and "hvdmagic-steps" not in cell and "steps" not in cell
+    # The last line shrinks with the row, cut with an ellipsis where the row ends and whole in its title;
+    # the column's box takes the room the row leaves it (width 0, growing to it), not its text's width.
+    shown = re.search(r'<span style="([^"]*)" title="([^"]*)">', cell)
+    assert shown and shown[2] == f"[0] {line}" and "text-overflow:ellipsis" in shown[1] and "min-width:0" in shown[1]
+    assert "width:0;min-width:100%" in cell.split(">", 1)[0]
+    text = board.fallback_text().splitlines()[1]
+    assert "  5–6/20      3.33 it/s" in text and text.endswith(f"running   [0] {line[:79]}…"), text
+    rank = grouping.rows(board.record)[0].slowest
+    assert len(progress_text.row(rank, steps=progress_text.count_column("145–150", 300))) == len(
+        progress_text.row(rank)), "the steps column keeps its width"
+    board.discard()
+    # A range too long for the steps column goes before the last line, an element of its own that
+    # gives way only once the line has no room left (a thousand times the weight), each whole in its title.
+    board, right, cell = drawn(_paced(12, lambda r: 12345 if r % 2 else 12399, total=99999, rate=5000.0))
+    assert progress_text.count_column("12345–12399", 99999) is None and "12345/" in right
+    steps = re.search(r'<span class="hvdmagic-steps" style="([^"]*)" title="([^"]*)">([^<]*)</span>', cell)
+    assert steps and steps[2] == "steps 12345–12399/99999" and steps[3] == "steps 12345–12399/99999 · ", cell
+    shown = re.search(r'<span style="([^"]*)" title="([^"]*)">', cell.split("</span>", 1)[1])
+    for style, shrink in ((steps[1], "1"), (shown[1], "1000")):
+        assert "text-overflow:ellipsis" in style and "min-width:0" in style
+        assert re.search(rf"flex:\d {shrink} auto", style), style
+    assert f"steps 12345–12399/99999 · [1] {line[:79]}…" in board.fallback_text()
+    board.discard()
 
 
 @pytest.mark.unit

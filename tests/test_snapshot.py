@@ -51,13 +51,23 @@ class _Text(HTMLParser):
     def __init__(self):
         super().__init__()
         self.chunks: list[str] = []
+        self.hidden: str | None = None  # the tag of the hidden element we are in (one without hidden elements in it)
+
+    def handle_starttag(self, tag, attrs):
+        if self.hidden is None and "hidden" in dict(attrs):
+            self.hidden = tag
+
+    def handle_endtag(self, tag):
+        if tag == self.hidden:
+            self.hidden = None
 
     def handle_data(self, data):
-        self.chunks.append(data)
+        if self.hidden is None:
+            self.chunks.append(data)
 
 
 def visible_text(markup: str) -> str:
-    """The text of some HTML, without its tags."""
+    """The text of some HTML as a browser shows it: without its tags and its hidden elements."""
     parser = _Text()
     parser.feed(markup)
     return "".join(parser.chunks).replace("\xa0", " ")
@@ -426,6 +436,25 @@ def test_snapshot_survives_a_saved_notebook(tmp_path):
     assert markup == bundle["text/html"]
     assert 'class="hvdmagic-snapshot"' in markup and 'data-metric="loss"' in markup
     assert "10/10" in markup and ">finished<" in markup and html.escape("scale_lr: lr 0.01") in markup
+
+
+def test_the_html_carries_the_text_hidden_and_no_blank_line():
+    """nbconvert's Markdown and AsciiDoc exports take the HTML over the text/plain: the text is in it,
+    first and hidden. A Markdown renderer ends an HTML block at a blank line: an empty line a rank
+    printed leaves none, and still shows as an empty line."""
+    run = _quick_run((0, "stdout", ["epoch 1", "", "epoch 2"]), (1, "stdout", ["  "]))
+    snapshot = Snapshot(run)
+    markup = snapshot._repr_html_()
+    twin = re.search(r'<pre class="hvdmagic-text" hidden style="display:none">(.*?)</pre>', markup, re.S)
+    assert twin and html.unescape(twin.group(1)) == snapshot.text(), markup[:800]
+    assert markup.index('class="hvdmagic-text"') < markup.index('class="hvdmagic-snapshot-header"'), "not first"
+    assert "[rank 0] epoch 2" in snapshot.text() and "[rank 0]" not in visible_text(markup)
+    assert not re.search(r"^[ \t]*$", markup, re.MULTILINE), "a blank line in the HTML"
+    log = re.search(r'<div class="hvdmagic-log" data-rank="0".*?<pre[^>]*>(.*?)</pre>', markup, re.S).group(1)
+    assert log == "epoch 1\n<span></span>\nepoch 2", log
+    assert visible_text(log) == "epoch 1\n\nepoch 2"
+    compact = Snapshot(_quick_run((0, "stdout", ["a", "", "b"])), compact=True)._repr_html_()
+    assert not re.search(r"^[ \t]*$", compact, re.MULTILINE) and "[rank 0] b" in visible_text(compact)
 
 
 def test_charts_never_import_widgets():

@@ -131,9 +131,11 @@ def test_a_stall_shows_where_every_rank_was_before_they_were_stopped(ip):
     rank0, rank1 = (_python_part(text) for text in where.split("rank 1:\n"))
     assert rank0.startswith("rank 0:\n  Current thread:\n"), rendered
     assert re.search(r'horovod/torch/mpi_ops\.py", line \d+ in synchronize', rank0), rendered
-    assert rank0.rstrip().endswith('File "<horovod-cell>", line 7 in <module>'), rendered
+    cell = f"Cell In[{ip.execution_count}]"  # as IPython names the %%horovod cell itself
+    assert rank0.rstrip().endswith(f"{cell}, line 7 in <module>\n      hvd.allreduce(torch.ones(1))"), rendered
     assert [line.strip() for line in rank1.strip().splitlines()] == [
-        "Current thread:", 'File "<horovod-cell>", line 6 in <module>'], rendered
+        "Current thread:", f"{cell}, line 6 in <module>", "time.sleep(120)"], rendered
+    assert str(error).endswith(f"Rank 1 is at {cell}, line 6; rank 0 waits in `allreduce` ({cell}, line 7)."), error
     assert "/hvdmagic/" not in where, rendered
     assert sorted(hvdmagic.last_run().stacks) == [0, 1]
 
@@ -174,13 +176,19 @@ def test_a_rank_blocked_inside_a_collective_shows_the_native_frame_it_waits_in(i
     rendered = "\n".join(error._render_traceback_())
     rank0, rank1 = rendered.split(HEADER, 1)[1].split("\nrank 1:\n")
     python, native = rank0.split("  " + stacks.NATIVE + "\n")
-    assert "in synchronize" in python and 'File "<horovod-cell>", line 6 in <module>' in python, rendered
+    cell = f"Cell In[{ip.execution_count}]"
+    assert "in synchronize" in python and f"{cell}, line 6 in <module>" in python, rendered
     # The loop in horovod/torch/mpi_ops_v2.cc that synchronize() enters and spins in until every rank
     # has submitted the tensor: on the stack wherever in that loop py-spy stops the thread.
     assert re.search(r'^    Thread "MainThread":\n(      .*\n)*      horovod::torch::WaitAndClear \(', native,
                      re.MULTILINE), rendered
-    assert 'File "<horovod-cell>", line 8 in <module>' in _python_part(rank1), rendered
+    assert f"{cell}, line 8 in <module>" in _python_part(rank1), rendered
     assert "WaitAndClear" in hvdmagic.last_run().stacks[0] and "WaitAndClear" not in hvdmagic.last_run().stacks[1]
+
+
+# nap's frame, then the cell line that called it, in the where() tests' cells: named as IPython names
+# a one-shot cell (its source line under each frame), as its file for a session's cell.
+NAP_THEN_ITS_CALL = r"line 5 in nap\n( +time\.sleep\(seconds\)\n)?.*line 8 in <module>"
 
 
 def _ask_where_once_training(answers: list) -> threading.Thread:
@@ -216,7 +224,8 @@ def test_where_shows_every_live_rank_grouped_while_the_cell_runs(ip, session):
         assert text.startswith("where the ranks were (most recent call first):"), text
         rank0, rank1 = text.split("rank 1:\n")
         assert "in synchronize" in rank0 and re.search(r"line 9 in <module>", rank0), text
-        assert re.search(r'line 5 in nap\n.*line 8 in <module>', rank1), text
+        assert re.search(NAP_THEN_ITS_CALL, rank1), text
+        assert ("<horovod-cell-" in text) == session and ("Cell In[" in text) != session, text
         assert sorted(record.where) == [0, 1]
     finally:
         thread.join(timeout=30)
@@ -224,8 +233,18 @@ def test_where_shows_every_live_rank_grouped_while_the_cell_runs(ip, session):
             run(ip, "%horovod stop")
 
 
-def test_where_says_so_when_no_run_is_live(ip):
-    assert hvdmagic.where().startswith("hvdmagic: no run is live")
+def test_where_after_a_run_shows_what_it_kept_and_how_to_ask_while_one_runs(ip):
+    _, error = run(ip, "%%horovod --np -1\n1")
+    assert error is None, error
+    text = hvdmagic.where()
+    assert text.startswith("hvdmagic: no run is live, and the last run kept no stacks."), text
+    assert "subshell console" in text and "where are the ranks?" in text, text
+    _, error = run(ip, "%%horovod --np -1 --timeout 15\nimport time\ndef nap():\n    time.sleep(600)\n"
+                       "print('napping', flush=True)\nnap()")
+    assert error is not None
+    text = hvdmagic.where()
+    assert text.startswith("hvdmagic: no run is live. Where the last run's ranks were when it was stopped:"), text
+    assert "nap" in text and "subshell console" in text, text
 
 
 def test_an_elastic_run_answers_where_and_its_timeout_shows_where_its_ranks_were(ip):
@@ -245,7 +264,7 @@ def test_an_elastic_run_answers_where_and_its_timeout_shows_where_its_ranks_were
     assert sorted(record.where) == [0, 1], text
     groups = [_python_part(group) for group in text.split(HEADER)[1].split("\ntask ")]
     assert len(groups) == 2 and sum("in synchronize" in g for g in groups) == 1, text
-    assert sum(bool(re.search(r'line 5 in nap\n.*line 8 in <module>', g)) for g in groups) == 1, text
+    assert sum(bool(re.search(NAP_THEN_ITS_CALL, g)) for g in groups) == 1, text
 
     assert isinstance(error, JobTimeout) and "--timeout 45 s" in str(error), error
     assert sorted(error.stacks) == [0, 1] and hvdmagic.last_run().stacks == error.stacks, error.stacks
@@ -271,3 +290,116 @@ def test_py_spy_reads_a_live_python_and_says_in_one_line_why_not_otherwise():
         for process in (python, other):
             process.kill()
             process.wait()
+
+
+# -- notebook cells, named as IPython names them; where each rank is, in one sentence ----------------
+NOTEBOOK_DUMP = """Current thread 0x00007f7370406b80 (most recent call first):
+  File "/tmp/ipykernel_7/3077.py", line 4 in slow_step
+  File "<horovod-cell>", line 6 in <module>
+  File "/site-packages/numpy/core/fromnumeric.py", line 88 in _wrapreduction
+"""
+SLOW_STEP = ["import time\n", "\n", "def slow_step(seconds):\n", "    time.sleep(seconds)\n"]
+
+
+@pytest.mark.unit
+def test_a_frame_in_a_notebook_cell_is_named_as_ipython_names_it_with_its_line():
+    cells = {"/tmp/ipykernel_7/3077.py": ("Cell In[5]", SLOW_STEP), "<horovod-cell>": ("Cell In[6]", ["\n"] * 3)}
+    named = stacks.name_cells(stacks.user_stacks(NOTEBOOK_DUMP.splitlines()), cells.get)
+    assert named.splitlines() == [
+        "Current thread:", "  Cell In[5], line 4 in slow_step", "    time.sleep(seconds)",
+        "  Cell In[6], line 6 in <module>",  # past the cell's end: no source line to show
+        '  File "/site-packages/numpy/core/fromnumeric.py", line 88 in _wrapreduction']
+    assert stacks.name_cells(named, cells.get) == named  # named once: naming again changes nothing
+    assert stacks.name_cells(named, {}.get) == named
+
+
+def _thread(*frames: tuple[str, int, str]) -> str:
+    """A fault handler's dump of one thread; a frame in "Cell In[N]" as ``name_cells`` wrote it."""
+    return "\n".join(["Current thread 0x00007f7370406b80 (most recent call first):",
+                      *(f"  {file}, line {line} in {function}" if file.startswith("Cell In[")
+                        else f'  File "{file}", line {line} in {function}' for file, line, function in frames)])
+
+
+HVD = "/venv/lib/python3.11/site-packages/horovod/torch/mpi_ops.py"
+# As horovod 0.28.1 and torch 2 write hvd.allreduce: horovod's allreduce is a torch autograd Function.
+IN_ALLREDUCE = _thread((HVD, 1285, "synchronize"), (HVD, 205, "forward"),
+                       ("/venv/lib/python3.11/site-packages/torch/autograd/function.py", 625, "apply"),
+                       (HVD, 254, "allreduce"), ("Cell In[6]", 7, "<module>"))
+
+
+@pytest.mark.unit
+def test_the_summary_names_the_users_function_and_the_collective_the_others_wait_in():
+    asleep = _thread(("Cell In[5]", 4, "slow_step"), ("Cell In[6]", 6, "<module>"))
+    many = {rank: IN_ALLREDUCE for rank in range(24)} | {1: asleep}
+    assert stacks.summary(many) == ("rank 1 is in `slow_step` (Cell In[5], line 4); "
+                                    "ranks 0, 2–23 wait in `allreduce` (Cell In[6], line 7)")
+    # torch.distributed's all_reduce under its logging wrapper; a cell's own top level; a library's frame
+    # under a user's file; a rank that sent no stack back is left out.
+    torch = "/usr/lib/python3.11/site-packages/torch/distributed"
+    assert stacks.summary({
+        0: _thread((f"{torch}/distributed_c10d.py", 2501, "all_reduce"), (f"{torch}/c10d_logger.py", 79, "wrapper"),
+                   ("/home/me/train.py", 12, "step")),
+        1: _thread(("Cell In[6]", 9, "<module>")),
+        2: _thread(("/usr/lib/python3.11/json/decoder.py", 337, "decode"), ("/home/me/train.py", 30, "load")),
+        3: ""}, "task") == ("task 1 is at Cell In[6], line 9; task 2 is in `load` (train.py, line 30); "
+                            "task 0 waits in `all_reduce` (train.py, line 12)")
+
+
+@pytest.mark.unit
+def test_the_summary_stays_one_sentence_for_ranks_in_many_places():
+    scattered = {rank: _thread(("Cell In[6]", 10 + rank, "<module>")) for rank in range(8)}
+    assert stacks.summary(scattered) == ("rank 0 is at Cell In[6], line 10; rank 1 is at Cell In[6], line 11; "
+                                         "rank 2 is at Cell In[6], line 12; rank 3 is at Cell In[6], line 13; "
+                                         "ranks 4–7 are elsewhere")
+    assert stacks.summary({0: "", 1: "(no stack came back)"}) == ""
+
+
+@pytest.mark.unit
+def test_a_timeouts_message_says_where_the_ranks_were_instead_of_guessing():
+    dumps = {0: IN_ALLREDUCE.replace("  Cell In[6], line 7", '  File "<horovod-cell>", line 7'), 1: NOTEBOOK_DUMP}
+    note = ("rank(s) 0, 1 made no progress for 3 s (--stall-timeout); rank 0 stopped progressing 3 s ago "
+            "(alive, e.g. stuck in a collective)")
+    error = JobTimeout([], [0, 1], note=note, stacks=dumps)  # as the launcher raises it
+    cells = {"/tmp/ipykernel_7/3077.py": ("Cell In[5]", SLOW_STEP), "<horovod-cell>": ("Cell In[6]", [])}
+    error.stacks = {rank: stacks.name_cells(text, cells.get) for rank, text in error.stacks.items()}  # as the kernel
+    assert str(error) == ("rank(s) 0, 1 were stopped; rank(s) 0, 1 made no progress for 3 s (--stall-timeout); "
+                          "rank 0 stopped progressing 3 s ago (alive). Rank 1 is in `slow_step` (Cell In[5], line 4); "
+                          "rank 0 waits in `allreduce` (Cell In[6], line 7).")
+    assert "stuck in a collective" in str(JobTimeout([], [0, 1], note=note))  # no stacks: the guess stays
+
+
+@pytest.mark.unit
+def test_the_record_names_the_notebook_cells_in_where_answers(ip):
+    from hvdmagic.kernel.record import RunRecord
+    from hvdmagic.launch import Placement
+
+    defined = ip.run_cell("".join(SLOW_STEP), store_history=True)
+    filename = ip.user_ns["slow_step"].__code__.co_filename
+    record = RunRecord(Placement.of(-2))
+    dump = NOTEBOOK_DUMP.replace("/tmp/ipykernel_7/3077.py", filename)
+    record.apply({"type": "stacks", "rank": 1, "text": dump})
+    assert f"Cell In[{defined.execution_count}], line 4 in slow_step\n    time.sleep(seconds)" in record.where[1]
+    assert filename not in record.where[1]
+    assert '"<horovod-cell>", line 6' in record.where[1]  # no %%horovod cell behind this record: left as it is
+
+
+def test_a_hang_names_the_notebook_cells_and_says_where_each_rank_is(ip):
+    """Rank 1 sleeps in a function from another cell while rank 0 waits for it in Horovod's allreduce."""
+    defined = ip.run_cell("".join(SLOW_STEP), store_history=True)
+    hang = ip.run_cell("%%horovod --np -2 --stall-timeout 3\nimport torch, horovod.torch as hvd\nhvd.init()\n"
+                       "print('started', flush=True)\nif hvd.rank() == 1:\n    slow_step(120)\n"
+                       "hvd.allreduce(torch.ones(1))\n", store_history=True)
+    error = hang.error_in_exec
+    assert isinstance(error, JobTimeout), error
+    other, own = f"Cell In[{defined.execution_count}]", f"Cell In[{hang.execution_count}]"
+    assert str(error).endswith(f"Rank 1 is in `slow_step` ({other}, line 4); "
+                               f"rank 0 waits in `allreduce` ({own}, line 7)."), error
+    assert "stuck in a collective" not in str(error), error
+    rendered = "\n".join(error._render_traceback_())
+    rank1 = _python_part(rendered.split("\nrank 1:\n", 1)[1])
+    assert [line.strip() for line in rank1.strip().splitlines()] == [
+        "Current thread:", f"{other}, line 4 in slow_step", "time.sleep(seconds)",
+        f"{own}, line 6 in <module>", "slow_step(120)"], rendered
+    for unnamed in ("<ipython-input", "/tmp/ipykernel", "<horovod-cell>"):
+        assert unnamed not in rendered, rendered
+    assert hvdmagic.last_run().stacks == error.stacks  # kept as shown

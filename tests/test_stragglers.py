@@ -258,6 +258,8 @@ def test_the_dashboard_marks_the_row_and_says_it_in_the_header():
 
     record = _straggling_record()
     record.apply(protocol.resources(2, 99.0, 250_000_000, []))
+    for rank in (0, 2):
+        record.apply(protocol.output(rank, "stdout", ["epoch 3: loss 2.2154"]))
     board = Dashboard(record)
     board._draw()
     assert board.draw_error is None
@@ -268,6 +270,9 @@ def test_the_dashboard_marks_the_row_and_says_it_in_the_header():
     text = board.fallback_text().splitlines()
     assert text[1] == "⚠ rank 2 is 50 % slower than the median: host 10.0.0.3"
     assert "⚠ 50 % slower CPU 99 % · 250 MB" in text[4] and "⚠" not in text[2]
+    # Issue 37: the figures and the last line are told apart, by a rule ("│" in the text), not run together.
+    assert text[4].endswith("250 MB │ epoch 3: loss 2.2154") and text[2].endswith("running   epoch 3: loss 2.2154")
+    assert "border-left" in board.rows[2].line.value and "border-left" not in board.rows[0].line.value
     board.discard()
 
 

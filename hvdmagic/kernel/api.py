@@ -252,7 +252,8 @@ def where(timeout: float = 10.0) -> str:
 
     A running cell holds the kernel, so a notebook cell that asks waits until the run is over: ask
     from a subshell console (JupyterLab >= 4.4 with ipykernel >= 7, "New Subshell Console for
-    Notebook"), which runs beside the cell, or press the dashboard's "where are the ranks?" button.
+    Notebook", opened while the kernel is idle), which runs beside the cell, or press the dashboard's
+    "where are the ranks?" button.
     The answers also stay in ``last_run().where``. With no run live, it shows where the last run's
     ranks were when last asked, or when the run was stopped. ``timeout``: seconds to wait for the
     ranks' answers (py-spy takes about a second, more on a busy host; it ends once every rank answered).
@@ -272,8 +273,9 @@ def where(timeout: float = 10.0) -> str:
 
 
 WHERE_LIVE = ("While a cell runs, a notebook cell that asks waits behind it: press the cell's \"where are the "
-              "ranks?\" button, or ask in a subshell console (JupyterLab >= 4.4: \"New Subshell Console for "
-              "Notebook\"), which runs beside the cell.")
+              "ranks?\" button, or ask in a subshell console, which runs beside the cell (JupyterLab >= 4.4: "
+              "\"New Subshell Console for Notebook\", opened before the long cell starts: its own start waits for "
+              "an idle kernel).")
 
 
 def _where_they_were(record) -> str:

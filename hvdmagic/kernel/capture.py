@@ -500,7 +500,7 @@ def capture_cell(source: str, user_ns: dict, hidden: set[str] | frozenset[str] =
             f"the cell uses notebook variable(s) that cannot be sent to the ranks: {'; '.join(failures)}. "
             "Create such objects (locks, sockets, open files, Spark handles) inside the %%horovod cell instead."
         )
-    shell = _shell() if shell is None else shell
+    shell = running_shell() if shell is None else shell
     function = CellFunction(source, pickled, sources=notebook_sources([user_ns[name] for name in pickled], shell),
                             display_name=_current_cell_name(shell) or "", code=split_last_expression(tree),
                             global_buffers={name: digests for name, digests in global_buffers.items() if digests})
@@ -523,7 +523,8 @@ _WALK_BUDGET = 20_000
 _WALK_ITEMS = 1_000
 
 
-def _shell():
+def running_shell():
+    """The IPython shell this kernel runs, or None outside IPython."""
     try:
         from IPython import get_ipython
     except ImportError:
@@ -652,14 +653,17 @@ def notebook_sources(values: Iterable, shell=None) -> Sources:
     """
     if shell is None or shell is False:
         return {}
-    sources: Sources = {}
-    for filename in sorted(code_filenames(values)):
-        name = _cell_name(shell, filename)
-        if name is not None:
-            entry = linecache.cache.get(filename)
-            lines = list(entry[2]) if entry and len(entry) == 4 else linecache.getlines(filename)
-            sources[filename] = (name, lines)
-    return sources
+    return {filename: cell for filename in sorted(code_filenames(values))
+            if (cell := notebook_cell(shell, filename)) is not None}
+
+
+def notebook_cell(shell, filename: str) -> tuple[str, list[str]] | None:
+    """("Cell In[3]", the cell's lines) for a file IPython compiled a notebook cell into; else None."""
+    name = _cell_name(shell, filename)
+    if name is None:
+        return None
+    entry = linecache.cache.get(filename)
+    return name, list(entry[2]) if entry and len(entry) == 4 else linecache.getlines(filename)
 
 
 def with_notebook_sources(fn: Callable, *values, shell=None) -> Callable:
@@ -668,7 +672,7 @@ def with_notebook_sources(fn: Callable, *values, shell=None) -> Callable:
     A rank's traceback then names a frame in such a cell ``Cell In[3], line 5`` with
     its source line. Returns ``fn`` itself when it holds no notebook code.
     """
-    sources = notebook_sources([fn, *values], _shell() if shell is None else shell)
+    sources = notebook_sources([fn, *values], running_shell() if shell is None else shell)
     return SourcedFunction(fn, sources) if sources else fn
 
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hvdmagic import metric_rows, stacks
+from hvdmagic.kernel.cell_frames import CellFrames
 from hvdmagic.kernel.hang_notices import HangNotice, HangNotices
 from hvdmagic.kernel.history import MetricHistory
 from hvdmagic.kernel.noise import is_startup_noise
@@ -57,6 +58,9 @@ class RankRecord:
     stage: Stage | None = None  # the furthest start-up stage this rank reached
     quiet: list[str] = field(default_factory=list)  # start-up chatter kept out of the views (kernel.noise)
     stage_since: float | None = None  # when it reached that stage, on the kernel's clock
+    # The framework it imports now, as it says (rank.framework_imports): "tensorflow"; "" when none; and since when.
+    importing: str = ""
+    importing_since: float | None = None
     world_rank: int | None = None  # elastic: its Horovod rank now (rows are tasks; ranks change at resets)
     lost: str = ""  # elastic: why its last rank was lost, e.g. "killed by SIGKILL"
     # Every bar's advances added up (a restarted bar's from 0), and the rank's clock at the latest:
@@ -123,6 +127,8 @@ class RunRecord:
         self.requests: queue.SimpleQueue = queue.SimpleQueue()
         # By rank: where it was when last asked (ask_where), trimmed to the user's frames; and when.
         self.where: dict[int, str] = {}
+        # How its stacks name the notebook cells (Cell In[5]): the runner gives it the run's own cell.
+        self.cell_frames = CellFrames()
         self.where_asked: float | None = None
         # By rank: the digest of its NCCL flight recorder's latest dump (hvdmagic.flight_records).
         self.flight_records: dict[int, dict] = {}
@@ -179,7 +185,7 @@ class RunRecord:
                 record.peak_rss = max(record.peak_rss, record.rss or 0)
                 return
             if kind == Event.STACKS:
-                self.where[rank] = stacks.user_stacks(str(event.get("text", "")).splitlines())
+                self.where[rank] = self.cell_frames.named(stacks.user_stacks(str(event.get("text", "")).splitlines()))
                 return
             if kind == Event.FLIGHT_RECORD:
                 self.flight_records[rank] = event.get("digest") or {}
@@ -191,8 +197,11 @@ class RunRecord:
                 record.state, record.lost, record.world_rank = "lost", str(event.get("reason", "")), None
                 return
             if kind == Event.STAGE:
+                if "importing" in event:
+                    record.importing = str(event["importing"] or "")
+                    record.importing_since = time.time() if record.importing else None
                 self._rank_reached(record, Stage(event["stage"]))
-            elif kind in (Event.OUTPUT, Event.REPORT) and record.stage is not Stage.TRAINING:
+            elif record.stage is not Stage.TRAINING and _the_cell_at_work(event):
                 self._rank_reached(record, Stage.TRAINING)
             if kind == Event.PLACED:
                 record.host = event.get("host", "")
@@ -366,6 +375,15 @@ class RunRecord:
         size = f"np={self.np}" if not self.elastic else f"elastic {self.world_size} of {self.np} tasks"
         return (f"<RunRecord {self.state} {size} ({self.mode}) elapsed={self.elapsed:.1f}s "
                 f"metrics={len(self.history)} rows>")
+
+
+def _the_cell_at_work(event: dict) -> bool:
+    """Whether a rank's event shows its cell at work, which ends its start-up stages: progress, or
+    output other than a framework's start-up chatter (TensorFlow's notices, printed while it imports)."""
+    if event.get("type") == Event.REPORT:
+        return True
+    return event.get("type") == Event.OUTPUT and bool(
+        event.get("transient") or not all(map(is_startup_noise, event.get("lines") or [])))
 
 
 _last: RunRecord | None = None

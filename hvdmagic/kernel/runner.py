@@ -9,16 +9,19 @@ from pathlib import Path
 
 from hvdmagic.errors import JobFailed, JobInterrupted
 from hvdmagic.kernel.busy_status import kernel_stays_busy
+from hvdmagic.kernel.cell_frames import CellFrames
 from hvdmagic.kernel.record import RunRecord, set_last
 from hvdmagic.kernel.ui import make_view
 from hvdmagic.launch import Placement, ResultPolicy, UnsentResult, launch
 from hvdmagic.launch.shipment import Shipment
+from hvdmagic.rank.cell import CellFunction
 
 
 def execute(payload: Shipment, placement: Placement | None, *, timeout: float | None = None,
             stall_timeout: float | None = None, timeline: str | None = None, data=None, spark=None, view=None,
             results: ResultPolicy = ResultPolicy.ALL, session=None, command: str = "%%horovod",
-            captured: str = "", env: dict[str, str] | None = None, charts_expected: bool = False) -> RunRecord:
+            captured: str = "", env: dict[str, str] | None = None, charts_expected: bool = False,
+            cell: CellFunction | None = None) -> RunRecord:
     """Run a packed ``(fn, args, kwargs)`` (``launch.shipment.pack``) where ``placement`` says; return its record.
 
     ``timeline``: a path where rank 0 records a Horovod Timeline. ``results``: which
@@ -32,12 +35,15 @@ def execute(payload: Shipment, placement: Placement | None, *, timeout: float | 
     ``charts_expected``: the run will likely log metrics; its dashboard keeps room for the charts.
     ``env``: variables for every rank's environment (``--stall-check``, ``--debug``); a new
     job's only, since a session's ranks run with the environment they started with.
+    ``cell``: the %%horovod cell the payload runs, so that the ranks' stacks name its frames as the
+    notebook does (``kernel.cell_frames``).
     """
     if session is not None:
         placement = session.placement
     record = RunRecord(placement, command)
     record.capture = captured
     record.charts_expected = charts_expected
+    record.cell_frames = CellFrames(cell)
     env = dict(env or {})
     if timeline:
         record.timeline = str(Path(timeline).expanduser().resolve())
@@ -65,6 +71,7 @@ def _run(payload, placement, record, view, *, timeout, stall_timeout, env, spark
                             on_event=on_event, spark=spark, data=data, results=results,
                             requests=record.requests).results
     except JobInterrupted as exc:
+        exc.stacks = record.cell_frames.each_named(exc.stacks)
         record.stacks = exc.stacks
         exc.flight_records = dict(record.flight_records)
         record.finish(error=exc, cancelled=True)
@@ -73,12 +80,13 @@ def _run(payload, placement, record, view, *, timeout, stall_timeout, env, spark
         if isinstance(exc, JobFailed):
             exc.quiet_output = {f.rank: record.ranks[f.rank].quiet for f in exc.failures
                                 if 0 <= f.rank < record.np and record.ranks[f.rank].quiet}
+            exc.stacks = record.cell_frames.each_named(exc.stacks)  # the message, made when shown, reads them
             record.stacks = exc.stacks
             exc.flight_records = dict(record.flight_records)
             for failure in exc.failures:
                 # A rank killed by a signal raised nothing; its fault handler's stacks say where it was.
                 if not failure.traceback and 0 <= failure.rank < record.np:
-                    failure.traceback = record.ranks[failure.rank].where_it_died()
+                    failure.traceback = record.cell_frames.named(record.ranks[failure.rank].where_it_died())
                     if failure.traceback:  # last_run().stacks keeps it too, with its native frames
                         record.stacks = {**record.stacks, failure.rank: failure.traceback}
         record.finish(error=exc)

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hvdmagic import blob_transfer, channel, protocol, rank_ranges
-from hvdmagic.errors import JobFailed, JobInterrupted, JobTimeout, LaunchError, RankFailure
+from hvdmagic.errors import ALIVE_GUESS, JobFailed, JobInterrupted, JobTimeout, LaunchError, RankFailure
 from hvdmagic.launch import versions
 from hvdmagic.launch.interrupts import interruptible
 from hvdmagic.launch.layout import compute_layout, visible_devices
@@ -307,7 +307,7 @@ class Job:
             silent = now - state.last_progress.get(rank, state.go_at)
             if silent > threshold:
                 heard = now - state.last_heard.get(rank, state.go_at)
-                alive = "alive, e.g. stuck in a collective" if heard < 5 else f"no heartbeat for {heard:.0f} s"
+                alive = ALIVE_GUESS if heard < 5 else f"no heartbeat for {heard:.0f} s"
                 quiet.setdefault(alive, []).append((rank, silent))
         parts = []
         for alive, silences in quiet.items():

@@ -171,6 +171,8 @@ class SparkBackend(Backend):
         self._thread = None
         self._error: str | None = None
         self.failure_details = ""  # the whole Spark error behind failure(), Java trace included
+        # Spark's log of the stage's failed tasks kept out of the cell (spark_session.quiet_task_logs) until join().
+        self._quieted = False
 
     def _start_on_connect(self, np: int, gpus: bool) -> None:
         """What __init__ does on a Spark Connect session: no JVM here, and no SparkContext to ask."""
@@ -185,6 +187,7 @@ class SparkBackend(Backend):
         self._thread = None
         self._error = None
         self.failure_details = ""
+        self._quieted = False  # the server's JVM logs elsewhere: nothing of it reaches the cell
         # Set by cancel(): a stage not yet sent is not sent, and one on its way is interrupted until it ends.
         self._cancelled = threading.Event()
 
@@ -220,6 +223,9 @@ class SparkBackend(Backend):
             self._thread = threading.Thread(target=self._run, args=(spec,), name="hvdmagic-spark-job", daemon=True)
             self._thread.start()
             return
+        if not spark_session.is_embedded(self.session):  # the embedded session's JVM already logs to a file
+            on_spark_thread(spark_session.quiet_task_logs, self.sc)
+            self._quieted = True
         on_spark_thread(self._start_job_thread, spec)
 
     def _start_job_thread(self, spec: TaskSpec) -> None:
@@ -308,6 +314,14 @@ class SparkBackend(Backend):
             pass  # the server may be gone; nothing is left to cancel then
 
     def join(self, timeout: float) -> None:
+        try:
+            self._join_thread(timeout)
+        finally:
+            if self._quieted:  # after cancel(), whose "Failed to cancel job group" is quieted too
+                self._quieted = False
+                on_spark_thread(spark_session.restore_task_logs)
+
+    def _join_thread(self, timeout: float) -> None:
         if self._thread is None:
             return
         if not (self.connect and self._cancelled.is_set()):

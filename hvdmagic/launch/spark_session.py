@@ -3,7 +3,8 @@
 Runs in the kernel, for the Spark backend (``launch.spark``), which asks it for a
 session and then checks that session's slots. Here live what only a classic
 session with a JVM behind it needs: the Java check, the JVM's own output kept out
-of the cells (``jvm_log``), Spark's error reduced to one line (``first_line``) and
+of the cells (``jvm_log``; on a user's session, its log of hvdmagic's failed tasks:
+``quiet_task_logs``), Spark's error reduced to one line (``first_line``) and
 the one thread that talks to the JVM. A Spark Connect session has no JVM in the
 kernel and needs none of it. Imports pyspark lazily, ``hvdmagic.errors`` and
 ``hvdmagic.protocol``; nothing else of hvdmagic.
@@ -79,6 +80,88 @@ def _jvm_output_to_log():
         os.dup2(saved[1], 2)
         for fd in (log, *saved):
             os.close(fd)
+
+
+# Spark's loggers that report a failed or killed task of hvdmagic's stage, each time with the
+# Java stack behind it: on a session of the user's own, whose JVM writes into the cell, some
+# 130 lines above hvdmagic's one paragraph. The stage's whole error, that stack included, is
+# in hvdmagic.last_run().error.details.
+TASK_FAILURE_LOGGERS = (
+    "org.apache.spark.executor.Executor",  # local mode: "Exception in task ...", with the stack
+    "org.apache.spark.scheduler.TaskSetManager",  # "Lost task ...", the same stack again; "aborting job"
+    "org.apache.spark.scheduler.DAGScheduler",  # "Failed to cancel job group" once hvdmagic cancels a failed stage
+    "org.apache.spark.api.python.PythonRunner",  # "Incomplete task ... interrupted" for each task a cancel kills
+)
+
+
+class _QuietTaskLogs:
+    """TASK_FAILURE_LOGGERS turned off in one JVM while any of hvdmagic's stages runs there.
+
+    Counted, because a warm session's stage and a cell's may overlap: the first stage turns
+    them off, the last one to end restores them as they were, and only those loggers. Each
+    logger's own level is restored, and a logger that had none (it followed the root level,
+    which ``sc.setLogLevel`` sets) gets none again, so the user's later ``setLogLevel`` still
+    reaches it. Used on the Spark thread only, one call at a time: no lock.
+    """
+
+    def __init__(self):
+        self.holders = 0
+        self.jvm = None
+        self.saved: dict[str, object] = {}  # logger name: its own level before, None where it had none
+
+    def quiet(self, jvm) -> None:
+        if self.holders and jvm is not self.jvm:  # a new JVM (the last one died): nothing to restore in the old
+            self.holders, self.saved = 0, {}
+        self.holders += 1
+        if self.holders > 1:
+            return
+        self.jvm = jvm
+        log4j = jvm.org.apache.logging.log4j
+        try:
+            context = log4j.LogManager.getContext(False)
+            config = context.getConfiguration()
+            for name in TASK_FAILURE_LOGGERS:
+                own = config.getLoggers().get(name)
+                self.saved[name] = None if own is None else own.getLevel()
+                if own is None:
+                    config.addLogger(name, log4j.core.config.LoggerConfig(name, log4j.Level.OFF, True))
+                else:
+                    own.setLevel(log4j.Level.OFF)
+            context.updateLoggers()
+        except Exception:  # not log4j 2 (or not reachable): Spark's lines reach the cell as before
+            pass
+
+    def restore(self) -> None:
+        if not self.holders:
+            return
+        self.holders -= 1
+        if self.holders:
+            return
+        saved, self.saved = self.saved, {}
+        with contextlib.suppress(Exception):  # the JVM may be gone, and its loggers with it
+            context = self.jvm.org.apache.logging.log4j.LogManager.getContext(False)
+            config = context.getConfiguration()
+            for name, level in saved.items():
+                if level is None:
+                    config.removeLogger(name)
+                elif (own := config.getLoggers().get(name)) is not None:
+                    own.setLevel(level)
+            context.updateLoggers()
+
+
+_quiet_task_logs = _QuietTaskLogs()
+
+
+def quiet_task_logs(sc) -> None:
+    """Keep Spark's log of failed and killed tasks (TASK_FAILURE_LOGGERS) out of the cell while
+    hvdmagic's stage runs on ``sc``, until ``restore_task_logs``. Only a session of the user's
+    own needs it: the embedded session's JVM writes to ``jvm_log()``. Runs on the Spark thread."""
+    _quiet_task_logs.quiet(sc._jvm)
+
+
+def restore_task_logs() -> None:
+    """The loggers as ``quiet_task_logs`` found them, once no stage of hvdmagic's runs. Runs on the Spark thread."""
+    _quiet_task_logs.restore()
 
 
 def _java_check() -> None:

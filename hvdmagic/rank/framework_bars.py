@@ -26,7 +26,8 @@ column, with its bar empty. So in a rank:
   ``verbose=2`` is left alone: it prints one log line per epoch and no bar.
 
 Nothing here imports tqdm, TensorFlow or Keras: ``install`` puts a finder on
-``sys.meta_path`` that adopts each of them as it is imported (see ``_Finder``).
+``sys.meta_path`` that adopts each of them as it is imported (see ``_Finder``). The same
+finder tells the kernel while a framework's import runs (``rank.framework_imports``).
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ import threading
 import weakref
 
 from hvdmagic import protocol
-from hvdmagic.rank import collective_wait, telemetry
+from hvdmagic.rank import collective_wait, framework_imports, telemetry
 
 _DESC = "_hvdmagic_desc"  # a Keras Progbar's bar name; None: report nothing (HvdmagicCallback reports it)
 _ADOPTED = "_hvdmagic_adopted"
@@ -286,19 +287,26 @@ _REPLACED = {"tqdm.notebook": _PlainNotebook}
 
 
 class _PatchingLoader:
-    """The module's own loader, then its hook; the module keeps its own loader as ``__loader__``."""
+    """The module's own loader, then its hook (if any); the module keeps its own loader as ``__loader__``.
+    A framework's (``framework_imports.FRAMEWORKS``) runs saying that the rank imports it."""
 
-    def __init__(self, loader, hook):
+    def __init__(self, loader, hook, name: str):
         self._loader = loader
         self._hook = hook
+        self._name = name
 
     def create_module(self, spec):
         return self._loader.create_module(spec)
 
     def exec_module(self, module) -> None:
         module.__loader__ = module.__spec__.loader = self._loader  # for linecache and get_source
-        self._loader.exec_module(module)
-        _adopt(self._hook, module)
+        if self._name in framework_imports.FRAMEWORKS:
+            with framework_imports.importing(self._name):
+                self._loader.exec_module(module)
+        else:
+            self._loader.exec_module(module)
+        if self._hook is not None:
+            _adopt(self._hook, module)
 
 
 def _adopt(hook, module) -> None:
@@ -316,7 +324,8 @@ def _adopt(hook, module) -> None:
 
 class _Finder:
     """Adopts the bars as their modules are imported: importing tqdm or TensorFlow in every
-    rank up front would cost each cell seconds for the cells that use neither.
+    rank up front would cost each cell seconds for the cells that use neither. It also wraps a
+    framework's own import, to say it (``framework_imports``).
 
     A meta-path finder is asked only about modules not imported yet, and answers all but a
     handful with one dict lookup; a wrapped ``builtins.__import__`` would run on every import
@@ -327,7 +336,7 @@ class _Finder:
         if fullname in _REPLACED:
             return importlib.machinery.ModuleSpec(fullname, _REPLACED[fullname]())
         hook = _HOOKS.get(fullname)
-        if hook is None:
+        if hook is None and fullname not in framework_imports.FRAMEWORKS:
             return None
         for finder in sys.meta_path:
             if finder is self or not hasattr(finder, "find_spec"):
@@ -335,7 +344,7 @@ class _Finder:
             spec = finder.find_spec(fullname, path, target)
             if spec is not None:
                 if spec.loader is not None and hasattr(spec.loader, "exec_module"):
-                    spec.loader = _PatchingLoader(spec.loader, hook)
+                    spec.loader = _PatchingLoader(spec.loader, hook, fullname)
                 return spec
         return None
 

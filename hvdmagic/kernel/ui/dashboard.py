@@ -28,7 +28,7 @@ runs) shows each display's text/plain instead. The rows as text
 second (``FALLBACK_INTERVAL``) while the run is live. Its widget view is one hidden,
 childless box: a front end with widgets renders each update of a display anew, which for
 the dashboard's own display would rebuild (in JupyterLab: add) a view of every widget each
-second. When the run ends that display becomes empty.
+second. When the run ends that display becomes empty (``ENDED_TEXT_BUNDLE``).
 """
 
 from __future__ import annotations
@@ -54,6 +54,10 @@ from hvdmagic.metric_rows import GAP_BITS
 
 MAX_FPS = 10
 FALLBACK_INTERVAL = 1.0  # seconds between updates of the live text/plain
+# What the live text's display holds once the run has ended (no message takes a display out of a
+# notebook): nothing, in the type each of nbconvert's exports takes first, so that none of them
+# makes a block of it (an empty text/plain is an empty code block, and reST's empty directive an error).
+ENDED_TEXT_BUNDLE = {"text/plain": "", "text/html": "", "text/x-rst": ""}
 CHART_POINTS = charts.CHART_POINTS  # per series on screen; the record keeps the full history
 LOG_LINES = 200  # per pane of the collapsed logs
 RECENT_LINES = 10  # the newest lines of every rank, always visible
@@ -88,12 +92,86 @@ def _clean(line: str) -> str:
     return _ANSI.sub("", line)
 
 
+LINE_CHARS = 300  # of a rank's last line in its row (the rest is in the logs): the widget row's, whole in its title
+TEXT_LINE_CHARS = 80  # in the text rows
+
+
+def _last_line(rank: RankRecord, chars: int) -> str:
+    """A row's last column: why a lost task was lost, or the rank's last output line, its start
+    kept (where a line says what it is) and cut after ``chars`` with an ellipsis."""
+    if rank.state == "lost":
+        return rank.lost
+    line = _clean(rank.last_line)
+    return line if len(line) <= chars else line[:chars - 1] + "…"
+
+
+def _step_range(group: grouping.Group) -> tuple[str | None, str]:
+    """Where a group's row shows its members' step range: in the steps column, "  5–6/20  ", where
+    a reader looks for steps and nothing cuts it; or, too long for that column ("12345–12400/99999"),
+    before the last line, "steps 12345–12400/99999". ``(column, "")``, ``(None, "steps …")`` or
+    ``(None, "")`` when the members are at the same step."""
+    column = group.count_column()
+    if column is not None:
+        return column, ""
+    steps = group.steps()
+    return None, f"steps {steps}" if steps else ""
+
+
+# A row's last column shrinks with the row and ends in an ellipsis, with the whole line as its title. The
+# widget's own content box (.widget-html-content, a flex item) would otherwise be as wide as its text
+# and be clipped mid-way with no ellipsis: a width of 0 that grows to the column's (min-width) gives
+# the text no say in the column's width.
+_SHRINKS = "width:0;min-width:100%;box-sizing:border-box"
+_ELLIPSIS = "min-width:0;white-space:pre;overflow:hidden;text-overflow:ellipsis"
+# A group's step range gives way only once its last line has none left: the line shrinks first (the
+# weights are flex-shrink times width), then the range, each with an ellipsis. A weight below 1 would
+# leave part of the overflow unshrunk (flexbox's rule for factors that add up to less than 1), hence 1000.
+_STEPS_FLEX = "flex:0 1 auto"
+_LINE_FLEX = "flex:1 1000 auto"
+# Between the rank's figures (CPU, memory, GPUs) and its last line: a rule, as the text's " │ ".
+_RULE = "border-left:1px solid #ccc;padding-left:6px"
+
+
+def _last_line_html(line: str, colour: str, *, rule: bool, steps: str = "") -> str:
+    """A row's last column: a group's step range ("steps 5–6/20"), then the last output line, cut
+    with an ellipsis where the row ends (the range only once the line has no room left), each whole
+    in its title; after a rule when ``rule``."""
+    style = f"font-family:{_MONO};font-size:12px;line-height:20px;display:flex;{_SHRINKS};color:{colour}"
+    if rule and (line or steps):
+        style += f";{_RULE}"
+    parts = []
+    if steps:
+        parts.append(f'<span class="hvdmagic-steps" style="{_STEPS_FLEX};{_ELLIPSIS}" title="{html.escape(steps)}">'
+                     f'{html.escape(steps)}{" · " if line else ""}</span>')
+    if line:
+        parts.append(f'<span style="{_LINE_FLEX};{_ELLIPSIS}" title="{html.escape(line)}">{html.escape(line)}</span>')
+    return f'<div class="hvdmagic-line" style="{style}">{"".join(parts)}</div>'
+
+
+# A rank that has not trained yet has no bar: its stage ("importing tensorflow") runs over the bar's
+# room, hidden meanwhile, from a box as wide as the left column, so the columns after it stay put.
+STAGE_OVER_BAR = 24  # characters of the bar's 180 px at 12 px monospace
+
+
+def _stage_html(stage: str, width: int, colour: str) -> str:
+    text = progress_text.fit(stage, width + STAGE_OVER_BAR).rstrip()
+    return (f'<div class="hvdmagic-stage" style="font-family:{_MONO};font-size:12px;line-height:20px;'
+            f'white-space:pre;width:{width}ch;overflow:visible{";color:" + colour if colour else ""}">'
+            f"{html.escape(text)}</div>")
+
+
 class _RankRow:
     def __init__(self, rank: int, label_width: str = "120px"):
-        one_line = widgets.Layout(flex="0 0 auto", overflow="hidden", margin="0 4px 0 0")
-        self.label = widgets.HTML(f"<b>rank {rank}</b>", layout=widgets.Layout(width=label_width, overflow="hidden"))
-        self.left = widgets.HTML(layout=one_line)
-        self.bar = widgets.FloatProgress(value=0, min=0, max=1, layout=widgets.Layout(width="180px", flex="0 0 auto"))
+        # Never shrunk by a narrow output area: the last line (flex 1 1 0) gives way first, and "ranks 0–23"
+        # stays whole.
+        self.label = widgets.HTML(f"<b>rank {rank}</b>",
+                                  layout=widgets.Layout(width=label_width, overflow="hidden", flex="0 0 auto"))
+        # Its overflow is visible: a starting rank's stage runs over the bar's room (_stage_html).
+        self.left = widgets.HTML(layout=widgets.Layout(flex="0 0 auto", overflow="visible", margin="0 4px 0 0"))
+        # The bar gives way (down to 40 px) where the output area is narrow (a group's longer label, a side
+        # panel open), so that the state and the figures after it stay in view.
+        self.bar = widgets.FloatProgress(value=0, min=0, max=1,
+                                         layout=widgets.Layout(width="180px", flex="0 1 auto", min_width="40px"))
         self.right = widgets.HTML(layout=widgets.Layout(flex="0 0 auto", overflow="hidden", margin="0 4px"))
         self.state = widgets.HTML(layout=widgets.Layout(width="70px", flex="0 0 auto", overflow="hidden"))
         # The straggler marker, then CPU, memory and GPUs (progress_text.usage_text); empty, it takes no room.
@@ -107,17 +185,21 @@ class _RankRow:
         self._bar_key: tuple | None = None
 
     def draw(self, run: RunRecord, record: RankRecord, epochs: bool, now: float, counted: bool = True, *,
-             label: str | None = None, line: str | None = None) -> None:
+             label: str | None = None, line: str | None = None, count_column: str | None = None,
+             steps: str = "") -> None:
         """``counted``: some rank of the run has a progress bar; when none has, the blank step,
         rate and time columns give their width to the last line (a cell that only prints).
-        ``label``, ``line``: the row's name and last line as HTML, in place of the rank's own (a
-        group's row): each widget is set once a redraw, so no message carries a value it replaces."""
+        ``label`` (HTML), ``line``: the row's name and last line, in place of the rank's own, and
+        its members' step range (a group's row) in the steps column (``count_column``) or, too long
+        for it, before the last line (``steps``): each widget is set once a redraw, so no message
+        carries a value it replaces."""
         host = f" <small>@ {html.escape(record.host)}</small>" if record.host else ""
         name = progress_text.row_name(run, record.rank)
         if run.elastic and record.world_rank is not None:
             name += f" · rank {record.world_rank}"
         grey = ";color:#999" if record.state in ("lost", "unused") else ""
-        self.label.value = label if label is not None else f'<div style="{_ONE_LINE}{grey}"><b>{name}</b>{host}</div>'
+        self.label.value = label if label is not None else (
+            f'<div style="{_ONE_LINE};{_SHRINKS}{grey}"><b>{name}</b>{host}</div>')
         _, inner = progress_text.pick_bars(dict(record.bars))
         rate = None
         if inner is not None:
@@ -127,8 +209,10 @@ class _RankRow:
                 self._bar_key = key
                 self.meter.anchor(bar.step, bar.time)
             rate = self.meter.update(bar.step, bar.time)
-        left, _, right = progress_text.row_parts(record, rate=rate, epochs=epochs, now=now)
-        self.left.value = _mono(left, grey[7:])
+        left, _, right = progress_text.row_parts(record, rate=rate, epochs=epochs, now=now, steps=count_column)
+        stage = progress_text.starting_stage(record) if inner is None else None
+        self.left.value = _mono(left, grey[7:]) if stage is None else _stage_html(stage, len(left), grey[7:])
+        self.bar.layout.visibility = "hidden" if stage is not None else None
         self.right.value = _mono(right, grey[7:])
         for part, text in ((self.left, left), (self.right, right)):
             part.layout.display = "none" if not counted and not text.strip() else ""
@@ -146,9 +230,10 @@ class _RankRow:
             self.bar.style.bar_color = "#bbb" if grey else None  # a lost task's bar stops, greyed out
         colour = _STATE_COLOURS.get(record.state, "#888")
         self.state.value = f'<div style="{_ONE_LINE};color:{colour}">{record.state}</div>'
-        last = record.lost if record.state == "lost" else _clean(record.last_line[-300:])
-        self.line.value = line if line is not None else _mono(last, "#999" if grey else "#555")
         marker, usage = progress_text.straggler_text(record), progress_text.usage_text(record)
+        if line is None:
+            line = _last_line(record, LINE_CHARS)
+        self.line.value = _last_line_html(line, "#999" if grey else "#555", rule=bool(marker or usage), steps=steps)
         self.usage.value = ((f'<span class="hvdmagic-straggler" style="color:#d62728;font-weight:600" '
                              f'title="{html.escape(record.straggler.describe())}">{html.escape(marker)}</span> '
                              if marker else "")
@@ -167,14 +252,13 @@ class _RankRow:
             f" <small>· {len(hosts)} hosts</small>" if hosts else "")
         reason = (f' <span class="hvdmagic-reason" style="color:#b26b00">{html.escape(group.reason)}</span>'
                   if group.reason else "")
-        label = (f'<div style="{_ONE_LINE}" title="{name}"><b>{name}</b>{reason}'
+        label = (f'<div style="{_ONE_LINE};{_SHRINKS}" title="{name}"><b>{name}</b>{reason}'
                  f"{where if not group.reason else ''}</div>")
-        steps = group.steps()
-        last = record.lost if record.state == "lost" else _clean(record.last_line[-300:])
-        shown = " · ".join(part for part in (f"steps {steps}" if steps else "",
-                                            f"[{record.rank}] {last}" if last and len(group.members) > 1 else last)
-                           if part)
-        self.draw(run, record, epochs, now, counted, label=label, line=_mono(shown, "#555"))
+        column, steps = _step_range(group)
+        last = _last_line(record, LINE_CHARS)
+        if last and len(group.members) > 1:
+            last = f"[{record.rank}] {last}"  # whose line it is
+        self.draw(run, record, epochs, now, counted, label=label, line=last, count_column=column, steps=steps)
         if len(group.members) > 1:
             self.box.add_class("hvdmagic-group")
         else:
@@ -429,7 +513,7 @@ class Dashboard:
             return
         if self.text_handle is not None:
             try:  # before its hidden box closes, or a front end would look for the closed model
-                self.text_handle.update({"text/plain": ""}, raw=True)
+                self.text_handle.update(ENDED_TEXT_BUNDLE, raw=True)
             except Exception as exc:
                 self.draw_error = self.draw_error or exc
         self._close_widgets()
@@ -480,11 +564,11 @@ class Dashboard:
             return "\n".join(lines + self._group_text(epochs, now))
         for rank in ranks:
             row = progress_text.row(rank, epochs=epochs, now=now, bar_width=10)
-            last = rank.lost if rank.state == "lost" else _clean(rank.last_line)[-80:]
+            last = _last_line(rank, TEXT_LINE_CHARS)
             usage = " ".join(part for part in (progress_text.straggler_text(rank), progress_text.usage_text(rank))
                              if part)
             lines.append(f"{progress_text.row_name(record, rank.rank):<{width}} {row} "
-                         f"{progress_text.row_state(rank):<9} {usage + '  ' if usage else ''}{last}".rstrip())
+                         f"{progress_text.row_state(rank):<9} {progress_text.figures_and_line(usage, last)}".rstrip())
         return "\n".join(lines)
 
     def _group_text(self, epochs: bool, now: float) -> list[str]:
@@ -496,13 +580,14 @@ class Dashboard:
         lines = []
         for name, group in zip(names, groups):
             rank = group.slowest
-            row = progress_text.row(rank, epochs=epochs, now=now, bar_width=10)
+            column, steps = _step_range(group)
+            row = progress_text.row(rank, epochs=epochs, now=now, bar_width=10, steps=column)
             state = progress_text.row_state(rank) + (f", {group.reason}" if group.reason else "")
-            steps = group.steps()
-            last = rank.lost if rank.state == "lost" else _clean(rank.last_line)[-80:]
+            last = _last_line(rank, TEXT_LINE_CHARS)
             if last and len(group.members) > 1:
                 last = f"[{rank.rank}] {last}"
-            lines.append(f"{name:<{width}} {row} {state:<9} {'steps ' + steps + '  ' if steps else ''}{last}".rstrip())
+            tail = " · ".join(part for part in (steps, last) if part)
+            lines.append(f"{name:<{width}} {row} {state:<9} {tail}".rstrip())
         return lines
 
     def _text_bundle(self, text: str) -> dict:
@@ -568,7 +653,7 @@ class Dashboard:
         """A many-rank run's rows: a row per group of ranks that read the same (grouping.rows)."""
         groups = grouping.rows(self.record)
         while len(self._group_pool) < len(groups):
-            self._group_pool.append(_RankRow(0, "200px"))
+            self._group_pool.append(_RankRow(0, "170px"))
         if len(self._group_pool) > len(groups) or len(self.group_rows.children) != len(groups):
             self.group_rows.children = [row.box for row in self._group_pool[:len(groups)]]
         for row, group in zip(self._group_pool, groups):
@@ -583,7 +668,7 @@ class Dashboard:
         width = max((len(progress_text.row_name(record, rank.rank)) for rank in ranks), default=0)
         return "\n".join(
             f"{progress_text.row_name(record, rank.rank):<{width}} {progress_text.row(rank, epochs=epochs, now=now)} "
-            f"{progress_text.row_state(rank):<9} {rank.lost if rank.state == 'lost' else _clean(rank.last_line)[-80:]}"
+            f"{progress_text.row_state(rank):<9} {_last_line(rank, TEXT_LINE_CHARS)}"
             .rstrip() for rank in ranks)
 
     def _draw_every_rank(self, now: float | None = None) -> None:

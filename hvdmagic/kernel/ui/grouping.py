@@ -3,9 +3,10 @@
 As pdsh's ``dshbak -c`` and py-spy's grouped dumps do, so that 64 or 256 ranks fit on a
 screen: ranks in the same state, at the same place, collapse into one row named by their
 rank list ("ranks 0–10, 12–63"), and the ranks worth a look keep a row of their own: a
-failed rank (its state differs), the slowest running rank, and any rank a marker in
-``OWN_ROW`` flags (the straggler check's, for one). Identical output lines of several ranks
-are shown once, with their rank list.
+failed rank (its state differs), the slowest running rank when it is really behind the
+others (``really_behind``: a tie is not news), and any rank a marker in ``OWN_ROW`` flags
+(the straggler check's, for one). Identical output lines of several ranks are shown once,
+with their rank list.
 
 Up to ``ONE_ROW_PER_RANK`` ranks the views keep a row per rank, as before: eight rows fit
 in the space of the header and the charts, a row per rank is what a small run's user reads
@@ -20,6 +21,7 @@ one pass over the ranks (and over each rank's last lines), so linear in the numb
 from __future__ import annotations
 
 import re
+import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
@@ -43,6 +45,17 @@ OWN_ROW: list[Marker] = [progress_text.straggler_reason]
 
 SLOWEST = "slowest"
 _LIVE = ("launching", "running")
+# When the slowest running rank of a group is behind the others, not tied with them. Ranks that meet
+# in a collective every step are never more than a step apart, yet each reports every 0.1 s
+# (rank.telemetry.FLUSH_INTERVAL) and the kernel reads them at different moments: at any instant
+# some read a step further than others, and at many steps a second several. So the slowest rank is
+# behind only when the median of the others is more than TIE_STEPS ahead of it and more than
+# TIE_SECONDS of the group's pace (its members' median steps a second): what reporting cannot explain.
+# Half a second is five reports: a rank's report that late is itself news, and a rank that really
+# falls behind (a slow shard, a busy host) passes it within seconds, well before the straggler check
+# (three 2 s windows) flags it.
+TIE_STEPS = 1.0
+TIE_SECONDS = 0.5
 
 
 def is_grouped(record: RunRecord) -> bool:
@@ -88,6 +101,16 @@ class Group:
         return (f"{progress_text.count(spread[0])}{rank_ranges.DASH}{progress_text.count(spread[1])}"
                 + (f"/{progress_text.count(total)}" if total is not None else ""))
 
+    def count_column(self) -> str | None:
+        """The members' steps when they differ, in a row's steps column ("  5–6/20  ",
+        ``progress_text.count_column``); None when they do not differ or the range is too long for it."""
+        spread = self.step_range()
+        if spread is None:
+            return None
+        total = progress_text.pick_bars(dict(self.slowest.bars))[1][1].total
+        low, high = map(progress_text.count, spread)
+        return progress_text.count_column(f"{low}{rank_ranges.DASH}{high}", total)
+
     def progress(self) -> str:
         """The group's progress as ``progress_text.progress_summary`` writes a rank's, with the
         members' step range when they differ: "epoch 2/5 · train 9–12/200"."""
@@ -115,6 +138,27 @@ def _progress(rank: RankRecord) -> float:
     return inner[1].step if inner is not None else -1.0
 
 
+def _pace(rank: RankRecord) -> float | None:
+    """A rank's steps a second: the straggler check's latest window, else its current bar's average."""
+    if rank.step_rate:
+        return rank.step_rate
+    _, inner = progress_text.pick_bars(dict(rank.bars))
+    return inner[1].rate if inner is not None else None
+
+
+def really_behind(slowest: RankRecord, others: list[RankRecord]) -> bool:
+    """Whether ``slowest`` is behind ``others`` by more than reporting explains (``TIE_STEPS``,
+    ``TIE_SECONDS``), counted in every step the ranks made (``RankRecord.steps``): 24 ranks at step
+    5 or 6 of 20 at 3.3 steps a second are tied, and none of them is news. A rank that keeps up
+    at a lower rate is the straggler check's to flag (``OWN_ROW``), once it falls behind."""
+    if not others:
+        return False
+    lag = statistics.median(member.steps for member in others) - slowest.steps
+    rates = [rate for rate in map(_pace, [slowest, *others]) if rate]
+    pace = statistics.median(rates) if rates else 0.0
+    return lag > max(TIE_STEPS, pace * TIE_SECONDS)
+
+
 def _key(rank: RankRecord) -> tuple:
     """What two ranks must share to share a row.
 
@@ -127,7 +171,7 @@ def _key(rank: RankRecord) -> tuple:
     bars = tuple((named[0], named[1].total) for named in (outer, inner) if named is not None)
     key = (progress_text.row_state(rank), rank.exit_code, progress_text.where_it_ended(rank), bars)
     if rank.state in _LIVE and rank.stage is not Stage.TRAINING:
-        key += (rank.stage,)
+        key += (progress_text.stage_label(rank),)  # "importing tensorflow" apart from "importing"
     if rank.state in progress_text.UP:
         key += (progress_text.progress_summary(rank),)
     return key
@@ -147,7 +191,7 @@ def _marked(record: RunRecord, rank: RankRecord) -> str:
 def rows(record: RunRecord) -> list[Group]:
     """The run's rows, by first rank: a ``Group`` per set of ranks that read the same, and a
     group of one for each rank a marker flags and, while the run is live, for the slowest rank
-    of a group whose members are not all as far (the one that holds the others back)."""
+    of a group when it is ``really_behind`` the others (the one that holds them back)."""
     groups: dict[tuple, Group] = {}
     singles: list[Group] = []
     for rank in list(record.ranks):
@@ -159,9 +203,10 @@ def rows(record: RunRecord) -> list[Group]:
     out = singles
     for group in groups.values():
         slowest = group.slowest if len(group.members) > 1 and group.members[0].state == "running" else None
-        if slowest is not None and _progress(slowest) < max(_progress(member) for member in group.members):
+        others = [member for member in group.members if member is not slowest]
+        if slowest is not None and really_behind(slowest, others):
             out.append(Group([slowest], SLOWEST))
-            group = Group([member for member in group.members if member is not slowest])
+            group = Group(others)
         out.append(group)
     return sorted(out, key=lambda group: group.ranks[0])
 

@@ -34,6 +34,7 @@ SMOOTHING = 0.3  # tqdm's default: the weight of the newest update in the moving
 EPOCH_WIDTH = 13  # "epoch 999/999"
 DESC_WIDTH = 12
 COUNT_WIDTH = 5  # each side of "45/100"; larger counts are shortened, 123k
+COUNT_COLUMN = 2 * COUNT_WIDTH + 1  # "   45/100  "
 RATE_WIDTH = 10  # "15.2k it/s"
 TIMES_WIDTH = 15  # "1:02:03<1:02:03"
 BAR_WIDTH = 20  # the text bar of the text view and the snapshot's text
@@ -275,6 +276,19 @@ def run_fraction(record: RunRecord) -> tuple[float, Named | None] | None:
 
 # -- rows ----------------------------------------------------------------------------
 
+def stage_label(rank: RankRecord) -> str:
+    """The start-up stage a rank's row names: "importing tensorflow" while the rank imports a framework
+    (``rank.framework_imports``; the rank's stage until it trains), else its stage: "importing", "hvd.init"."""
+    return f"{Stage.IMPORTING} {rank.importing}" if rank.importing else str(rank.stage)
+
+
+def _importing_label(record: RunRecord) -> str:
+    """The run's importing stage as its ranks still in it say it: "importing tensorflow" when they
+    all import the same framework now, else "importing"."""
+    labels = {stage_label(rank) for rank in record.ranks if rank.stage is Stage.IMPORTING}
+    return labels.pop() if len(labels) == 1 else str(Stage.IMPORTING)
+
+
 def stage_text(stage: Stage | str, seconds: float | None) -> str:
     """A start-up stage and the time spent in it: "starting the embedded Spark for 0:07".
 
@@ -301,7 +315,8 @@ def run_stage(record: RunRecord, now: float | None = None) -> str | None:
     if record.state not in ("launching", "running") or record.stage in (None, Stage.TRAINING):
         return None
     since = record.stage_reached.get(record.stage, record.started)
-    return stage_text(record.stage, (now if now is not None else time.time()) - since)
+    stage = _importing_label(record) if record.stage is Stage.IMPORTING else record.stage
+    return stage_text(stage, (now if now is not None else time.time()) - since)
 
 
 def left_width(epochs: bool) -> int:
@@ -309,29 +324,43 @@ def left_width(epochs: bool) -> int:
 
 
 def right_width(timing: bool = True) -> int:
-    return 2 * COUNT_WIDTH + 1 + (2 + RATE_WIDTH + 2 + TIMES_WIDTH if timing else 0)
+    return COUNT_COLUMN + (2 + RATE_WIDTH + 2 + TIMES_WIDTH if timing else 0)
+
+
+def count_column(steps: str, total: float | None) -> str | None:
+    """The steps column of a row, ``COUNT_COLUMN`` wide: "   45/100  ", the "/" in the same place on
+    every row; a group's range ("145–150/300") right-aligned when it is longer; None when it does not fit."""
+    total_text = count(total) if total is not None else ""
+    text = f"{steps:>{COUNT_WIDTH}}{'/' if total_text else ' '}{total_text:<{COUNT_WIDTH}}"
+    if len(text) > COUNT_COLUMN:
+        text = f"{steps}/{total_text}".rjust(COUNT_COLUMN) if total_text else steps.rjust(COUNT_COLUMN)
+    return text if len(text) <= COUNT_COLUMN else None
 
 
 def row_parts(rank: RankRecord, *, rate: float | None = None, epochs: bool | None = None,
-              timing: bool = True, now: float | None = None) -> tuple[str, float | None, str]:
+              timing: bool = True, now: float | None = None,
+              steps: str | None = None) -> tuple[str, float | None, str]:
     """A rank's row as ``(left, bar fraction, right)``: a widget puts its progress bar between them.
 
     ``left`` is the epoch counter (when ``epochs``, by default when the rank has an outer bar),
     the bar's name and its percentage; ``right`` the steps and, with ``timing``, the rate
-    (``rate``, e.g. a ``Meter``'s; by default the bar's average) and elapsed<remaining time.
-    A rank still starting shows its stage and the time in it instead. Each part has the same
-    width whatever its numbers: ``left_width(epochs)`` and ``right_width(timing)``.
+    (``rate``, e.g. a ``Meter``'s; by default the bar's average) and elapsed<remaining time;
+    ``steps``, a steps column in place of the rank's own (a group's range, ``count_column``).
+    A rank still starting shows its stage (``stage_label``) and the time in it instead
+    (``starting_stage`` has the stage whole, for a view that lets it run over the empty bar).
+    Each part has the same width whatever its numbers: ``left_width(epochs)`` and ``right_width(timing)``.
     """
     outer, inner = pick_bars(dict(rank.bars))
     if epochs is None:
         epochs = outer is not None
     lw, rw = left_width(epochs), right_width(timing)
     if inner is None:
-        if rank.stage is not None and rank.stage is not Stage.TRAINING and rank.state in ("launching", "running"):
+        if (stage := starting_stage(rank)) is not None:
+            since = rank.importing_since if rank.importing else rank.stage_since
             seconds = None
-            if timing and rank.stage_since is not None:
-                seconds = (now if now is not None else time.time()) - rank.stage_since
-            return fit(str(rank.stage), lw), None, fit(duration(seconds) if seconds is not None else "", rw)
+            if timing and since is not None:
+                seconds = (now if now is not None else time.time()) - since
+            return fit(stage, lw), None, fit(duration(seconds) if seconds is not None else "", rw)
         return " " * lw, None, " " * rw
     desc, bar = inner
     done = None
@@ -341,8 +370,9 @@ def row_parts(rank: RankRecord, *, rate: float | None = None, epochs: bool | Non
     left = (fit(epoch_text(outer), EPOCH_WIDTH) + "  " if epochs and outer is not None else
             " " * (EPOCH_WIDTH + 2) if epochs else "")
     left += fit(desc, DESC_WIDTH) + " " + percent
-    total = count(bar.total) if bar.total is not None else ""
-    right = f"{count(bar.step):>{COUNT_WIDTH}}{'/' if total else ' '}{total:<{COUNT_WIDTH}}"
+    right = steps if steps is not None else count_column(count(bar.step), bar.total)
+    if right is None:  # counts past 10**15 do not fit the column: the row gives way, not the numbers
+        right = f"{count(bar.step)}/{count(bar.total)}"
     if timing:
         rate = bar.rate if rate is None else rate
         elapsed = bar.time - bar.first_time
@@ -354,11 +384,24 @@ def row_parts(rank: RankRecord, *, rate: float | None = None, epochs: bool | Non
     return fit(left, lw), done, fit(right, rw)
 
 
+def starting_stage(rank: RankRecord) -> str | None:
+    """What a rank that has not trained yet is doing, ``stage_label``; None once it trains or ended."""
+    if rank.stage is None or rank.stage is Stage.TRAINING or rank.state not in ("launching", "running"):
+        return None
+    return stage_label(rank)
+
+
 def row(rank: RankRecord, *, rate: float | None = None, epochs: bool | None = None, timing: bool = True,
-        now: float | None = None, bar_width: int = BAR_WIDTH) -> str:
-    """A rank's row as one line of text, its bar drawn in blocks (see ``row_parts``)."""
-    left, done, right = row_parts(rank, rate=rate, epochs=epochs, timing=timing, now=now)
-    return f"{left} {bar_text(done, bar_width)} {right}" if bar_width else f"{left} {right}"
+        now: float | None = None, bar_width: int = BAR_WIDTH, steps: str | None = None) -> str:
+    """A rank's row as one line of text, its bar drawn in blocks (see ``row_parts``). A rank still
+    starting has no bar yet: its stage runs over the bar's room ("importing tensorflow" is longer
+    than the left part), and the row keeps its width."""
+    left, done, right = row_parts(rank, rate=rate, epochs=epochs, timing=timing, now=now, steps=steps)
+    if not bar_width:
+        return f"{left} {right}"
+    if not rank.bars and (stage := starting_stage(rank)) is not None:
+        return f"{fit(stage, len(left) + 1 + bar_width)} {right}"
+    return f"{left} {bar_text(done, bar_width)} {right}"
 
 
 def progress_summary(rank: RankRecord) -> str:
@@ -405,6 +448,16 @@ def usage_text(rank: RankRecord) -> str:
         parts.append(f"GPU {gpu.get('index', '?')} {gpu.get('util', 0):.0f} % "
                      f"{used / 1e9:.1f}/{gpu.get('total', 0) / 1e9:.0f} GB")
     return " · ".join(parts)
+
+
+# Between a row's figures (the straggler marker, CPU, memory, GPUs) and its last output line, in the
+# text views: a column rule, as the dashboard draws one, since the figures are " · "-separated themselves.
+COLUMN_RULE = " │ "
+
+
+def figures_and_line(figures: str, line: str) -> str:
+    """The end of a row as text: "CPU 21 % · 399 MB │ epoch 3: loss 2.2154"; either may be ""."""
+    return COLUMN_RULE.join(part for part in (figures, line) if part)
 
 
 def straggler_text(rank: RankRecord) -> str:

@@ -14,9 +14,13 @@ A quick run that never showed its live widgets leaves a compact record instead
 finished with no output and no metrics, then its output lines. A failure, metrics or a
 timeline keep the full record; every run's full record is ``hvdmagic.last_run()``.
 
-The text/plain, what a front end without HTML shows and ``nbconvert --to markdown``
-keeps, is the headline, the last ``TEXT_LINES`` lines of the ranks' output as the text
-view prefixes them, and the text view's closing summary.
+The text/plain, what a front end without HTML shows, is the headline, the last
+``TEXT_LINES`` lines of the ranks' output as the text view prefixes them, and the text
+view's closing summary. The HTML carries the same text first, hidden (``hvdmagic-text``):
+nbconvert's Markdown and AsciiDoc exports take the HTML over every text, and its reST
+export takes it as raw HTML, so that is where the ranks' lines must be for them to keep
+them. The HTML also has no blank line (``_no_blank_lines``): Markdown ends an HTML block
+at the first one and reads the rest of the snapshot as Markdown.
 
 A run of more than eight ranks is grouped (``grouping``): a row per group of ranks that
 ended alike, each distinct output line once with its rank list, and every rank's own row
@@ -204,10 +208,14 @@ class Snapshot:
         logs = self._logs()
         if logs:
             parts.append(_section("logs", logs))
-        return (f'<div class="hvdmagic-snapshot" data-state="{html.escape(record.state)}" '
-                f'style="font-family:{html.escape(_FONT)};font-size:13px;line-height:1.4;color:#222;'
-                f'border:1px solid #e0e0e0;border-radius:4px;padding:8px 10px;max-width:1100px">'
-                + "".join(parts) + "</div>")
+        # The text twin, for the exports that take the HTML: hidden wherever HTML is shown
+        # (JupyterLab's sanitizer keeps the attribute), first in a Markdown file's text.
+        text = f'<pre class="hvdmagic-text" hidden style="display:none">{html.escape(self.text())}</pre>'
+        return _no_blank_lines(
+            f'<div class="hvdmagic-snapshot" data-state="{html.escape(record.state)}" '
+            f'style="font-family:{html.escape(_FONT)};font-size:13px;line-height:1.4;color:#222;'
+            f'border:1px solid #e0e0e0;border-radius:4px;padding:8px 10px;max-width:1100px">'
+            + text + "".join(parts) + "</div>")
 
     def _repr_mimebundle_(self, include=None, exclude=None) -> dict:
         bundle = {"text/plain": self.text(), "text/html": self._repr_html_()}
@@ -234,10 +242,11 @@ class Snapshot:
         rest = summary(record)
         if rest:
             parts.append(f'<pre class="hvdmagic-summary" style="{pre};color:#555">{html.escape(rest.rstrip())}</pre>')
-        return (f'<div class="hvdmagic-snapshot hvdmagic-compact" data-state="{html.escape(record.state)}" '
-                f'title="every line, timing and result: hvdmagic.last_run()" '
-                f'style="font-family:{html.escape(_FONT)};font-size:13px;line-height:1.4;color:#222">'
-                + "".join(parts) + "</div>")
+        return _no_blank_lines(
+            f'<div class="hvdmagic-snapshot hvdmagic-compact" data-state="{html.escape(record.state)}" '
+            f'title="every line, timing and result: hvdmagic.last_run()" '
+            f'style="font-family:{html.escape(_FONT)};font-size:13px;line-height:1.4;color:#222">'
+            + "".join(parts) + "</div>")
 
     def _header(self) -> str:
         record = self.record
@@ -413,6 +422,16 @@ def _lines(logs: list[tuple[str, str]]) -> str:
         text = html.escape(_ANSI.sub("", line))
         out.append(f'<span style="color:#b22">{text}</span>' if stream == "stderr" else text)
     return "\n".join(out)
+
+
+_BLANK_LINE = re.compile(r"^[ \t]*$", re.MULTILINE)
+
+
+def _no_blank_lines(markup: str) -> str:
+    """``markup`` with an empty ``<span>`` on each blank line (an empty line a rank printed, in a
+    ``<pre>``): a browser shows the line as before, and a Markdown renderer, which ends an HTML
+    block at a blank line, keeps the whole snapshot one block of HTML."""
+    return _BLANK_LINE.sub(lambda blank: blank.group() + "<span></span>", markup)
 
 
 _CODE = re.compile(r"`([^`]*)`")

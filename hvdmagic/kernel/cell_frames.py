@@ -1,0 +1,50 @@
+"""The notebook cells in a run's stacks, named as IPython names them: ``Cell In[5], line 3``, with the line.
+
+A rank's fault handler writes a frame as the file its code was compiled from: a function
+defined in another notebook cell as ``/tmp/ipykernel_1234/567.py`` (a file that exists in the
+kernel's linecache alone), the %%horovod cell itself as ``<horovod-cell>``. The kernel names
+them as a run's stacks reach it: ``kernel.record`` for the where answers, ``kernel.runner`` for
+the stacks of the run's error and of a crashed rank; ``stacks.name_cells`` writes them. Every view
+then shows the same: the error and its summary line, ``hvdmagic.where()``, the dashboard,
+``last_run().stacks`` and ``last_run().where``.
+
+Named as they arrive rather than each time they are shown, because ``<horovod-cell>`` is the cell
+of the run that is live then: the next %%horovod cell compiles to the same name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from hvdmagic import stacks
+from hvdmagic.kernel.capture import notebook_cell, running_shell
+from hvdmagic.rank.cell import CELL_FILENAME, CellFunction
+
+
+class CellFrames:
+    """How one run names the notebook cells in its stacks.
+
+    ``cell``: the run's %%horovod cell, which the ranks compiled as ``<horovod-cell>``, numbered
+    as the notebook numbers the cell (``kernel.magic.cell_source`` pads it), and named as the
+    capture found it (``CellFunction.display_name``); None for a run of a function
+    (``hvdmagic.run``). The other cells are looked up in IPython when a frame names their file.
+    ``shell``: the IPython shell that ran them; None for the running one.
+    """
+
+    def __init__(self, cell: CellFunction | None = None, shell=None):
+        named = cell is not None and getattr(cell, "display_name", "")
+        self._own = (cell.display_name, cell.source.splitlines()) if named else None
+        self._shell = shell
+
+    def cell_of(self, filename: str) -> tuple[str, Sequence[str]] | None:
+        """(the cell's name, its lines) for a file a notebook cell was compiled into; else None."""
+        if filename == CELL_FILENAME:
+            return self._own
+        shell = self._shell if self._shell is not None else running_shell()
+        return None if shell is None else notebook_cell(shell, filename)
+
+    def named(self, text: str) -> str:
+        return stacks.name_cells(text, self.cell_of) if text else text
+
+    def each_named(self, by_rank: dict[int, str]) -> dict[int, str]:
+        return {rank: self.named(text) for rank, text in by_rank.items()}
