@@ -111,8 +111,14 @@ class Link:
 
 def connect(host: str, port: int, secret: bytes, timeout: float = 30.0) -> Link:
     sock = socket.create_connection((host, port), timeout=timeout)
+    try:
+        # The server's nonce, within the same timeout: a process that is frozen (SIGSTOP) or wedged still
+        # has its connections accepted by the OS, and would hold this read for ever.
+        nonce = _recv_exact(sock, NONCE_SIZE)
+    except BaseException:
+        sock.close()
+        raise
     sock.settimeout(None)
-    nonce = _recv_exact(sock, NONCE_SIZE)
     return Link(sock, secret, nonce, is_server=False)
 
 

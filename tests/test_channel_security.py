@@ -142,3 +142,16 @@ def test_a_relayed_rank_event_cannot_claim_another_rank():
         rank._relay_events(io.BytesIO(lines))
         assert receiver.recv() == {"type": "report", "rank": 1, "progress": {}}
         assert receiver.recv() == {"type": "heartbeat", "rank": 1}
+
+
+@pytest.mark.unit
+def test_a_peer_that_accepts_and_never_speaks_times_out_the_connect():
+    """A frozen host (SIGSTOP) still has its connections accepted by the OS, but never sends its nonce:
+    a reader redirected to it must give up within the connect's timeout, not wait for ever."""
+    import time
+
+    with socket.create_server(("127.0.0.1", 0), backlog=4) as silent:  # listens, never accepts or sends
+        started = time.monotonic()
+        with pytest.raises(TimeoutError):
+            channel.connect(*silent.getsockname(), b"k" * 32, timeout=0.5)
+        assert time.monotonic() - started < 5

@@ -18,6 +18,7 @@ import sys
 import time
 from types import SimpleNamespace
 
+import psutil
 import pytest
 from conftest import run
 from helpers import wait_until
@@ -465,3 +466,15 @@ def test_a_balanced_run_flags_no_rank(ip, capfd):
     assert record.stragglers == []
     assert all(rank.step_rate is not None for rank in record.ranks), "the detector never compared the ranks"
     assert "straggler" not in capfd.readouterr().out
+
+
+@pytest.mark.unit
+def test_a_rank_that_exited_but_is_not_reaped_gives_no_sample():
+    """A zombie reads as 0 bytes of memory: sampled, it would end a finished rank's row at "0 MB"."""
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    tree = resources.ProcessTree(child.pid)
+    wait_until(lambda: psutil.Process(child.pid).status() == psutil.STATUS_ZOMBIE, 30, "the child never exited")
+    try:
+        assert tree.sample() is None
+    finally:
+        child.wait()

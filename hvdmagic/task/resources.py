@@ -69,11 +69,15 @@ class ProcessTree:
             try:
                 with process.oneshot():
                     cpu += process.cpu_percent(None)
-                    rss += process.memory_info().rss
+                    memory = process.memory_info().rss
             except psutil.Error:
                 if process is self.root:
                     return None
                 del self._processes[pid]  # a worker that ended
+                continue
+            if process is self.root and memory == 0:
+                return None  # exited, not reaped yet: a zombie reads as no memory, and is no sample
+            rss += memory
         return cpu, rss
 
 
