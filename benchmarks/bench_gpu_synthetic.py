@@ -64,6 +64,8 @@ def through_a_cell(np: int) -> dict:
     """The function run by a %%horovod cell, as a user runs it: an IPython shell, hvdmagic loaded."""
     from IPython.core.interactiveshell import InteractiveShell
 
+    # The ranks import this module by name, as horovodrun's do (through_horovodrun).
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
     shell = InteractiveShell.instance()
     shell.run_line_magic("load_ext", "hvdmagic")
     shell.run_cell("from benchmarks.bench_gpu_synthetic import synthetic_benchmark")

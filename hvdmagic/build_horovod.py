@@ -60,6 +60,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -294,6 +295,11 @@ def parse_frameworks(text: str | None) -> list[str]:
     return sorted(set(chosen), key=list(FRAMEWORKS).index)
 
 
+def toolkit_root(nvcc: str) -> Path:
+    """The CUDA toolkit an nvcc belongs to, through any link (/usr/local/bin/nvcc -> /usr/local/cuda-13.0)."""
+    return Path(os.path.realpath(nvcc)).parent.parent
+
+
 def find_nvcc() -> str | None:
     for home in (os.environ.get("HOROVOD_CUDA_HOME"), os.environ.get("CUDA_HOME"), "/usr/local/cuda"):
         if home and (Path(home) / "bin" / "nvcc").exists():
@@ -330,7 +336,7 @@ def usable_toolkit(nvcc: str) -> bool:
     and its CUDA is the major release torch was built for. A runtime's torch for CUDA 12 beside a
     CUDA 13 nvcc, or an nvcc without its runtime, gets a CPU build with a line saying so, unless
     ``--gpu`` insists."""
-    root = Path(os.path.realpath(nvcc)).parent.parent
+    root = toolkit_root(nvcc)
     runtime = [*root.glob("lib64/libcudart.so*"), *root.glob("lib/libcudart.so*"),
                *root.glob("targets/*/lib/libcudart.so*")]
     if not (root / "include" / "cuda_runtime.h").exists() or not runtime:
@@ -355,17 +361,26 @@ def cuda_architectures() -> dict[str, str]:
     if os.environ.get("HOROVOD_BUILD_CUDA_CC_LIST"):
         return {}
     smi = shutil.which("nvidia-smi")
-    out = subprocess.run([smi, "--query-gpu=compute_cap", "--format=csv,noheader"], capture_output=True,
-                         text=True).stdout if smi else ""
-    found = {line.strip().replace(".", "") for line in out.splitlines() if line.strip()}
+    out = _output([smi, "--query-gpu=compute_cap", "--format=csv,noheader"]) if smi else ""
+    # Only "9.0"-like lines: an old driver answers "Field "compute_cap" is not a valid field", a MIG one "[N/A]".
+    found = {line.strip().replace(".", "") for line in out.splitlines() if re.fullmatch(r"\d+\.\d+", line.strip())}
     if not found:
         probe = "import torch; print(torch._C._cuda_getArchFlags())"  # get_arch_list() is [] without a GPU
-        out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True).stdout
-        found = {arch.split("_")[1] for arch in out.split() if arch.startswith("sm_")}
+        found = {arch[3:] for arch in _output([sys.executable, "-c", probe]).split()
+                 if re.fullmatch(r"sm_\d+", arch)}
     if not found:
         return {}
     log(f"compiling horovod's CUDA kernels for sm_{', sm_'.join(sorted(found))}")
     return {"HOROVOD_BUILD_CUDA_CC_LIST": ",".join(sorted(found, key=int))}
+
+
+def _output(cmd: list[str]) -> str:
+    """A probe's stdout; "" if it fails or takes over a minute (a wedged driver hangs nvidia-smi)."""
+    try:
+        result = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    return result.stdout if result.returncode == 0 else ""
 
 
 def nccl_from_wheel() -> dict[str, str]:
@@ -393,7 +408,8 @@ def nccl_from_wheel() -> dict[str, str]:
 
 
 def build_flags(frameworks: list[str], gpu: bool | None) -> dict[str, str]:
-    """Gloo always; each framework on or off; MPI when an MPI compiler is on PATH; NCCL
+    """Gloo always; each framework on or off; MPI when an MPI compiler is on PATH (unless
+    HOROVOD_WITHOUT_MPI=1); NCCL
     with --gpu (or, without --gpu/--no-gpu, when nvcc is found and a framework is a CUDA build)."""
     flags = dict(BASE_FLAGS)
     for name, (_, switch) in FRAMEWORKS.items():
@@ -419,7 +435,7 @@ def build_flags(frameworks: list[str], gpu: bool | None) -> dict[str, str]:
         if not os.environ.get("HOROVOD_CUDA_HOME"):
             # nvcc's own toolkit: CMake's FindCUDAToolkit, from an nvcc linked into /usr/local/bin, looks
             # for CUDA's headers in /usr/local/include.
-            flags["HOROVOD_CUDA_HOME"] = str(Path(nvcc).parent.parent)
+            flags["HOROVOD_CUDA_HOME"] = str(toolkit_root(nvcc))
         flags.update(cuda_architectures(), **nccl_from_wheel())
     elif cuda_frameworks([name for name in frameworks if name == "pytorch"]):
         # A CUDA torch (the package index's default) on a CPU build: no CUDA in horovod's torch extension.

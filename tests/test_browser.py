@@ -932,7 +932,6 @@ ROWS_NOW = f"""() => {{
     const marked = e => getComputedStyle(e).textOverflow === "ellipsis";
     return Array.from(board.querySelectorAll(".hvdmagic-rank"), row => ({{
         text: row.innerText.replace(/\\s+/g, " ").trim(),
-        over: Array.from(row.children, c => [c.clientWidth, c.scrollWidth]),
         cut: [row, ...row.querySelectorAll("*")]
             .filter(e => e.innerText && clipped(e) && !marked(e)
                          && ![...e.querySelectorAll("*")].some(d => marked(d) && clipped(d)))

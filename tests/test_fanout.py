@@ -153,7 +153,10 @@ class _Host:
         if not ready:
             raise AssertionError(f"the host did not finish its fetch within {timeout:.0f} s: it received "
                                  f"{self.received()} of {self.blob.size} bytes")
-        return float(self.proc.stdout.readline().split()[1])
+        line = self.proc.stdout.readline()  # its one line, whole: it writes it at once
+        if not line:
+            raise AssertionError(f"the host ended without finishing its fetch (exit {self.proc.wait()})")
+        return float(line.split()[1])
 
     def holds(self, data: bytes) -> bool:
         return (self.cache / self.blob.digest).read_bytes() == data

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+import subprocess
 
 import pytest
 
@@ -371,3 +372,24 @@ def test_a_gpu_build_finds_nccl_in_the_nvidia_wheel_through_a_link_named_as_cmak
     assert build_horovod.nccl_from_wheel() == flags, "a second build reuses the link"
     monkeypatch.setenv("HOROVOD_NCCL_HOME", "/opt/nccl")
     assert build_horovod.nccl_from_wheel() == {}, "the caller's NCCL wins"
+
+
+def test_a_gpu_build_ignores_what_nvidia_smi_says_that_is_no_compute_capability(tmp_path, monkeypatch):
+    from hvdmagic import build_horovod
+
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text('#!/bin/sh\necho \'Field "compute_cap" is not a valid field to query.\'\necho "[N/A]"\n')
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:/usr/bin:/bin")
+    monkeypatch.delenv("HOROVOD_BUILD_CUDA_CC_LIST", raising=False)
+    monkeypatch.setattr(build_horovod, "_output", lambda cmd: (
+        subprocess.run(cmd, capture_output=True, text=True).stdout if cmd[0] == str(smi) else "sm_80 sm_90"))
+    assert build_horovod.cuda_architectures() == {"HOROVOD_BUILD_CUDA_CC_LIST": "80,90"}, "torch's list instead"
+
+
+@pytest.mark.parametrize("visible, devices", [("0,1", ["0", "1"]), ("-1", []), ("", []), ("1,-1,0", ["1"])])
+def test_the_drivers_gpus_follow_cuda_visible_devices_as_cuda_reads_it(monkeypatch, visible, devices):
+    from hvdmagic.launch.local import driver_devices
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    assert driver_devices() == devices

@@ -27,20 +27,19 @@ class CellFrames:
     ``cell``: the run's %%horovod cell, which the ranks compiled as ``<horovod-cell>``, numbered
     as the notebook numbers the cell (``kernel.magic.cell_source`` pads it), and named as the
     capture found it (``CellFunction.display_name``); None for a run of a function
-    (``hvdmagic.run``). The other cells are looked up in IPython when a frame names their file.
-    ``shell``: the IPython shell that ran them; None for the running one.
+    (``hvdmagic.run``). The other cells are looked up in the running IPython shell when a frame
+    names their file.
     """
 
-    def __init__(self, cell: CellFunction | None = None, shell=None):
+    def __init__(self, cell: CellFunction | None = None):
         named = cell is not None and getattr(cell, "display_name", "")
         self._own = (cell.display_name, cell.source.splitlines()) if named else None
-        self._shell = shell
 
     def cell_of(self, filename: str) -> tuple[str, Sequence[str]] | None:
         """(the cell's name, its lines) for a file a notebook cell was compiled into; else None."""
         if filename == CELL_FILENAME:
             return self._own
-        shell = self._shell if self._shell is not None else running_shell()
+        shell = running_shell()
         return None if shell is None else notebook_cell(shell, filename)
 
     def named(self, text: str) -> str:

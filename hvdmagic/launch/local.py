@@ -5,7 +5,6 @@ Runs in the kernel; matches ``launch.backend.Backend``.
 
 from __future__ import annotations
 
-import functools
 import os
 import shutil
 import tempfile
@@ -96,19 +95,35 @@ def driver_devices() -> list[str]:
     else nvidia-smi's list."""
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if visible is not None:
-        return [d.strip() for d in visible.split(",") if d.strip()]
+        # CUDA stops at the first invalid entry: "-1" (the usual way to hide every GPU) means none.
+        devices = []
+        for device in (d.strip() for d in visible.split(",")):
+            if not device or device.startswith("-"):
+                break
+            devices.append(device)
+        return devices
     smi = shutil.which("nvidia-smi")
     return list(_listed_gpus(smi)) if smi else []
 
 
-@functools.cache
+# nvidia-smi's answers by its path, kept for the kernel's life: it takes a tenth of a second or more, and a
+# machine's GPUs do not change under a running kernel.
+_LISTED: dict[str, tuple[str, ...]] = {}
+
+
 def _listed_gpus(smi: str) -> tuple[str, ...]:
-    """nvidia-smi's GPU indices, asked once per kernel: it takes a tenth of a second or more, and a
-    machine's GPUs do not change under a running kernel."""
+    """nvidia-smi's GPU indices. A wedged driver hangs nvidia-smi: after 10 s the driver counts as
+    having none, and is asked again next time."""
     import subprocess
 
-    listing = subprocess.run([smi, "-L"], capture_output=True, text=True).stdout
-    return tuple(str(i) for i, line in enumerate(listing.splitlines()) if line.startswith("GPU "))
+    if smi in _LISTED:
+        return _LISTED[smi]
+    try:
+        listing = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return ()
+    _LISTED[smi] = found = tuple(str(i) for i, line in enumerate(listing.splitlines()) if line.startswith("GPU "))
+    return found
 
 
 def driver_gpus(np: int) -> list[list[str]]:

@@ -1,7 +1,7 @@
 """A rank's NCCL flight recorder, as its supervisor sees it: where torch writes it, how to ask for it.
 
 Each rank gets a directory of its own for torch's dumps, named in the variables the installed torch
-reads (RECORDER_NAMES: torch 2.8 renamed two of them and warns, on every rank, about the old names),
+reads (``recorder_names``: torch 2.8 renamed two of them and warns, on every rank, about the old names),
 unless the user's environment names its own:
 
 - the dump file's prefix: torch writes ``<prefix><rank>`` when its watchdog times a

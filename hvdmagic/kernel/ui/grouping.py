@@ -92,24 +92,28 @@ class Group:
         steps = [bar.step for _, bar in bars]  # type: ignore[misc]
         return (min(steps), max(steps)) if min(steps) != max(steps) else None
 
-    def steps(self) -> str:
-        """The members' steps when they differ, as a row's count column reads: "145–150/300"; else ""."""
-        spread = self.step_range()
-        if spread is None:
-            return ""
-        total = progress_text.pick_bars(dict(self.slowest.bars))[1][1].total
-        return (f"{progress_text.count(spread[0])}{rank_ranges.DASH}{progress_text.count(spread[1])}"
-                + (f"/{progress_text.count(total)}" if total is not None else ""))
-
-    def count_column(self) -> str | None:
-        """The members' steps when they differ, in a row's steps column ("  5–6/20  ",
-        ``progress_text.count_column``); None when they do not differ or the range is too long for it."""
+    def _spread(self) -> tuple[str, float | None] | None:
+        """The members' step range as counts ("145–150") and their bar's total, when their steps differ."""
         spread = self.step_range()
         if spread is None:
             return None
         total = progress_text.pick_bars(dict(self.slowest.bars))[1][1].total
         low, high = map(progress_text.count, spread)
-        return progress_text.count_column(f"{low}{rank_ranges.DASH}{high}", total)
+        return f"{low}{rank_ranges.DASH}{high}", total
+
+    def steps(self) -> str:
+        """The members' steps when they differ, as a row's count column reads: "145–150/300"; else ""."""
+        spread = self._spread()
+        if spread is None:
+            return ""
+        counts, total = spread
+        return counts + (f"/{progress_text.count(total)}" if total is not None else "")
+
+    def count_column(self) -> str | None:
+        """The members' steps when they differ, in a row's steps column ("  5–6/20  ",
+        ``progress_text.count_column``); None when they do not differ or the range is too long for it."""
+        spread = self._spread()
+        return None if spread is None else progress_text.count_column(*spread)
 
     def progress(self) -> str:
         """The group's progress as ``progress_text.progress_summary`` writes a rank's, with the

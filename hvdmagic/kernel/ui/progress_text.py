@@ -371,8 +371,8 @@ def row_parts(rank: RankRecord, *, rate: float | None = None, epochs: bool | Non
             " " * (EPOCH_WIDTH + 2) if epochs else "")
     left += fit(desc, DESC_WIDTH) + " " + percent
     right = steps if steps is not None else count_column(count(bar.step), bar.total)
-    if right is None:  # counts past 10**15 do not fit the column: the row gives way, not the numbers
-        right = f"{count(bar.step)}/{count(bar.total)}"
+    if right is None:  # counts past 10**15 do not fit the column: shown whole, wider than it
+        right = count(bar.step) + (f"/{count(bar.total)}" if bar.total is not None else "")
     if timing:
         rate = bar.rate if rate is None else rate
         elapsed = bar.time - bar.first_time
