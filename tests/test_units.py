@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shlex
 import socket
 import subprocess
 
@@ -338,14 +339,20 @@ def test_a_hang_among_128_ranks_names_the_quiet_rank_and_its_host_in_one_clause_
 
 
 # -- build_horovod's GPU flags (the GPU machine's build: tests/test_gpu.py, scripts/gpu_check.sh) ---------
-def test_a_gpu_build_compiles_for_the_gpus_nvidia_smi_lists(tmp_path, monkeypatch):
-    from hvdmagic import build_horovod
-
+def _nvidia_smi_answering(lines: list[str], tmp_path, monkeypatch):
+    """An nvidia-smi first on PATH that prints ``lines`` whatever it is asked, and no caller's CC list."""
     smi = tmp_path / "nvidia-smi"
-    smi.write_text("#!/bin/sh\necho 9.0\necho 9.0\necho 8.6\n")
+    smi.write_text("#!/bin/sh\n" + "".join(f"echo {shlex.quote(line)}\n" for line in lines))
     smi.chmod(0o755)
     monkeypatch.setenv("PATH", f"{tmp_path}:/usr/bin:/bin")
     monkeypatch.delenv("HOROVOD_BUILD_CUDA_CC_LIST", raising=False)
+    return smi
+
+
+def test_a_gpu_build_compiles_for_the_gpus_nvidia_smi_lists(tmp_path, monkeypatch):
+    from hvdmagic import build_horovod
+
+    _nvidia_smi_answering(["9.0", "9.0", "8.6"], tmp_path, monkeypatch)
     assert build_horovod.cuda_architectures() == {"HOROVOD_BUILD_CUDA_CC_LIST": "86,90"}
     monkeypatch.setenv("HOROVOD_BUILD_CUDA_CC_LIST", "80")
     assert build_horovod.cuda_architectures() == {}, "the caller's list wins (it passes through)"
@@ -377,11 +384,7 @@ def test_a_gpu_build_finds_nccl_in_the_nvidia_wheel_through_a_link_named_as_cmak
 def test_a_gpu_build_ignores_what_nvidia_smi_says_that_is_no_compute_capability(tmp_path, monkeypatch):
     from hvdmagic import build_horovod
 
-    smi = tmp_path / "nvidia-smi"
-    smi.write_text('#!/bin/sh\necho \'Field "compute_cap" is not a valid field to query.\'\necho "[N/A]"\n')
-    smi.chmod(0o755)
-    monkeypatch.setenv("PATH", f"{tmp_path}:/usr/bin:/bin")
-    monkeypatch.delenv("HOROVOD_BUILD_CUDA_CC_LIST", raising=False)
+    smi = _nvidia_smi_answering(['Field "compute_cap" is not a valid field to query.', "[N/A]"], tmp_path, monkeypatch)
     monkeypatch.setattr(build_horovod, "_output", lambda cmd: (
         subprocess.run(cmd, capture_output=True, text=True).stdout if cmd[0] == str(smi) else "sm_80 sm_90"))
     assert build_horovod.cuda_architectures() == {"HOROVOD_BUILD_CUDA_CC_LIST": "80,90"}, "torch's list instead"
