@@ -67,6 +67,8 @@ class Stage(StrEnum):
     WAITING_FOR_SLOTS = "waiting for slots"
     SUBMITTED = "stage submitted"
     RANKS_STARTING = "rank processes starting"
+    TEMPLATE = "importing into the template"  # a task starts its host's template (rank.template)
+    FORKING = "forking from the template"  # the rank's process, ready-imported
     IMPORTING = "importing"  # the rank's interpreter runs the cell, up to `import horovod`
     HVD_INIT = "hvd.init"  # horovod is imported and not yet initialised
     FIRST_STEP = "first step"  # horovod is initialised; nothing reported yet
@@ -82,6 +84,7 @@ PROGRESS_EVENTS = frozenset({Event.OUTPUT, Event.REPORT, Event.RESULT})
 # Environment variables a supervisor sets for its rank.
 EVENT_FD_ENV = "HVDMAGIC_EVENT_FD"  # the rank's end of its event pipe
 JOB_ID_ENV = "HVDMAGIC_JOB_ID"
+SUPERVISOR_ENV = "HVDMAGIC_SUPERVISOR_PID"  # the process of the rank's task: its parent, unless a template forked it
 SHARD_ENV = "HVDMAGIC_SHARD"  # the rank's Arrow shard (--data)
 TASK_GPUS_ENV = "HVDMAGIC_TASK_GPUS"
 CUDA_DEVICE_ENV = "HVDMAGIC_CUDA_DEVICE"  # the rank's device index within CUDA_VISIBLE_DEVICES
@@ -181,6 +184,10 @@ class TaskSpec:
     framework: str = "horovod"  # whose collectives the ranks use: a Framework
     session: bool = False  # the ranks stay up and run cells as they come (launch.warm_ranks)
     elastic: bool = False  # Horovod elastic: a task runs a rank each time the driver says go (launch.elastic)
+    # The modules a host's rank template imports, its ranks forked from it (task.rank_template); () spawns each
+    # rank. The secret is the kernel's: a template outlives the job that started it.
+    template: tuple[str, ...] = ()
+    template_secret: bytes = b""
 
 
 class Framework(StrEnum):

@@ -23,7 +23,8 @@ def train(steps: int, *, commit_every: int = 5, kill: tuple[int, int] | None = N
     is created first, so its next rank does not). ``until_size``: go on past ``steps``
     until the world has this many ranks again, then ``commit_every`` steps more; more
     than ``max_steps`` steps fails. ``ready_at``: at that step rank 0 creates ``marker``
-    (for a test that causes the fault from outside).
+    (for a test that causes the fault from outside), and each rank writes its pid and its
+    task's next to it (``<marker>.<Horovod host>.pids``).
     """
     import os
     import signal
@@ -35,6 +36,12 @@ def train(steps: int, *, commit_every: int = 5, kill: tuple[int, int] | None = N
     import hvdmagic
 
     hvd.init()
+    if marker:
+        # Who this rank is, for a test that kills its process or its task from outside: a rank forked
+        # from a template shows the template's environment in /proc, not its own.
+        registry = f"{marker}.{os.environ.get('HOROVOD_HOSTNAME', '')}.pids"
+        with open(registry, "w") as pids:
+            pids.write(f"{os.getpid()} {os.environ['HVDMAGIC_SUPERVISOR_PID']}")
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)

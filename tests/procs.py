@@ -3,23 +3,46 @@
 from __future__ import annotations
 
 import contextlib
+import glob
 import os
 import threading
 
 import psutil
 from helpers import wait_until
 
+from hvdmagic.rank.template import TEMPLATE_NAME
+
 
 def rank_processes(parent: int | None = None) -> list[psutil.Process]:
-    """Rank processes started from this process, or from process ``parent`` (Spark's ranks descend from its JVM)."""
+    """Rank processes started from this process, or from process ``parent`` (Spark's ranks descend from its JVM).
+
+    A rank forked from a host's template (hvdmagic.rank.template) descends from the template, which
+    descends from the task that started it until that task's process ends: the template's
+    ``--owner=`` (the kernel, or the executor's JVM) says whose it is then."""
+    root = psutil.Process(parent or os.getpid())
+    tree = root.children(recursive=True)
+    under = {root.pid} | {proc.pid for proc in tree}
+    candidates = list(tree)
+    for proc in psutil.process_iter():
+        with contextlib.suppress(psutil.Error):
+            if proc.pid not in under and proc.name() == TEMPLATE_NAME and _owner(proc) in under:
+                candidates.extend(proc.children())
     found = []
-    for proc in psutil.Process(parent or os.getpid()).children(recursive=True):
+    for proc in candidates:
         try:
-            if "hvdmagic.rank" in proc.cmdline():
+            # A template is no rank: the ranks it forks share its cmdline.
+            if "hvdmagic.rank" in proc.cmdline() and proc.name() != TEMPLATE_NAME:
                 found.append(proc)
         except psutil.Error:  # exited (or a zombie) while we looked
             continue
     return found
+
+
+def _owner(template: psutil.Process) -> int | None:
+    for arg in template.cmdline():
+        if arg.startswith("--owner="):
+            return int(arg.removeprefix("--owner="))
+    return None
 
 
 def wait_until_gone(pids, within: float, what: str = "rank processes") -> None:
@@ -72,3 +95,15 @@ def _mpi_processes() -> list[str]:
             found.append(f"{proc.info['name']} {proc.pid} ({proc.info['status']}, parent {proc.info['ppid']}) "
                          f"{cmdline[:120]}")
     return found
+
+
+def registered_rank(marker: str, host_prefix: str) -> tuple[psutil.Process, psutil.Process] | None:
+    """The rank process whose Horovod host starts with ``host_prefix``, and its task's supervisor, as
+    the rank wrote them (``elastic_training.train``'s ``<marker>.<host>.pids``); None if none did."""
+    for path in sorted(glob.glob(f"{glob.escape(marker)}.{host_prefix}*.pids")):
+        try:
+            rank, supervisor = (int(pid) for pid in open(path).read().split())
+            return psutil.Process(rank), psutil.Process(supervisor)
+        except (OSError, ValueError, psutil.NoSuchProcess):
+            continue
+    return None

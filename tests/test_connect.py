@@ -21,7 +21,6 @@ import sys
 import threading
 import time
 import urllib.request
-from collections.abc import Callable
 from pathlib import Path
 
 import connect_server
@@ -36,7 +35,7 @@ from helpers import (
     wait_for_reply,
     wait_until,
 )
-from procs import alive, rank_processes, wait_until_gone, wait_until_no_mpi_processes
+from procs import alive, rank_processes, registered_rank, wait_until_gone, wait_until_no_mpi_processes
 from test_elastic import _check_training, _kill_the_worker_of
 
 SERVER_START = 120  # seconds the Connect server gets to listen: a JVM on a busy 2-core machine
@@ -402,16 +401,13 @@ train(state)
     _no_ranks_left(server, "an elastic run")
 
 
-def _supervisor_of(server: ConnectServer, rank_env: Callable[[dict], bool], what: str) -> psutil.Process:
-    """The Python worker under the server (the task's supervisor) whose rank's environment matches
-    ``rank_env``: killing it fails the task, as a crashed executor process would."""
-    for rank in rank_processes(server.proc.pid):
-        try:
-            if rank_env(rank.environ()):
-                return rank.parent()
-        except psutil.NoSuchProcess:
-            continue
-    raise AssertionError(f"no rank of {what} under the Connect server")
+def _supervisor_of(ready: Path, host_prefix: str, what: str) -> psutil.Process:
+    """The Python worker under the server (the task's supervisor) of the rank that registered itself
+    next to ``ready`` with a Horovod host starting with ``host_prefix``: killing it fails the task,
+    as a crashed executor process would."""
+    found = registered_rank(str(ready), host_prefix)
+    assert found is not None, f"no rank of {what} registered next to {ready}"
+    return found[1]
 
 
 def test_an_elastic_run_whose_stage_fails_says_why_and_the_next_cell_works(kernel, server, tmp_path):
@@ -424,7 +420,7 @@ def test_an_elastic_run_whose_stage_fails_says_why_and_the_next_cell_works(kerne
     msg = kernel.client.execute(f"%%horovod --np 2 --min-np 1 --max-np 2 --timeout 240\n"
                                 f"train(100000, marker={str(ready)!r}, ready_at=5)")
     wait_until(ready.exists, 120, "training never reached step 5")
-    _supervisor_of(server, lambda env: env.get("HOROVOD_HOSTNAME", "").startswith("t1."), "task 1").kill()
+    _supervisor_of(ready, "t1.", "task 1").kill()
     reply, texts = wait_for_reply(kernel.client, msg, 120)
     text = "".join(texts)
     assert reply["status"] == "error" and reply["ename"] == "JobFailed", text
@@ -441,8 +437,10 @@ def test_a_fixed_size_run_whose_stage_fails_says_why_and_the_next_cell_works(ker
     Java trace), no rank is left under the server, the stage is gone from it, and the next cell works."""
     ready = tmp_path / "ready"
     msg = kernel.client.execute(f"""%%horovod --np 2 --timeout 120
-import time, torch, horovod.torch as hvd
+import os, time, torch, horovod.torch as hvd
 hvd.init()
+with open(f"{ready!s}.r{{hvd.rank()}}.pids", "w") as pids:
+    pids.write(f"{{os.getpid()}} {{os.environ['HVDMAGIC_SUPERVISOR_PID']}}")
 hvd.allreduce(torch.tensor([1.0]))
 if hvd.rank() == 0:
     open({str(ready)!r}, "w").close()
@@ -453,7 +451,7 @@ while True:
         wait_until(ready.exists, 120, "the ranks never got past their first allreduce")
         running = server.running_tags()
         assert running, "the run's stage is not on the Connect server"
-        _supervisor_of(server, lambda env: env.get("HOROVOD_RANK") == "1", "rank 1").kill()
+        _supervisor_of(ready, "r1", "rank 1").kill()
         killed_at = time.monotonic()
         reply, texts = wait_for_reply(kernel.client, msg, 120)
         msg = None

@@ -334,6 +334,10 @@ def test_the_header_and_rows_show_each_start_up_stage():
     for rank in (0, 1):
         record.apply({"type": "placed", "rank": rank, "host": "127.0.0.1"})
     record.apply({"type": "stage", "rank": 0, "stage": Stage.HVD_INIT})
+    record.apply({"type": "stage", "rank": 1, "stage": Stage.TEMPLATE})  # its task starts the host's template
+    board._draw()
+    assert "importing into the template" in board.rows[1].left.value
+    record.apply({"type": "stage", "rank": 1, "stage": Stage.FORKING})
     record.apply({"type": "stage", "rank": 1, "stage": Stage.IMPORTING})
     record.ranks[1].stage_since -= 3
     board._draw()

@@ -21,7 +21,7 @@ import pytest
 from conftest import run
 from elastic_training import train
 from helpers import WaitTimeout, spark_cluster, wait_until
-from procs import rank_processes, wait_until_gone
+from procs import rank_processes, registered_rank, wait_until_gone
 
 import hvdmagic
 from hvdmagic.errors import JobFailed, LaunchError
@@ -299,16 +299,15 @@ def _kill_the_worker_of(cluster, host_prefix: str, ready: str, killed: list, wit
         killed.append(str(timeout))  # this thread's failure, for the test to report
         return
     workers = {proc.pid: i for i, proc in enumerate(cluster.procs)}
-    for rank in rank_processes():
+    if (found := registered_rank(ready, host_prefix)) is not None:
         try:
-            if not rank.environ().get("HOROVOD_HOSTNAME", "").startswith(host_prefix):
-                continue
-            owner = next(workers[p.pid] for p in rank.parents() if p.pid in workers)
+            owner = next(workers[p.pid] for p in found[1].parents() if p.pid in workers)
         except (psutil.NoSuchProcess, StopIteration):
-            continue
-        os.killpg(cluster.procs[owner].pid, signal.SIGKILL)
-        killed.append(owner)
-        return
+            owner = None
+        if owner is not None:
+            os.killpg(cluster.procs[owner].pid, signal.SIGKILL)
+            killed.append(owner)
+            return
     killed.append(f"no rank process with a Horovod host {host_prefix}*")
 
 

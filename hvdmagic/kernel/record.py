@@ -222,9 +222,11 @@ class RunRecord:
                     record.last_line = shown
             elif kind == Event.NOTE:
                 once = event.get("once")
-                if once is None or once not in _SAID_ONCE:  # e.g. the Keras 2 note: once per kernel
+                text = str(event.get("text", ""))
+                # Once per kernel (the Keras 2 note), and each text once per run (every rank's own "spawned").
+                if (once is None or once not in _SAID_ONCE) and text not in self.notes:
                     _SAID_ONCE.add(once)
-                    self.notes.append(str(event.get("text", "")))
+                    self.notes.append(text)
             elif kind == Event.REPORT:
                 self._apply_report(rank, record, event)
             elif kind == Event.ERROR:

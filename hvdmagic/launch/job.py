@@ -27,6 +27,12 @@ from hvdmagic.launch.mpi import MpiDriver
 from hvdmagic.launch.placement import Placement
 from hvdmagic.launch.shipment import Shipment
 from hvdmagic.protocol import PROGRESS_EVENTS, Event, Framework, ResultPolicy, Slot, Stage, TaskSpec
+from hvdmagic.task import rank_template
+
+# The kernel's secret for its hosts' rank templates (task.rank_template): they outlive each job.
+TEMPLATE_SECRET = channel.new_secret()
+MPI_NOTE = ("hvdmagic: under --controller mpi, mpirun starts the ranks, so each imports its frameworks itself "
+            "(no host template).")
 
 ABORT_GRACE = 5.0  # seconds the other ranks get to report after the first failure
 EXIT_GRACE = 3.0  # seconds a rank that reported its error gets to exit on its own before it is aborted too
@@ -150,6 +156,16 @@ class Job:
         self.requests = requests if requests is not None else queue.SimpleQueue()
         self.job_id = uuid.uuid4().hex[:12]
 
+    def _template(self) -> dict:
+        """The TaskSpec's rank template: none under mpirun, nor where HVDMAGIC_TEMPLATE=0."""
+        if not rank_template.enabled():
+            return {}
+        if self.controller == "mpi":
+            self.on_event(protocol.note(MPI_NOTE))
+            return {}
+        modules = ("hvdmagic.rank.blobs", *self.payload.imports, *rank_template.extra_imports())
+        return {"template": modules, "template_secret": TEMPLATE_SECRET}
+
     def run(self) -> JobResult:
         with interruptible():
             return self._run()
@@ -171,7 +187,7 @@ class Job:
                 rendezvous_port=rendezvous.port, secret=secret, payload=self.payload.payload,
                 blob_port=self.blobs.address[1], env=self.env,
                 controller=self.controller, results=self.results, framework=self.framework,
-                session=self.session, elastic=self.elastic,
+                session=self.session, elastic=self.elastic, **self._template(),
             )
             self.on_event(protocol.launching(self.backend.describe(), self.backend.job_group, list(server.address),
                                              self.backend.name))

@@ -14,6 +14,8 @@ object's identity: an array changed in place between cells is shipped again.
 
 from __future__ import annotations
 
+import dis
+import functools
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -32,6 +34,7 @@ _REMEMBERED = 256
 class Shipment:
     payload: Payload
     buffers: dict[str, memoryview] = field(default_factory=dict)  # by digest: what the blob server serves
+    imports: tuple[str, ...] = ()  # the frameworks the function imports: what a host's rank template imports ahead
 
     @property
     def size(self) -> int:
@@ -92,4 +95,59 @@ def pack(obj, *, label: str = "the function and its arguments", blobs: dict[str,
         blobs[head_blob] = Blob(head_blob, len(head), label)
         buffers[head_blob] = view
         head = b""
-    return Shipment(Payload(head, digests, tuple(blobs.values()), head_blob), buffers)
+    imports = framework_imports(obj[0]) if isinstance(obj, tuple) and obj and callable(obj[0]) else ()
+    return Shipment(Payload(head, digests, tuple(blobs.values()), head_blob), buffers, imports)
+
+
+# Packages whose import is the ranks' wait (seconds each), and which start no thread a fork would
+# break when imported (rank.template checks that again before each fork).
+_PRELOADED = {"numpy", "torch", "torchvision", "tensorflow", "tf_keras", "keras", "lightning", "pytorch_lightning"}
+_HOROVOD_FRAMEWORKS = {"torch", "tensorflow", "keras"}
+
+
+def framework_imports(fn) -> tuple[str, ...]:
+    """The framework modules ``fn``'s code imports, with its nested functions', its closure's and
+    what it wraps: read from the bytecode's IMPORT_NAME, nothing imported or run."""
+    names: dict[str, None] = {}
+    seen: set[int] = set()
+
+    def visit_code(code) -> None:
+        if id(code) in seen:
+            return
+        seen.add(id(code))
+        for instruction in dis.get_instructions(code):
+            if instruction.opname == "IMPORT_NAME" and _preloadable(str(instruction.argval)):
+                names.setdefault(str(instruction.argval))
+        for const in code.co_consts:
+            if hasattr(const, "co_code"):
+                visit_code(const)
+
+    def visit(obj, depth: int = 0) -> None:
+        if depth > 3 or id(obj) in seen:
+            return
+        seen.add(id(obj))
+        if isinstance(obj, functools.partial):
+            visit(obj.func, depth + 1)
+        code = getattr(obj, "__code__", None)
+        if code is not None:
+            visit_code(code)
+        for cell in getattr(obj, "__closure__", None) or ():
+            try:
+                contents = cell.cell_contents
+            except ValueError:  # an empty cell
+                continue
+            if callable(contents):
+                visit(contents, depth + 1)
+        wrapped = getattr(obj, "__wrapped__", None)
+        if wrapped is not None:
+            visit(wrapped, depth + 1)
+
+    visit(fn)
+    return tuple(names)
+
+
+def _preloadable(module: str) -> bool:
+    parts = module.split(".")
+    if parts[0] == "horovod":
+        return len(parts) > 1 and parts[1] in _HOROVOD_FRAMEWORKS
+    return parts[0] in _PRELOADED

@@ -1,4 +1,4 @@
-"""Entry point of one rank process: ``python -m hvdmagic.rank``.
+"""Entry point of one rank process: ``python -m hvdmagic.rank``, or a fork of the host's template.
 
 The supervisor that started us writes our Boot and then the payload on stdin
 (``protocol.write_boot``/``write_payload``: a local pipe from our own parent, so it
@@ -135,4 +135,12 @@ def _exit(code: int) -> None:
 
 
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["--template"]:
+        # The host's rank template (rank.template): it returns only in a forked child, which is then a rank.
+        from hvdmagic.rank import template
+
+        child = template.main()
+        if child is None:
+            _exit(0)
+        template.become_rank(child)
     _exit(main())

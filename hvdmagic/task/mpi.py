@@ -14,14 +14,13 @@ from __future__ import annotations
 import hashlib
 import hmac
 import os
-import signal
 import socket
-import subprocess
 import tempfile
 import threading
 from pathlib import Path
 
 from hvdmagic.protocol import read_message, send_message
+from hvdmagic.task.adopted_rank import AdoptedRank, RankPipes
 
 
 def socket_dir(job_id: str) -> Path:
@@ -73,60 +72,21 @@ def adopt_rank(listener: socket.socket, token: str, env: dict[str, str], events_
         except TimeoutError:
             continue
         conn.settimeout(30)
+        pipes = None
         try:
             if not hmac.compare_digest(str(read_message(conn).get("token", "")), token):
                 raise ValueError("wrong token")
-            stdin_r, stdin_w = os.pipe()
-            out_r, out_w = os.pipe()
-            err_r, err_w = os.pipe()
-            child_ends = [stdin_r, out_w, err_w, events_w]
+            pipes = RankPipes(events_w)
             try:
-                socket.send_fds(conn, [b"F"], child_ends)
+                socket.send_fds(conn, [b"F"], pipes.child_ends)
                 send_message(conn, {"env": env, "cwd": os.getcwd()})
             finally:
-                for fd in child_ends[:3]:
-                    os.close(fd)
+                pipes.handed_over()
             pid = int(read_message(conn)["pid"])
         except (OSError, ValueError, KeyError):
+            if pipes is not None:
+                pipes.close()
             conn.close()  # not our shim, or it died on the way: keep waiting
             continue
-        conn.settimeout(None)
-        return AdoptedRank(conn, pid, os.fdopen(stdin_w, "wb"), os.fdopen(out_r, "rb"), os.fdopen(err_r, "rb"))
+        return pipes.adopt(conn, pid)
     return None
-
-
-class AdoptedRank:
-    """A rank that mpirun started, with the part of Popen's interface the supervisor uses.
-
-    Its pid leads its own process group (the shim starts it in a new session),
-    so the supervisor signals it as it would a rank it spawned.
-    """
-
-    def __init__(self, conn: socket.socket, pid: int, stdin, stdout, stderr):
-        self.pid, self.stdin, self.stdout, self.stderr = pid, stdin, stdout, stderr
-        self.returncode: int | None = None
-        self._conn = conn
-        self._done = threading.Event()
-        threading.Thread(target=self._wait_for_exit, name="hvdmagic-mpi-rank", daemon=True).start()
-
-    def _wait_for_exit(self) -> None:
-        try:
-            code = int(read_message(self._conn)["code"])
-        except (OSError, ValueError, KeyError):
-            # The shim was killed (mpirun tearing the job down): its rank must not outlive it.
-            try:
-                os.killpg(self.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            code = -signal.SIGKILL
-        self._conn.close()
-        self.returncode = code
-        self._done.set()
-
-    def poll(self) -> int | None:
-        return self.returncode
-
-    def wait(self, timeout: float | None = None) -> int:
-        if not self._done.wait(timeout):
-            raise subprocess.TimeoutExpired("hvdmagic.rank", timeout)
-        return self.returncode

@@ -31,6 +31,7 @@ from hvdmagic.protocol import (
     PYTHON_ENV,
     SHARD_ENV,
     SOCKET_DIR_ENV,
+    SUPERVISOR_ENV,
     TASK_GPUS_ENV,
     TOKEN_ENV,
     Boot,
@@ -40,7 +41,7 @@ from hvdmagic.protocol import (
     TaskSpec,
 )
 from hvdmagic.rank.blobs import fail
-from hvdmagic.task import mpi
+from hvdmagic.task import mpi, rank_template
 from hvdmagic.task.blob_cache import BlobCache, fetched_in_background
 from hvdmagic.task.blob_relay import BlobRelay
 from hvdmagic.task.environment import rank_base_environment, rank_environment
@@ -110,7 +111,8 @@ class Supervisor:
         threading.Thread(target=self._listen, name="hvdmagic-abort-listener", daemon=True).start()
         env = self._rank_env(slot, go.get("devices"))
         boot = Boot(slot.rank, self.spec.results, session=self.spec.session)
-        if not self.rank.start(env, boot, self._mpi_starter(slot) if self.spec.controller == "mpi" else spawn):
+        if not self.rank.start(env, boot, self._mpi_starter(slot) if self.spec.controller == "mpi"
+                               else self._starter(slot.rank)):
             # aborted before mpirun started this rank
             self._send(protocol.exit_(slot.rank, -signal.SIGTERM, aborted=True))
             return -signal.SIGTERM
@@ -132,7 +134,7 @@ class Supervisor:
             self.rank = RankProcess(self.task_index, self._send, self._send_raw)
             env = self._rank_env(protocol.slot_of(go), go.get("devices"))
             env["HOROVOD_ELASTIC"] = "1"
-            self.rank.start(env, Boot(self.task_index, self.spec.results, elastic=True))
+            self.rank.start(env, Boot(self.task_index, self.spec.results, elastic=True), self._starter(self.task_index))
             self._feed(self.spec.payload, fetched)
             if self._aborted.is_set():
                 self.rank.kill()
@@ -156,6 +158,22 @@ class Supervisor:
         while (message := self._cells.get()) is not None:
             self._feed(protocol.cell_payload(message), cell_id=message.get("id"))
 
+    def _starter(self, rank: int):
+        """Fork the rank from the host's template (``task.rank_template``); spawn it where that cannot be."""
+        if not self.spec.template:
+            return spawn
+
+        def start(env: dict[str, str], events_w: int):
+            try:
+                template = rank_template.HostTemplate(self.spec.template_secret, self.spec.template, env)
+                return template.fork(env, events_w, lambda stage: self._send(protocol.stage_reached(stage, rank=rank)))
+            except rank_template.Refused as exc:
+                self._send(protocol.note(f"hvdmagic: ranks on {socket.gethostname()} were spawned, not forked "
+                                         f"from the host's template: {exc}.", rank=rank))
+                return spawn(env, events_w)
+
+        return start
+
     def _mpi_starter(self, slot: Slot):
         """mpirun starts this rank (through the daemon this task's host runs): wait for it and adopt it."""
         listener = mpi.listen_for_rank(self.spec.job_id, slot.rank)
@@ -176,6 +194,7 @@ class Supervisor:
         env.update(rank_environment(slot, rendezvous, interface_for(self._link_address), self.spec.controller,
                                     self.spec.framework, self.spec.job_id))
         env[JOB_ID_ENV] = self.spec.job_id
+        env[SUPERVISOR_ENV] = str(os.getpid())
         env[BLOB_DIR_ENV] = str(self._blobs.directory)
         if self.shard:
             env[SHARD_ENV] = self.shard[0]

@@ -1,0 +1,395 @@
+"""A host's rank template: one interpreter that has imported the ranks' frameworks, and forks ranks.
+
+``python -m hvdmagic.rank --template`` (started by a task, ``task.rank_template``) reads its
+orders on stdin, leaves its starter's session, imports the modules named (torch and
+horovod.torch, or TensorFlow), listens on a Unix socket in a directory private to this
+user, and writes one line on stdout when it is ready. Each request proves it comes from a
+task of this kernel (a token derived from the kernel's template secret) and brings the
+rank's pipes (SCM_RIGHTS), environment and working directory. The template checks that a
+fork is still safe, forks, and reports the child's pid and, once it has reaped it, its
+exit code. The child becomes the rank (``become_rank``) and runs ``rank.__main__.main``
+as a spawned rank would, with the framework already imported.
+
+A fork is refused, and the task spawns its rank as before, when:
+- a thread runs that was not there when the imports ended. The imports' own threads are
+  OpenBLAS's pools (numpy, scipy) and jemalloc's purge thread (pyarrow, which TensorFlow
+  imports): both stop around a fork (pthread_atfork), so they are safe;
+- a module the template imported changed on disk (its file's size or time);
+- the rank's environment differs beyond what a rank's own variables set after the fork;
+- CUDA, Horovod or torch.distributed were initialised here (they never are: nothing else runs).
+A template whose modules changed exits after saying so: the next task starts a new one.
+
+The template exits when its owner (the kernel in local mode, the executor's JVM under
+Spark) exits, or after ``idle`` seconds with no rank alive and no request. It runs no
+thread of its own: one selector loop, and SIGCHLD through a wakeup pipe.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hmac
+import io
+import json
+import os
+import selectors
+import signal
+import socket
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from hvdmagic.protocol import EVENT_FD_ENV, read_message, send_message
+
+FDS = 4  # the rank's stdin, stdout, stderr and event pipe
+OWNER_POLL = 1.0  # seconds between checks that the owner lives, where no pidfd can tell at once
+PR_SET_PTRACER = 0x59616D61  # Yama: lets the task's py-spy read a rank that is not its descendant
+PR_SET_NAME = 15
+TEMPLATE_NAME = "hvdmagic-tmpl"  # what ps -o comm and psutil name the template
+
+
+@dataclass
+class Orders:
+    """What the task that starts the template tells it, on its stdin (one JSON line)."""
+
+    socket: str
+    log: str  # our stderr, for the starter to quote if we fail to start; removed when we end
+    token: str
+    modules: list[str]
+    owner: int
+    idle: float
+    # Variables a rank sets for itself after the fork: the rest of its environment must be the template's.
+    own_keys: list[str]
+    own_prefixes: list[str]
+
+
+@dataclass
+class RankOrders:
+    """What one request makes of its child: the rank's pipes, environment and directory."""
+
+    fds: list[int]
+    env: dict[str, str]
+    cwd: str
+    tracer: int  # the task's pid: its py-spy may read the rank
+
+
+class Template:
+    def __init__(self, orders: Orders):
+        self.orders = orders
+        self.import_threads: set[str] = set()
+        self.stamps: dict[str, tuple[int, int]] = {}
+        self.failed: dict[str, str] = {}  # module -> why its import failed (the ranks will say it again)
+        self.env = dict(os.environ)
+        self.stale = False  # a module changed on disk: refuse every fork, and end once the ranks have
+
+    def load(self) -> None:
+        """Import the modules, noting the threads their imports started and the files they came from."""
+        before = _threads()
+        for name in self.orders.modules:
+            try:
+                __import__(name)
+            except BaseException as exc:
+                self.failed[name] = f"{type(exc).__name__}: {exc}"
+        self.import_threads = _threads() - before
+        for module in list(sys.modules.values()):
+            path = getattr(module, "__file__", None)
+            if path and _heavy(module.__name__, self.orders.modules):
+                try:
+                    stat = os.stat(path)
+                except OSError:
+                    continue
+                self.stamps[path] = (stat.st_size, stat.st_mtime_ns)
+
+    def unsafe(self, env: dict[str, str]) -> str:
+        """Why a fork now would not give the rank a spawned rank would be; "" when it is safe."""
+        extra = max(len(_threads() - self.import_threads) - 1, threading.active_count() - 1)
+        if extra > 0:
+            return (f"the template runs {extra} thread(s) besides the libraries' own pools, and a fork could "
+                    f"deadlock on a lock one of them holds")
+        for path, stamp in self.stamps.items():
+            try:
+                stat = os.stat(path)
+                now = (stat.st_size, stat.st_mtime_ns)
+            except OSError:
+                now = None
+            if now != stamp:
+                self.stale = True
+                return f"{path} changed on disk since the template imported it"
+        differs = sorted(key for key in set(env) | set(self.env)
+                         if env.get(key) != self.env.get(key) and not self.own(key))
+        if differs:
+            return f"the rank's environment differs from the template's ({', '.join(differs[:5])})"
+        return initialised()
+
+    def own(self, key: str) -> bool:
+        return key in self.orders.own_keys or key.startswith(tuple(self.orders.own_prefixes))
+
+
+def initialised() -> str:
+    """What must never be initialised in a process that forks ranks: "" when none is."""
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        if torch.cuda.is_initialized():
+            return "CUDA was initialised in the template"
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            return "torch.distributed was initialised in the template"
+    for name in ("horovod.torch", "horovod.tensorflow"):
+        hvd = sys.modules.get(name)
+        if hvd is not None and getattr(hvd, "is_initialized", lambda: False)():
+            return "Horovod was initialised in the template"
+    return ""
+
+
+def _heavy(module: str, preloaded: list[str]) -> bool:
+    """Whether ``module`` belongs to one of the packages the template was asked for."""
+    roots = {name.split(".")[0] for name in preloaded}
+    return module.split(".")[0] in roots
+
+
+def _threads() -> set[str]:
+    return set(os.listdir("/proc/self/task"))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def serve(orders: Orders) -> RankOrders | None:
+    """The template's life: returns in a forked child (what it must become), or None once the template ends."""
+    template = Template(orders)
+    template.load()
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    Path(orders.socket).unlink(missing_ok=True)
+    listener.bind(orders.socket)
+    listener.listen(64)
+    ours = os.stat(orders.socket).st_ino
+    sys.stdout.write(json.dumps({"ready": os.getpid(), "threads": len(template.import_threads),
+                                 "failed": template.failed}) + "\n")
+    sys.stdout.flush()
+    _quiet_stdout()
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_w, False)
+    os.set_blocking(wake_r, False)
+    signal.set_wakeup_fd(wake_w)
+    signal.signal(signal.SIGCHLD, lambda *_: None)  # a handler, so that the wakeup pipe hears it
+    selector = selectors.DefaultSelector()
+    selector.register(listener, selectors.EVENT_READ, "accept")
+    selector.register(wake_r, selectors.EVENT_READ, "child")
+    try:
+        owner_fd = os.pidfd_open(orders.owner)
+        selector.register(owner_fd, selectors.EVENT_READ, "owner")
+    except (AttributeError, OSError):
+        owner_fd = None
+    children: dict[int, socket.socket] = {}
+    idle_since = time.monotonic()
+    while True:
+        if template.stale:
+            # New tasks find no template here and start a new one; requests already made are refused.
+            _unlink_own(orders.socket, ours)
+        elif not children and time.monotonic() - idle_since > orders.idle:
+            break
+        if owner_fd is None and not _alive(orders.owner):
+            break
+        events = selector.select(timeout=0 if template.stale else OWNER_POLL)
+        if any(key.data == "owner" for key, _ in events) or (template.stale and not events and not children):
+            break
+        for key, _ in events:
+            if key.data == "child":
+                _drain(wake_r)
+                _reap(children)
+                if not children:
+                    idle_since = time.monotonic()
+            elif key.data == "accept":
+                try:
+                    conn, _ = listener.accept()
+                except OSError:
+                    continue
+                idle_since = time.monotonic()
+                child = _answer(template, conn, children)
+                if child is not None:
+                    selector.close()
+                    listener.close()  # the socket's path stays: it is the template's
+                    for fd in (wake_r, wake_w, *([owner_fd] if owner_fd is not None else [])):
+                        os.close(fd)
+                    return child
+    listener.close()
+    _unlink_own(orders.socket, ours)
+    Path(orders.log).unlink(missing_ok=True)
+    for conn in children.values():
+        conn.close()
+    return None
+
+
+def _answer(template: Template, conn: socket.socket, children: dict[int, socket.socket]) -> RankOrders | None:
+    """One request: refuse it, or fork; returns what the child must become (in the child only)."""
+    conn.settimeout(10)
+    fds: list[int] = []
+    try:
+        peer_pid = _peer_pid(conn)
+        _, fds, _, _ = socket.recv_fds(conn, 1, FDS)
+        request = read_message(conn)
+        if not hmac.compare_digest(str(request.get("token", "")), template.orders.token) or len(fds) != FDS:
+            raise ValueError("not one of this kernel's tasks")
+        env, cwd = dict(request["env"]), str(request["cwd"])
+    except (OSError, ValueError, KeyError, TypeError):
+        for fd in fds:
+            os.close(fd)
+        conn.close()
+        return None
+    reason = template.unsafe(env)
+    if reason:
+        for fd in fds:
+            os.close(fd)
+        try:
+            send_message(conn, {"refused": reason})
+        except OSError:
+            pass
+        conn.close()
+        return None
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:
+        conn.close()
+        for other in children.values():
+            other.close()
+        return RankOrders(fds, env, cwd, peer_pid)
+    for fd in fds:
+        os.close(fd)
+    try:
+        send_message(conn, {"pid": pid})
+    except OSError:
+        pass
+    children[pid] = conn
+    return None
+
+
+def _unlink_own(path: str, inode: int) -> None:
+    """Remove our socket's name, unless a new template (same name: same kernel and environment) has it now."""
+    try:
+        if os.stat(path).st_ino == inode:
+            os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def _peer_pid(conn: socket.socket) -> int:
+    creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12)
+    pid, uid = int.from_bytes(creds[:4], "little"), int.from_bytes(creds[4:8], "little")
+    if uid != os.getuid():
+        raise ValueError("another user's process")
+    return pid
+
+
+def _reap(children: dict[int, socket.socket]) -> None:
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        conn = children.pop(pid, None)
+        if conn is not None:
+            try:
+                send_message(conn, {"code": os.waitstatus_to_exitcode(status)})
+            except OSError:
+                pass
+            conn.close()
+
+
+def _drain(fd: int) -> None:
+    try:
+        while os.read(fd, 4096):
+            pass
+    except BlockingIOError:
+        pass
+
+
+def _quiet_stdout() -> None:
+    """The starter reads our stdout until the ready line: after it, nothing more goes there."""
+    null = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, 1)
+    os.close(null)
+
+
+def become_rank(child: RankOrders) -> None:
+    """In the forked child: take the rank's pipes, environment, directory and signals, as a spawn would give them."""
+    stdin, stdout, stderr, events = child.fds
+    for fd, target in ((stdin, 0), (stdout, 1), (stderr, 2)):
+        os.dup2(fd, target)
+        os.close(fd)
+    os.setsid()
+    signal.set_wakeup_fd(-1)
+    for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGHUP, signal.SIGPIPE):
+        signal.signal(sig, signal.SIG_DFL)
+    signal.signal(signal.SIGPIPE, signal.SIG_IGN)  # as the interpreter sets it at start
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    env = dict(child.env)
+    env[EVENT_FD_ENV] = str(events)
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(child.cwd)
+    if sys.path and sys.path[0] == _START_DIR:
+        sys.path[0] = child.cwd  # ``python -m`` puts its working directory first
+    sys.argv = [sys.argv[0]]
+    _allow_tracer(child.tracer)
+    _name(Path(sys.executable).name.encode()[:15])  # a rank's, as a spawned rank's
+    unbuffered = bool(env.get("PYTHONUNBUFFERED"))
+    sys.stdin = _stream(0, "r", False)
+    sys.stdout = _stream(1, "w", unbuffered)
+    sys.stderr = _stream(2, "w", True)
+    _reseed()
+
+
+def _stream(fd: int, mode: str, write_through: bool) -> io.TextIOWrapper:
+    raw = io.FileIO(fd, mode, closefd=False)
+    buffered = io.BufferedReader(raw) if mode == "r" else io.BufferedWriter(raw)
+    return io.TextIOWrapper(buffered, encoding="utf-8", errors="backslashreplace" if fd == 2 else "strict",
+                            write_through=write_through)
+
+
+def _allow_tracer(pid: int) -> None:
+    """Under Yama's ptrace_scope 1, only ancestors may read a process: let the task's py-spy read this one."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PTRACER, pid, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+
+
+def _reseed() -> None:
+    """Each fork would draw numpy's legacy global stream from the template's seed; a spawned rank draws its own.
+    (``random`` reseeds itself after a fork.)"""
+    random = sys.modules.get("numpy.random")
+    if random is not None:
+        random.seed()
+
+
+_START_DIR = os.getcwd()
+
+
+def read_orders(stream) -> Orders:
+    return Orders(**json.loads(stream.readline()))
+
+
+def _name(comm: bytes) -> None:
+    """What top and ps -o comm show: the template apart from the ranks it forks (whose cmdline is its own)."""
+    try:
+        ctypes.CDLL(None).prctl(PR_SET_NAME, ctypes.c_char_p(comm), 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+
+
+def main() -> RankOrders | None:
+    orders = read_orders(sys.stdin)
+    _name(TEMPLATE_NAME.encode())
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.close(null)
+    return serve(orders)

@@ -1,0 +1,225 @@
+"""Issue 38: ranks forked from a host's template that has imported their frameworks, and every
+case where a fork would not give what a spawn gives falls back to the spawn, with a note."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+import hvdmagic
+from hvdmagic.protocol import Stage
+from hvdmagic.task import rank_template
+
+DEADLINE = 30.0
+
+
+def where_am_i():
+    """What a rank sees of its own start: run first thing, before the cell imports anything."""
+    import sys as rank_sys
+
+    preloaded = "torch" in rank_sys.modules
+    import horovod.torch as hvd
+    import numpy
+    import torch
+
+    hvd.init()
+    parent = Path(f"/proc/{os.getppid()}/cmdline").read_bytes().split(b"\0")
+    return {"preloaded": preloaded, "pid": os.getpid(), "parent": os.getppid(),
+            "template": b"--template" in parent, "cwd": os.getcwd(), "rank": hvd.rank(),
+            "sum": hvd.allreduce(torch.ones(1), op=hvd.Sum).item(), "threads": torch.get_num_threads(),
+            "omp": os.environ.get("OMP_NUM_THREADS"), "draw": float(numpy.random.random()),
+            "tag": os.environ.get("TEMPLATE_TEST_TAG")}
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] if Path(f"/proc/{pid}").exists() else "X"
+    return state not in ("Z", "X")
+
+
+def _gone_within(pid: int, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while _alive(pid):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)  # another process's end: nothing here to wait on
+    return True
+
+
+def test_ranks_fork_from_a_template_that_imported_their_frameworks():
+    first = hvdmagic.run(where_am_i, np=-2)
+    record = hvdmagic.last_run()
+    second = hvdmagic.run(where_am_i, np=-2)
+    again = hvdmagic.last_run()
+    for results in (first, second):
+        assert [r["rank"] for r in results] == [0, 1] and all(r["sum"] == 2.0 for r in results)
+        # Forked: the framework was there before the cell imported it, and the rank's parent is the template.
+        assert all(r["preloaded"] and r["template"] for r in results), results
+        assert all(r["cwd"] == os.getcwd() for r in results)
+        # The rank's own OMP_NUM_THREADS reached torch as a spawned rank's does (the template imported with it).
+        assert all(r["threads"] == int(r["omp"]) for r in results)
+    # One template serves both runs; each rank is a new process with its own random stream.
+    assert len({r["parent"] for r in first + second}) == 1
+    assert len({r["pid"] for r in first + second}) == 4
+    assert len({r["draw"] for r in first + second}) == 4
+    stages = list(record.timings["stages"])
+    assert str(Stage.TEMPLATE) in stages and str(Stage.FORKING) in stages, stages
+    assert str(Stage.TEMPLATE) not in again.timings["stages"] and str(Stage.FORKING) in again.timings["stages"]
+    assert not [n for n in record.notes + again.notes if "spawned" in n], record.notes + again.notes
+
+
+def test_template_off_spawns_every_rank(monkeypatch):
+    monkeypatch.setenv(rank_template.TEMPLATE_ENV, "0")
+    results = hvdmagic.run(where_am_i, np=-2)
+    assert not any(r["preloaded"] or r["template"] for r in results), results
+    assert all(r["parent"] == os.getpid() for r in results)  # local mode: the supervisors are our threads
+    assert str(Stage.FORKING) not in hvdmagic.last_run().timings["stages"]
+
+
+def test_another_environment_gets_its_own_template(monkeypatch):
+    monkeypatch.setenv("TEMPLATE_TEST_TAG", "a")
+    a = hvdmagic.run(where_am_i, np=-2)
+    monkeypatch.setenv("TEMPLATE_TEST_TAG", "b")
+    b = hvdmagic.run(where_am_i, np=-2)
+    assert {r["tag"] for r in a} == {"a"} and {r["tag"] for r in b} == {"b"}
+    assert all(r["template"] for r in a + b)
+    assert {r["parent"] for r in a}.isdisjoint({r["parent"] for r in b})
+
+
+def _module(tmp_path: Path, monkeypatch, name: str, body: str) -> Path:
+    path = tmp_path / f"{name}.py"
+    path.write_text(textwrap.dedent(body))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")])))
+    monkeypatch.setenv(rank_template.IMPORTS_ENV, name)
+    return path
+
+
+def test_a_thread_started_in_the_template_forces_a_spawn(tmp_path, monkeypatch):
+    _module(tmp_path, monkeypatch, "starts_a_thread", """
+        import threading
+        threading.Thread(target=threading.Event().wait, daemon=True).start()
+    """)
+    results = hvdmagic.run(where_am_i, np=-2)
+    assert not any(r["template"] for r in results), results
+    notes = [n for n in hvdmagic.last_run().notes if "spawned, not forked" in n]
+    assert len(notes) == 1 and "the template runs 1 thread(s) besides the libraries' own pools" in notes[0], notes
+
+
+def test_a_module_changed_on_disk_forces_a_spawn_and_then_a_new_template(tmp_path, monkeypatch):
+    path = _module(tmp_path, monkeypatch, "changes_on_disk", "VALUE = 1\n")
+    before = hvdmagic.run(where_am_i, np=-2)
+    assert all(r["template"] for r in before)
+    path.write_text("VALUE = 2  # edited\n")
+    spawned = hvdmagic.run(where_am_i, np=-2)
+    assert not any(r["template"] for r in spawned), spawned
+    notes = [n for n in hvdmagic.last_run().notes if "spawned, not forked" in n]
+    assert len(notes) == 1 and "changes_on_disk.py changed on disk since the template imported it" in notes[0]
+    assert _gone_within(before[0]["parent"], DEADLINE), "the stale template did not end"
+    after = hvdmagic.run(where_am_i, np=-2)
+    assert all(r["template"] for r in after) and after[0]["parent"] != before[0]["parent"]
+
+
+@pytest.mark.unit
+def test_the_template_refuses_a_rank_whose_environment_differs():
+    orders = rank_template_orders()
+    template = _Template(orders)
+    env = {**template.env, "HOROVOD_RANK": "3", "CUDA_VISIBLE_DEVICES": "1"}
+    assert template.unsafe(env) == ""  # the rank's own variables are set after the fork
+    assert template.unsafe({**env, "OMP_NUM_THREADS": "7", "USER_FLAG": "1"}) == (
+        "the rank's environment differs from the template's (OMP_NUM_THREADS, USER_FLAG)")
+
+
+def rank_template_orders():
+    from hvdmagic.rank.template import Orders
+
+    return Orders(socket="", log="", token="", modules=[], owner=os.getpid(), idle=1.0,
+                  own_keys=list(rank_template.OWN_KEYS), own_prefixes=list(rank_template.OWN_PREFIXES))
+
+
+def _Template(orders):
+    from hvdmagic.rank.template import Template
+
+    template = Template(orders)
+    template.env = {"PATH": "/usr/bin", "OMP_NUM_THREADS": "1"}
+    return template
+
+
+def test_torch_distributed_initialised_in_a_process_means_no_fork():
+    code = textwrap.dedent("""
+        import os, torch.distributed as dist
+        from hvdmagic.rank.template import initialised
+        assert initialised() == "", initialised()
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="0")
+        store = dist.TCPStore("127.0.0.1", 0, 1, True)
+        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+        print(initialised())
+    """)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.stdout.strip() == "torch.distributed was initialised in the template", done.stderr
+
+
+def _template_pid() -> int:
+    results = hvdmagic.run(where_am_i, np=-2)
+    return results[0]["parent"]
+
+
+def test_the_template_ends_with_its_kernel(tmp_path):
+    """Local mode: the kernel owns the template. A kernel killed with SIGKILL leaves no template behind."""
+    script = textwrap.dedent("""
+        import sys
+        import hvdmagic
+        sys.path.insert(0, %r)
+        from test_template import where_am_i
+        print(hvdmagic.run(where_am_i, np=-2)[0]["parent"], flush=True)
+        sys.stdin.read()
+    """) % str(Path(__file__).parent)
+    kernel = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              text=True, env={**os.environ, "SPARK_LOCAL_IP": "127.0.0.1"})
+    try:
+        lines = iter(kernel.stdout.readline, "")
+        template = int(next(line for line in lines if line.strip().isdigit()))
+        assert _alive(template)
+    finally:
+        kernel.send_signal(signal.SIGKILL)
+        kernel.wait()
+    assert _gone_within(template, DEADLINE), "the template outlived its kernel"
+
+
+def test_an_idle_template_ends(monkeypatch):
+    monkeypatch.setenv(rank_template.IDLE_ENV, "1")
+    monkeypatch.setenv("TEMPLATE_TEST_TAG", "idle")  # its own template, with the short idle timeout
+    assert _gone_within(_template_pid(), DEADLINE), "the idle template did not end"
+
+
+def test_a_request_without_the_kernels_token_forks_nothing(monkeypatch):
+    monkeypatch.setenv("TEMPLATE_TEST_TAG", "token")
+    pid = _template_pid()
+    sockets = [p for p in rank_template.directory().glob("*.sock")]
+    assert sockets
+    for path in sockets:
+        intruder = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        intruder.settimeout(DEADLINE)
+        try:
+            intruder.connect(str(path))
+        except OSError:
+            continue  # another test's template that has just ended
+        read_end, write_end = os.pipe()
+        socket.send_fds(intruder, [b"F"], [read_end, write_end, write_end, write_end])
+        intruder.sendall(b'{"token": "guess", "env": {}, "cwd": "/"}\n')
+        assert intruder.recv(1024) == b""  # closed, with no pid and no refusal
+        intruder.close()
+        os.close(read_end)
+        os.close(write_end)
+    # The template still serves this kernel.
+    assert _template_pid() == pid
