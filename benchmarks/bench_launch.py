@@ -40,6 +40,12 @@ What it measures, with one warm SparkSession (``local[4]``, started before any t
    time of a trivial job (``init_process_group("gloo")``, one all_reduce), (b) the
    samples/s of a DDP training loop (part 2's model and step). Ratios are reported both
    as the median of per-round ratios and as the ratio of the totals.
+6. Fresh cells from the host's template (``--only template``): real Jupyter kernels, widgets
+   on, each with its own embedded Spark, timed from the execute request to the kernel's idle,
+   HVDMAGIC_TEMPLATE on and off taking turns: a kernel's first ``%%horovod --np 2`` cell, fresh
+   cells on its warm Spark against the import floor, and a Keras cell's wait before its code
+   and before training (the run's start-up stages). Parts 1-5 run with the template as the
+   environment says (on by default).
 
 Every comparison alternates the systems (A B C A B C ...), because this machine has
 two cores and may be shared; ratios are taken within a round and summarised by their
@@ -51,6 +57,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import functools
+import importlib.util
 import json
 import os
 import shutil
@@ -1063,6 +1070,8 @@ def print_tables(res: dict) -> None:
                     out.append(f"  {role}: {top}")
     if res.get("torch"):
         out.extend(print_torch(res["torch"]))
+    if res.get("template"):
+        out.extend(print_template(res["template"]))
     for part, load in (res.get("load_by_part") or {}).items():
         if load:
             out.append(f"load during {part}: other processes {load.get('others_cores', 0):.2f} cores, "
@@ -1207,6 +1216,115 @@ def environment() -> dict:
 
 
 # option: (full-run default, --quick default, help)
+# ---------------------------------------------------------------------------
+# 6. Fresh cells from the host's template, through real kernels (issue 38)
+# ---------------------------------------------------------------------------
+
+FRESH_CELL = "%%horovod --np 2\nimport torch, horovod.torch as hvd\nhvd.init()\nhvd.allreduce(torch.ones(1)).item()\n"
+KERAS_CELL = """%%horovod --np 2
+import numpy as np, tensorflow as tf, horovod.tensorflow.keras as hvd
+hvd.init()
+model = tf.keras.Sequential([tf.keras.layers.Dense(16, activation="relu", input_shape=(8,)), tf.keras.layers.Dense(1)])
+model.compile(optimizer=hvd.DistributedOptimizer(tf.keras.optimizers.SGD(0.01)), loss="mse")
+x = np.random.rand(512, 8).astype("float32")
+model.fit(x, x.sum(1, keepdims=True), batch_size=32, epochs=2,
+          callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0)]).history["loss"][-1]
+"""
+STAGES_CELL = "import json, hvdmagic\nprint(json.dumps(hvdmagic.last_run().timings['stages']))"
+# The stages before a cell's own code runs: what the template takes away.
+START_STAGES = ("rank processes starting", "importing into the template", "forking from the template", "importing")
+
+
+class TimedKernel:
+    """A python3 kernel of this virtualenv, widgets on, its own embedded Spark: cells timed from the
+    execute request to the kernel's idle, as a user waits for them."""
+
+    def __init__(self, template: bool):
+        from jupyter_client.manager import start_new_kernel
+
+        env = {key: value for key, value in os.environ.items()
+               if key not in ("HVDMAGIC_NONINTERACTIVE", "JPY_SESSION_NAME")}
+        env["HVDMAGIC_TEMPLATE"] = "1" if template else "0"
+        self.manager, self.client = start_new_kernel(kernel_name="python3", env=env, cwd=str(ROOT))
+        self.run("%load_ext hvdmagic")
+
+    def run(self, code: str, timeout: float = 600) -> tuple[float, str]:
+        texts: list[str] = []
+
+        def keep(message: dict) -> None:
+            if message["msg_type"] == "stream":
+                texts.append(message["content"]["text"])
+
+        start = time.perf_counter()
+        reply = self.client.execute_interactive(code, timeout=timeout, output_hook=keep)
+        seconds = time.perf_counter() - start
+        if reply["content"]["status"] != "ok":
+            raise RuntimeError(f"{code.splitlines()[0]!r} failed: {reply['content'].get('evalue')}")
+        return seconds, "".join(texts)
+
+    def cell(self, code: str) -> dict:
+        seconds, _ = self.run(code)
+        _, text = self.run(STAGES_CELL)
+        stages = json.loads(text.strip().splitlines()[-1])
+        return {"wall": seconds, "stages": stages,
+                "before_code": sum(v for k, v in stages.items() if k in START_STAGES),
+                "before_training": sum(v for k, v in stages.items() if k != "training")}
+
+    def stop(self) -> None:
+        self.client.stop_channels()
+        self.manager.shutdown_kernel(now=True)
+
+
+def bench_template(rounds: int, fresh: int, keras: bool) -> dict:
+    """Each round, for the template on and off in turn: a new kernel's first %%horovod --np 2 cell
+    (it starts the embedded Spark too), ``fresh`` fresh cells on its warm Spark, and two Keras
+    cells; the import floor ``fresh`` times in the same round."""
+    samples: dict = {f"{what}_{mode}": [] for what in ("first", "fresh", "keras_first", "keras")
+                     for mode in ("on", "off")}
+    samples["import_floor"] = []
+    for r in range(rounds):
+        for mode in _common.rotated(["on", "off"], r):
+            log(f"template: round {r + 1}/{rounds}, template {mode}")
+            kernel = TimedKernel(template=mode == "on")
+            try:
+                samples[f"first_{mode}"].append(kernel.cell(FRESH_CELL))
+                for _ in range(fresh):
+                    samples[f"fresh_{mode}"].append(kernel.cell(FRESH_CELL))
+                    samples["import_floor"].append(Systems.python("import torch, horovod.torch"))
+                if keras:
+                    samples[f"keras_first_{mode}"].append(kernel.cell(KERAS_CELL))
+                    samples[f"keras_{mode}"].append(kernel.cell(KERAS_CELL))
+            finally:
+                kernel.stop()
+    walls = {key: stats([s["wall"] for s in runs]) for key, runs in samples.items() if runs}
+    before = {key: {"code": stats([s["before_code"] for s in runs]),
+                    "training": stats([s["before_training"] for s in runs])}
+              for key, runs in samples.items() if runs and key != "import_floor"}
+    floor = [s["wall"] for s in samples["import_floor"]]
+    ratios = {f"fresh_{mode}/import_floor": stats(paired_ratios([s["wall"] for s in samples[f"fresh_{mode}"]],
+                                                                floor)) for mode in ("on", "off")}
+    ratios["first_on/first_off"] = stats(paired_ratios([s["wall"] for s in samples["first_on"]],
+                                                       [s["wall"] for s in samples["first_off"]]))
+    return {"samples": samples, "wall": walls, "before": before, "ratios": ratios}
+
+
+def print_template(t: dict) -> list[str]:
+    out = ["\n== 6. Fresh cells from the host's template, real kernels, request to idle (s: median [min-max]) =="]
+    rows = [("fresh %%horovod --np 2, warm Spark", "fresh"), ("first cell after the kernel starts", "first"),
+            ("Keras cell, the kernel's first", "keras_first"), ("Keras cell, the next", "keras")]
+    out.append(f"{'':40s} {'template on':>28s} {'template off':>28s}")
+    for label, key in rows:
+        out.append(f"{label:40s} {fmt(t['wall'].get(key + '_on')):>28s} {fmt(t['wall'].get(key + '_off')):>28s}")
+        if key.startswith("keras") and t["before"].get(key + "_on"):
+            for what in ("code", "training"):
+                out.append(f"{'  wait before its ' + what:40s} {fmt(t['before'][key + '_on'][what]):>28s} "
+                           f"{fmt(t['before'][key + '_off'][what]):>28s}")
+    out.append(f"{'import torch, horovod.torch':40s} {fmt(t['wall'].get('import_floor')):>28s}")
+    for name, ratio in t["ratios"].items():
+        out.append(f"{name:40s} {fmt(ratio, unit='x'):>28s}")
+    return out
+
+
 COUNTS = {
     "repeats": (4, 1, "timed launch rounds {}"),
     "td_repeats": (2, 0, "rounds that include TorchDistributor {}; it is slow"),
@@ -1219,6 +1337,8 @@ COUNTS = {
                                "training {}; it is slow"),
     "torch_train_repeats": (6, 1, "torch part: training rounds {}"),
     "torch_train_steps": (800, 100, "torch part: steps per rank {}"),
+    "template_repeats": (3, 1, "template part: rounds (two new kernels each) {}"),
+    "template_fresh": (5, 2, "template part: fresh cells per kernel {}"),
 }
 
 
@@ -1228,7 +1348,7 @@ def main(argv=None) -> int:
     _common.add_counts(parser, COUNTS)
     parser.add_argument("--no-py-spy", action="store_true", help="skip the py-spy sample")
     parser.add_argument("--only", default="launch,training,scaling,profile,torch",
-                        help="comma-separated parts to run (launch, training, scaling, profile, torch)")
+                        help="comma-separated parts to run (launch, training, scaling, profile, torch, template)")
     parser.add_argument("--out", default=str(ROOT / "artifacts" / "bench_launch.json"))
     args = parser.parse_args(argv)
     quick = args.quick
@@ -1273,6 +1393,8 @@ def main(argv=None) -> int:
                     sysm, 2, cfg["torch_repeats"], min(cfg["torch_td_repeats"], cfg["torch_repeats"]),
                     cfg["torch_train_repeats"], min(cfg["torch_td_repeats"], cfg["torch_train_repeats"]),
                     cfg["torch_train_steps"]),
+                "template": lambda: bench_template(cfg["template_repeats"], cfg["template_fresh"],
+                                                   keras=importlib.util.find_spec("tensorflow") is not None),
             }
             parts_time = {}
             for part, run in parts.items():

@@ -36,7 +36,10 @@ def where_am_i():
             "template": b"--template" in parent, "cwd": os.getcwd(), "rank": hvd.rank(),
             "sum": hvd.allreduce(torch.ones(1), op=hvd.Sum).item(), "threads": torch.get_num_threads(),
             "omp": os.environ.get("OMP_NUM_THREADS"), "draw": float(numpy.random.random()),
-            "tag": os.environ.get("TEMPLATE_TEST_TAG")}
+            "tag": os.environ.get("TEMPLATE_TEST_TAG"), "path": rank_sys.path,
+            "stdio": [(type(stream.buffer).__name__, stream.line_buffering, stream.write_through, stream.encoding)
+                      for stream in (rank_sys.stdin, rank_sys.stdout, rank_sys.stderr)],
+            "signals": [signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGCHLD)]}
 
 
 def _alive(pid: int) -> bool:
@@ -79,12 +82,18 @@ def test_ranks_fork_from_a_template_that_imported_their_frameworks():
     assert not [n for n in record.notes + again.notes if "spawned" in n], record.notes + again.notes
 
 
-def test_template_off_spawns_every_rank(monkeypatch):
+def test_template_off_spawns_every_rank_and_a_fork_starts_as_a_spawn_does(monkeypatch):
+    forked = hvdmagic.run(where_am_i, np=-2)
     monkeypatch.setenv(rank_template.TEMPLATE_ENV, "0")
-    results = hvdmagic.run(where_am_i, np=-2)
-    assert not any(r["preloaded"] or r["template"] for r in results), results
-    assert all(r["parent"] == os.getpid() for r in results)  # local mode: the supervisors are our threads
+    spawned = hvdmagic.run(where_am_i, np=-2)
+    assert not any(r["preloaded"] or r["template"] for r in spawned), spawned
+    assert all(r["parent"] == os.getpid() for r in spawned)  # local mode: the supervisors are our threads
     assert str(Stage.FORKING) not in hvdmagic.last_run().timings["stages"]
+    # What the interpreter sets at start, the fork sets alike: unbuffered output (the ranks' lines reach
+    # the notebook as they are printed), sys.path with the working directory first, default signals.
+    assert all(r["template"] for r in forked)
+    for key in ("stdio", "path", "signals", "cwd", "omp", "threads"):
+        assert [r[key] for r in forked] == [r[key] for r in spawned], key
 
 
 def test_another_environment_gets_its_own_template(monkeypatch):
@@ -135,8 +144,8 @@ def test_the_template_refuses_a_rank_whose_environment_differs():
     orders = rank_template_orders()
     template = _Template(orders)
     env = {**template.env, "HOROVOD_RANK": "3", "CUDA_VISIBLE_DEVICES": "1"}
-    assert template.unsafe(env) == ""  # the rank's own variables are set after the fork
-    assert template.unsafe({**env, "OMP_NUM_THREADS": "7", "USER_FLAG": "1"}) == (
+    assert template.environment_differs(env) == ""  # the rank's own variables are set after the fork
+    assert template.environment_differs({**env, "OMP_NUM_THREADS": "7", "USER_FLAG": "1"}) == (
         "the rank's environment differs from the template's (OMP_NUM_THREADS, USER_FLAG)")
 
 
@@ -223,3 +232,34 @@ def test_a_request_without_the_kernels_token_forks_nothing(monkeypatch):
         os.close(write_end)
     # The template still serves this kernel.
     assert _template_pid() == pid
+
+
+@pytest.mark.unit
+def test_the_frameworks_a_function_or_cell_imports_are_what_its_template_imports():
+    """What the template imports ahead comes from the code, nothing run: a function's IMPORT_NAME
+    instructions (its nested functions' and what it wraps too), or a cell's import statements."""
+    import functools
+
+    from hvdmagic.kernel.capture import parse_cell
+    from hvdmagic.kernel.framework_check import modules_imported
+    from hvdmagic.launch.shipment import framework_imports, pack
+
+    def train():
+        import json  # noqa: F401  (not a framework: imported by the rank as before)
+
+        import horovod.torch as hvd  # noqa: F401
+
+        def inner():
+            import tensorflow  # noqa: F401
+
+        return inner
+
+    assert framework_imports(train) == ("horovod.torch", "tensorflow")
+    assert framework_imports(functools.partial(train)) == ("horovod.torch", "tensorflow")
+    assert pack((train, (), {})).imports == ("horovod.torch", "tensorflow")
+    tree = parse_cell("import os, torch\nfrom horovod import torch as hvd\nfrom torch.utils.data import DataLoader\n"
+                      "from tensorflow.keras import layers\n")
+    assert modules_imported(tree) == ["os", "torch", "horovod", "horovod.torch", "torch.utils.data",
+                                      "tensorflow.keras"]
+    assert pack((train, (), {}), imports=modules_imported(tree)).imports == (
+        "torch", "horovod.torch", "torch.utils.data", "tensorflow.keras")

@@ -29,6 +29,7 @@ import cloudpickle
 from hvdmagic import pickling
 from hvdmagic.blob_transfer import format_size
 from hvdmagic.errors import CaptureError, CellSyntaxError
+from hvdmagic.kernel.framework_check import modules_imported
 from hvdmagic.launch import shipment
 from hvdmagic.launch.shipment import Shipment
 from hvdmagic.protocol import Blob
@@ -505,7 +506,8 @@ def capture_cell(source: str, user_ns: dict, hidden: set[str] | frozenset[str] =
                             display_name=_current_cell_name(shell) or "", code=split_last_expression(tree),
                             global_buffers={name: digests for name, digests in global_buffers.items() if digests})
     types = {name: _type_name(user_ns[name]) for name in wanted}
-    payload = shipment.pack((function, (), {}), label="the cell's captured globals", blobs=blobs, buffers=buffers)
+    payload = shipment.pack((function, (), {}), label="the cell's captured globals", blobs=blobs, buffers=buffers,
+                            imports=modules_imported(tree))
     return Capture(function, payload, types, sizes)
 
 

@@ -29,21 +29,24 @@ MXNET = ("Apache retired MXNet in 2023 (it moved to the Apache Attic), and hvdma
          "port the model to PyTorch (%%horovod or %%torchrun) or TensorFlow/Keras (docs/frameworks.md).")
 
 
-def imported_modules(tree: ast.Module) -> set[str]:
-    names = set()
+def modules_imported(tree: ast.Module) -> list[str]:
+    """The modules the cell imports, in source order: what a host's rank template can import ahead
+    (``launch.shipment`` keeps the frameworks among them). ``from horovod import torch`` names a module."""
+    names: dict[str, None] = {}
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
-            names.update(alias.name for alias in node.names)
+            names.update(dict.fromkeys(alias.name for alias in node.names))
         elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
-            names.add(node.module)
-            names.update(f"{node.module}.{alias.name}" for alias in node.names)
-    return names
+            names[node.module] = None
+            if node.module == "horovod":
+                names.update(dict.fromkeys(f"horovod.{alias.name}" for alias in node.names))
+    return list(names)
 
 
 def check_cell(tree: ast.Module) -> None:
     """Raise a LaunchError when the cell (``capture.parse_cell``'s tree) imports a framework this
     kernel's horovod cannot run."""
-    modules = imported_modules(tree)
+    modules = modules_imported(tree)
     if any(m == "mxnet" or m.split(".")[:2] == ["horovod", "mxnet"] for m in modules):
         raise LaunchError(MXNET)
     needed = {key: package for prefix, (key, package) in _FRAMEWORKS.items()

@@ -81,9 +81,10 @@ def blobs_of(views: list[memoryview], label: str) -> tuple[tuple[str, ...], dict
 
 
 def pack(obj, *, label: str = "the function and its arguments", blobs: dict[str, Blob] | None = None,
-         buffers: dict[str, memoryview] | None = None) -> Shipment:
+         buffers: dict[str, memoryview] | None = None, imports: list[str] | None = None) -> Shipment:
     """``obj`` (``(fn, args, kwargs)``) as a shipment; ``blobs``/``buffers``: those of values it
-    carries already pickled (a cell's captured globals)."""
+    carries already pickled (a cell's captured globals); ``imports``: the modules it imports, where
+    the caller knows them from the source (else read from the function's bytecode)."""
     head, views = pickling.dumps_out_of_band(obj)
     digests, own_blobs, own_buffers = blobs_of(views, label)
     blobs = {**(blobs or {}), **own_blobs}
@@ -95,8 +96,11 @@ def pack(obj, *, label: str = "the function and its arguments", blobs: dict[str,
         blobs[head_blob] = Blob(head_blob, len(head), label)
         buffers[head_blob] = view
         head = b""
-    imports = framework_imports(obj[0]) if isinstance(obj, tuple) and obj and callable(obj[0]) else ()
-    return Shipment(Payload(head, digests, tuple(blobs.values()), head_blob), buffers, imports)
+    if imports is not None:
+        preloaded = tuple(name for name in imports if _preloadable(name))
+    else:
+        preloaded = framework_imports(obj[0]) if isinstance(obj, tuple) and obj and callable(obj[0]) else ()
+    return Shipment(Payload(head, digests, tuple(blobs.values()), head_blob), buffers, preloaded)
 
 
 # Packages whose import is the ranks' wait (seconds each), and which start no thread a fork would

@@ -116,11 +116,14 @@ class Template:
             if now != stamp:
                 self.stale = True
                 return f"{path} changed on disk since the template imported it"
+        return self.environment_differs(env) or initialised()
+
+    def environment_differs(self, env: dict[str, str]) -> str:
         differs = sorted(key for key in set(env) | set(self.env)
                          if env.get(key) != self.env.get(key) and not self.own(key))
         if differs:
             return f"the rank's environment differs from the template's ({', '.join(differs[:5])})"
-        return initialised()
+        return ""
 
     def own(self, key: str) -> bool:
         return key in self.orders.own_keys or key.startswith(tuple(self.orders.own_prefixes))
@@ -341,18 +344,23 @@ def become_rank(child: RankOrders) -> None:
     sys.argv = [sys.argv[0]]
     _allow_tracer(child.tracer)
     _name(Path(sys.executable).name.encode()[:15])  # a rank's, as a spawned rank's
-    unbuffered = bool(env.get("PYTHONUNBUFFERED"))
-    sys.stdin = _stream(0, "r", False)
+    unbuffered = bool(env.get("PYTHONUNBUFFERED"))  # the ranks' environment sets it: output flows at once
+    sys.stdin = _stream(0, "r", unbuffered)
     sys.stdout = _stream(1, "w", unbuffered)
-    sys.stderr = _stream(2, "w", True)
+    sys.stderr = _stream(2, "w", unbuffered)
     _reseed()
 
 
-def _stream(fd: int, mode: str, write_through: bool) -> io.TextIOWrapper:
+def _stream(fd: int, mode: str, unbuffered: bool) -> io.TextIOWrapper:
+    """A standard stream as the interpreter makes it at start (CPython's ``create_stdio``): unbuffered
+    output writes straight to the file descriptor; buffered, stderr is line-buffered."""
     raw = io.FileIO(fd, mode, closefd=False)
-    buffered = io.BufferedReader(raw) if mode == "r" else io.BufferedWriter(raw)
-    return io.TextIOWrapper(buffered, encoding="utf-8", errors="backslashreplace" if fd == 2 else "strict",
-                            write_through=write_through)
+    if mode == "r":
+        binary = io.BufferedReader(raw)
+    else:
+        binary = raw if unbuffered else io.BufferedWriter(raw)
+    return io.TextIOWrapper(binary, encoding="utf-8", errors="backslashreplace" if fd == 2 else "strict",
+                            line_buffering=not unbuffered and (fd == 2 or raw.isatty()), write_through=unbuffered)
 
 
 def _allow_tracer(pid: int) -> None:

@@ -1,7 +1,7 @@
 """Ranks forked from the host's template (``rank.template``), the task's side: find it or start it, and ask.
 
-A template is one per host, kernel, Python and rank environment: its socket's name hashes
-them, so a task whose ranks would get another environment (another ``OMP_NUM_THREADS``, a
+A template is one per host, kernel, executor, Python and rank environment: its socket's name
+hashes them, so a task whose ranks would get another environment (another ``OMP_NUM_THREADS``, a
 variable the user set) finds another template, never a wrong one. Tasks of one host
 serialise its start with a lock file; the first waits while it imports (the stage "importing
 into the template"), the others then find it ready. Everything here fails soft: the
@@ -82,8 +82,10 @@ def token(secret: bytes) -> str:
     return hmac.new(secret, b"rank-template", hashlib.sha256).hexdigest()
 
 
-def name(secret: bytes, modules: tuple[str, ...], env: dict[str, str]) -> str:
-    identity = json.dumps([token(secret), sys.executable, list(modules), sorted(env.items())])
+def name(secret: bytes, modules: tuple[str, ...], env: dict[str, str], owned_by: int) -> str:
+    """One template per kernel, executor, Python, set of modules and rank environment: two executors
+    of one host never share one, so an executor that ends takes no other executor's ranks with it."""
+    identity = json.dumps([token(secret), owned_by, sys.executable, list(modules), sorted(env.items())])
     return hashlib.sha256(identity.encode()).hexdigest()[:20]
 
 
@@ -113,7 +115,8 @@ class HostTemplate:
         self.env = template_environment(rank_env)
         self._token = token(secret)
         here = directory()
-        stem = here / name(secret, modules, self.env)
+        self.owner = owner()
+        stem = here / name(secret, modules, self.env, self.owner)
         self.socket = stem.with_suffix(".sock")
         self.log = stem.with_name(f"{stem.name}-{os.getpid()}-{time.time_ns()}.log")  # each template its own
         self.lock = here / "start.lock"  # one for the user's templates on this host: starts are rare
@@ -181,13 +184,12 @@ class HostTemplate:
             probe.close()
 
     def _start(self) -> None:
-        ends_with = owner()
         orders = {"socket": str(self.socket), "log": str(self.log), "token": self._token, "modules": list(self.modules),
-                  "owner": ends_with, "idle": float(os.environ.get(IDLE_ENV, IDLE)),
+                  "owner": self.owner, "idle": float(os.environ.get(IDLE_ENV, IDLE)),
                   "own_keys": list(OWN_KEYS), "own_prefixes": list(OWN_PREFIXES)}
         with open(self.log, "wb") as log:
             # The owner in the command line too, for ps and tools: a rank's ancestry may not show it.
-            proc = subprocess.Popen([sys.executable, "-m", "hvdmagic.rank", "--template", f"--owner={ends_with}"],
+            proc = subprocess.Popen([sys.executable, "-m", "hvdmagic.rank", "--template", f"--owner={self.owner}"],
                                     stdin=subprocess.PIPE,
                                     stdout=subprocess.PIPE, stderr=log, env=self.env, start_new_session=True)
         # The template stays our child (local mode's ranks then descend from the kernel); the Popen
