@@ -23,9 +23,9 @@ Each launcher runs in its own process group under a deadline (``--deadline``), k
 
 Run (from the repository root)::
 
-    nice -n 10 .venv/bin/python scripts/peer_suites.py                      # torch and TF suites
-    nice -n 10 .venv/bin/python scripts/peer_suites.py --suites test_torch.py -k allreduce
-    .venv/bin/python scripts/peer_suites.py --launchers horovodrun,template --out /tmp/r.json
+    git clone https://github.com/horovod/horovod ../horovod                     # once
+    nice -n 10 .venv/bin/python scripts/peer_suites.py --repo ../horovod           # torch and TF suites
+    nice -n 10 .venv/bin/python scripts/peer_suites.py --repo ../horovod --suites test_torch.py -k allreduce
 
 The exit status is 0 when every launcher ran to its end and all agree on every test, 1 otherwise.
 """
@@ -47,7 +47,6 @@ import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-DEFAULT_REPO = "/work/.mirror/horovod+horovod/repo"
 DEFAULT_REF = "v0.28.1"
 DEFAULT_SUITES = ("test_torch.py", "test_tensorflow.py")
 HELPER_DIRS = ("test/parallel", "test/utils")
@@ -486,7 +485,8 @@ def print_summary(report: dict) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--repo", default=DEFAULT_REPO, help="horovod's git directory (default: %(default)s)")
+    parser.add_argument("--repo", required=True,
+                        help="horovod's git directory: a clone of https://github.com/horovod/horovod (its tags)")
     parser.add_argument("--ref", default=DEFAULT_REF, help="tag or commit to extract (default: %(default)s)")
     parser.add_argument("--suites", default=",".join(DEFAULT_SUITES),
                         help="comma-separated suites under test/parallel (default: %(default)s)")

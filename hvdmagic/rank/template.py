@@ -79,7 +79,6 @@ class Template:
         self.orders = orders
         self.import_threads: set[str] = set()
         self.stamps: dict[str, tuple[int, int]] = {}
-        self.failed: dict[str, str] = {}  # module -> why its import failed (the ranks will say it again)
         self.env = dict(os.environ)
         self.stale = False  # a module changed on disk: refuse every fork, and end once the ranks have
 
@@ -89,12 +88,13 @@ class Template:
         for name in self.orders.modules:
             try:
                 __import__(name)
-            except BaseException as exc:
-                self.failed[name] = f"{type(exc).__name__}: {exc}"
+            except Exception:  # the rank meets the same error when it imports, with its own traceback
+                continue
         self.import_threads = _threads() - before
         for module in list(sys.modules.values()):
             path = getattr(module, "__file__", None)
-            if path and _heavy(module.__name__, self.orders.modules):
+            # A few modules name a relative file (torch's ``_ops.py``): not one to stat from any directory.
+            if path and os.path.isabs(path) and _heavy(module.__name__, self.orders.modules):
                 try:
                     stat = os.stat(path)
                 except OSError:
@@ -173,8 +173,7 @@ def serve(orders: Orders) -> RankOrders | None:
     listener.bind(orders.socket)
     listener.listen(64)
     ours = os.stat(orders.socket).st_ino
-    sys.stdout.write(json.dumps({"ready": os.getpid(), "threads": len(template.import_threads),
-                                 "failed": template.failed}) + "\n")
+    sys.stdout.write(json.dumps({"ready": os.getpid()}) + "\n")
     sys.stdout.flush()
     _quiet_stdout()
     wake_r, wake_w = os.pipe()
