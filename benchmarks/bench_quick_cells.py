@@ -20,14 +20,18 @@ The kind is set by an untimed cell before each timed one (hvdmagic reads both va
 when a run starts). For each kind it records the wall time and the messages the cell sent
 (widget models opened, widget updates, displays). ``--fresh N`` adds N fresh
 ``%%horovod --np -2`` cells of each widget kind (they start their own ranks and outlive
-the delay), to show that fresh cells are no slower. It prints a table and writes every
-sample to ``artifacts/bench_quick_cells.json``. Nothing is asserted.
+the delay), to show that fresh cells are no slower. Last, ``--global-mib N`` (default 1024)
+session cells read an unchanged N MiB global ``X``, taking turns with the same cell on a 1 KiB
+``Y`` (``float(X[:10].sum())``, widgets on): X's extra time is what the kernel spends checking
+that X did not change, since nothing is sent. It prints a table and writes every sample to
+``artifacts/bench_quick_cells.json``. Nothing is asserted.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -149,6 +153,23 @@ def table(result: dict) -> str:
     return "\n".join(lines)
 
 
+def unchanged_global(kernel: Kernel, mib: int, cells: int) -> dict:
+    """Session cells reading an unchanged ``mib`` MiB global X, taking turns with the same cell on a
+    1 KiB Y, widgets on: X's extra time is the kernel's check that X did not change (nothing is sent)."""
+    kernel.use("widgets_default_delay")
+    kernel.run(f"import numpy as np\nX = np.ones({mib} * 2**20 // 8)\nY = np.ones(128)")
+    samples: dict = {"X": [], "Y": []}
+    for i in range(2 * cells + 2):
+        name = "XY"[i % 2]
+        sample = kernel.run(f"%%horovod\nfloat({name}[:10].sum())\n")
+        if sample["result"] != "10.0":
+            raise RuntimeError(f"the {name} cell returned {sample['result']!r}, not 10.0")
+        if i >= 2:  # the first X cell sends X to the host's cache
+            samples[name].append(1e3 * sample["seconds"])
+    extra = statistics.median(samples["X"]) - statistics.median(samples["Y"])
+    return {"mib": mib, "ms": samples, "extra_ms": extra}
+
+
 COUNTS = {"cells": (30, 10, "timed trivial session cells per kind {}"),
           "fresh": (5, 2, "fresh %%%%horovod --np -2 cells per widget kind (0: none) {}")}
 
@@ -157,6 +178,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="a smoke run: 10 cells per kind, 2 fresh cells")
     _common.add_counts(parser, COUNTS)
+    parser.add_argument("--global-mib", type=int, default=1024,
+                        help="an unchanged session global of this many MiB, against a 1 KiB one (0: skip)")
     parser.add_argument("--out", default=str(ROOT / "artifacts" / "bench_quick_cells.json"))
     args = parser.parse_args(argv)
     cfg = {"quick": args.quick, **_common.counts(args, COUNTS), "command": _common.command_line()}
@@ -178,6 +201,9 @@ def main(argv=None) -> int:
             result["samples"]["fresh"] = measure(kernel, ["widgets_delay_0", "widgets_default_delay"], FRESH_CELL,
                                                  cfg["fresh"])
             result["load_fresh"] = load.sample()
+        if args.global_mib:
+            log(f"{cfg['cells']} session cells reading an unchanged {args.global_mib} MiB global, as many a 1 KiB one")
+            result["unchanged_global"] = unchanged_global(kernel, args.global_mib, cfg["cells"])
         kernel.run("%horovod stop")
     finally:
         kernel.stop()
@@ -186,6 +212,10 @@ def main(argv=None) -> int:
     result["table"] = table(result)
     path = _common.write_json(args.out, result)
     print(result["table"])
+    if (unchanged := result.get("unchanged_global")) is not None:
+        x, y = (statistics.median(unchanged["ms"][name]) for name in "XY")
+        print(f"\nsession cell reading an unchanged {unchanged['mib']} MiB global: {x:.1f} ms median, a 1 KiB one "
+              f"{y:.1f} ms: extra {unchanged['extra_ms']:.1f} ms (n = {len(unchanged['ms']['X'])} each)")
     print(f"\nother processes' CPU during the session cells: {result['load_session']['others_cores']:.2f} cores; "
           f"every sample: {path}")
     return 0

@@ -971,3 +971,47 @@ def test_tied_ranks_share_one_row_with_no_slowest_and_nothing_cut(lab, browser):
     cut = [row for rows in mid_run for row in rows if row["cut"]]
     assert not cut, f"a row's text was cut: {cut[:3]}"
     assert state == "finished"
+
+
+# -- Fresh cells forked from the host's template (issue 38) ------------------------------------
+
+TEMPLATE_SETUP = '%load_ext hvdmagic\nimport os\nos.environ["HVDMAGIC_DASHBOARD_DELAY"] = "0.5"'
+# TensorFlow's import (seconds) is the template's for the first cell: long enough to see on its rows.
+KERAS_FRESH_CELL = ("%%horovod --np -2\nimport tensorflow as tf, horovod.tensorflow.keras as hvd\nhvd.init()\n"
+                    "float(hvd.allreduce(tf.constant(1.0)))\n")
+
+
+@pytest.mark.timeout(300)
+def test_a_fresh_cell_forks_from_the_template_and_its_stages_say_so(lab, browser):
+    """The first cell's rows read "importing into the template" while the host's template imports
+    TensorFlow, whole; its snapshot's stages name both steps; the next, identical cell forks at once
+    (a one-line snapshot, here) and its stages say "forking from the template", with no import into
+    a template."""
+    path = write_notebook(lab, "template.ipynb", TEMPLATE_SETUP, KERAS_FRESH_CELL, KERAS_FRESH_CELL,
+                          "import hvdmagic\nprint(' -> '.join(hvdmagic.last_run().timings['stages']))")
+    samples: list = []
+    try:
+        with new_page(browser, "template") as page:
+            open_notebook(page, lab, path.name)
+            run_all_cells(page)
+            wait_for(page, f"() => (document.querySelector({json.dumps(DASHBOARD)})?.innerText || '')"
+                           ".includes('importing into the template')", timeout=120,
+                     failure="The first cell's dashboard never read 'importing into the template'")
+            page.screenshot(path=SCREENSHOTS / "template-importing.png")
+            while (rows := page.evaluate(ROWS_NOW)) is not None and len(samples) < 20:
+                samples.append(rows)
+                page.wait_for_timeout(200)  # a sampling interval, not a wait for an event
+            wait_for_snapshot(page, 1, timeout=120, what="The first cell did not end")
+            first = page.locator(f"{NOTEBOOK_CELLS} >> nth=1").locator(".hvdmagic-stages").inner_text()
+            # The second cell is quick enough for a one-line snapshot, without stages: the last cell prints them.
+            wait_for(page, cell_js(3, "cell && cell.innerText.includes('forking')"), timeout=120,
+                     failure="The second cell's stages were not printed")
+            second = cell_text(page, 3)
+            page.screenshot(path=SCREENSHOTS / "template-forked.png")
+    finally:
+        shut_down_kernels(lab)
+    importing = [row for rows in samples for row in rows if "importing into the template" in row["text"]]
+    assert importing, f"no row read 'importing into the template': {samples[:3]}"
+    assert not [row for row in importing if row["cut"]], f"a row's text was cut: {importing[:3]}"
+    assert "importing into the template" in first and "forking from the template" in first, first
+    assert "forking from the template" in second and "importing into the template" not in second, second

@@ -21,6 +21,12 @@ from hvdmagic.task import rank_template
 DEADLINE = 30.0
 
 
+@pytest.fixture(autouse=True)
+def templates_on(monkeypatch):
+    """These tests are about templates: on whatever the run's HVDMAGIC_TEMPLATE says."""
+    monkeypatch.setenv(rank_template.TEMPLATE_ENV, "1")
+
+
 def where_am_i():
     """What a rank sees of its own start: run first thing, before the cell imports anything."""
     import sys as rank_sys

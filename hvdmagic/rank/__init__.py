@@ -1,4 +1,5 @@
-"""Runs in a rank process: ``python -m hvdmagic.rank``, started by its task's supervisor.
+"""Runs in a rank process: ``python -m hvdmagic.rank``, started by its task's supervisor, or
+forked from its host's template (``python -m hvdmagic.rank --template``).
 
 - ``__main__``: the rank's entry point: reads its Boot and payload, runs the cell once.
 - ``cell_loop``: a session's rank: runs each cell's payload as it comes, in one namespace.
@@ -12,6 +13,8 @@
 - ``training``: checkpoints and ``scale_lr``; ``shards``: ``hvdmagic.shard()`` (``--data``).
 - ``elastic``: Horovod elastic's hooks, so resets and worker addresses reach the driver.
 - ``mpi_shim``: under ``--controller mpi``, hands the process mpirun started to its task.
+- ``template``: the host's rank template: imports the ranks' frameworks, forks ranks on request
+  once it has checked a fork is safe, and turns each child into a rank.
 - ``scripts``: runs a script as ``__main__`` (the TorchDistributor drop-in's scripts).
 - ``crash_hold``: keeps a rank that a crash signal kills alive until its supervisor has read
   its native frames (py-spy), where its supervisor asks for that.

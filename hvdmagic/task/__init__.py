@@ -12,6 +12,8 @@
   while a crash signal kills it (``CrashWatch``).
 - ``flight_recorder``: where torch's flight recorder dumps, asking for a dump, reading it.
 - ``mpi``: adopts a rank that mpirun started (``--controller mpi``).
+- ``rank_template``: finds or starts the host's rank template and asks it for the rank.
+- ``adopted_rank``: a rank another process started and reaps (mpirun's shim, the template).
 
 Modules here may import ``hvdmagic.protocol``, ``hvdmagic.channel``, ``hvdmagic.rank``
 (``shards`` reads a shard as its rank will) and the shared readers ``hvdmagic.stacks`` and

@@ -119,21 +119,20 @@ class HostTemplate:
         stem = here / name(secret, modules, self.env, self.owner)
         self.socket = stem.with_suffix(".sock")
         self.log = stem.with_name(f"{stem.name}-{os.getpid()}-{time.time_ns()}.log")  # each template its own
-        self.lock = here / "start.lock"  # one for the user's templates on this host: starts are rare
+        self.lock = stem.with_suffix(".lock")  # kept: a task may wait on it while another removes it
 
     def fork(self, env: dict[str, str], events_w: int, on_stage: Callable[[Stage], None]) -> AdoptedRank:
         """A rank forked from the template with this environment and the task's working directory.
         ``on_stage`` hears the rank's stages: TEMPLATE while this task waits for a template to import,
         then FORKING. A template that has just ended (its modules changed) is started again, once."""
-        for attempt in (1, 2):
+        for _attempt in range(2):
             self._ensure(lambda: on_stage(Stage.TEMPLATE))
             on_stage(Stage.FORKING)
             try:
                 return self._ask(env, events_w)
             except _Gone as gone:
-                if attempt == 2:
-                    raise Refused(f"the host's template did not answer ({gone})") from None
-        raise AssertionError("unreachable")
+                why = gone
+        raise Refused(f"the host's template did not answer ({why})")
 
     def _ensure(self, on_wait) -> None:
         """Find the template, or start it (or wait for the task that starts it) until it has imported."""
