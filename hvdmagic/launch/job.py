@@ -163,7 +163,10 @@ class Job:
         if self.controller == "mpi":
             self.on_event(protocol.note(MPI_NOTE))
             return {}
-        modules = ("hvdmagic.rank.blobs", *self.payload.imports, *rank_template.extra_imports())
+        # torch.distributed's ranks import torch, whatever the code shows (a script run by the drop-in).
+        torch = ("torch",) if self.framework == Framework.TORCH else ()
+        modules = tuple(dict.fromkeys(("hvdmagic.rank.blobs", *torch, *self.payload.imports,
+                                       *rank_template.extra_imports())))
         return {"template": modules, "template_secret": TEMPLATE_SECRET}
 
     def run(self) -> JobResult:
