@@ -171,6 +171,9 @@ def test_tensorflow_start_up_notices_stay_out_of_the_cell(ip, capfd):
 
 def test_tensorflows_import_reads_importing_tensorflow_and_counts_as_importing(ip, monkeypatch):
     # Issue 37: the rows said "running" through TensorFlow's import, and its notices ended the importing stage.
+    # A rank that imports TensorFlow itself: spawned. (Forked from its host's template, the import was the
+    # template's, "importing into the template": tests/test_template.py and the browser test.)
+    monkeypatch.setenv("HVDMAGIC_TEMPLATE", "0")
     from hvdmagic.kernel import record as records
     from hvdmagic.kernel.ui import progress_text
 

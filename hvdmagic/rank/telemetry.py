@@ -226,6 +226,7 @@ def flush() -> None:
     global _progress_sent
     if _events is None:
         return
+    _note_keras_once()
     with _write_lock:  # take and write as one step, so two flushes cannot reorder batches
         pending = _pending[:]
         del _pending[: len(pending)]
@@ -275,10 +276,21 @@ def _keras_note_due() -> bool:
             and os.environ.get("HOROVOD_RANK", os.environ.get("RANK", "0")) == "0")
 
 
+def _note_keras_once() -> None:
+    """The Keras 2 note, once, as soon as it is due: from the flusher, or from the last flush of a rank
+    whose cell ended sooner than the flusher looked (TensorFlow imported ahead, in its host's template)."""
+    global _keras_noted
+    if not _keras_noted and _keras_note_due():
+        _keras_noted = True
+        emit(protocol.note(_KERAS_NOTE, once="keras"))
+
+
+_keras_noted = False
+
+
 def _flush_loop() -> None:
     next_beat = time.monotonic()
     stage: Stage | None = None
-    keras_noted = False
     while True:
         _wake.wait(FLUSH_INTERVAL)
         _wake.clear()
@@ -286,9 +298,7 @@ def _flush_loop() -> None:
             if stage is not Stage.FIRST_STEP and (now := _horovod_stage()) is not None and now != stage:
                 stage = now
                 emit(protocol.stage_reached(stage))
-            if not keras_noted and _keras_note_due():
-                keras_noted = True
-                emit(protocol.note(_KERAS_NOTE, once="keras"))
+            _note_keras_once()
             flush()
             if time.monotonic() >= next_beat:
                 emit(protocol.bare(Event.HEARTBEAT))
