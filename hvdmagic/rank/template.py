@@ -241,18 +241,13 @@ def _answer(template: Template, conn: socket.socket, children: dict[int, socket.
             raise ValueError("not one of this kernel's tasks")
         env, cwd = dict(request["env"]), str(request["cwd"])
     except (OSError, ValueError, KeyError, TypeError):
-        for fd in fds:
-            os.close(fd)
+        _close_all(fds)
         conn.close()
         return None
     reason = template.unsafe(env)
     if reason:
-        for fd in fds:
-            os.close(fd)
-        try:
-            send_message(conn, {"refused": reason})
-        except OSError:
-            pass
+        _close_all(fds)
+        _tell(conn, {"refused": reason})
         conn.close()
         return None
     sys.stderr.flush()
@@ -262,14 +257,23 @@ def _answer(template: Template, conn: socket.socket, children: dict[int, socket.
         for other in children.values():
             other.close()
         return RankOrders(fds, env, cwd, peer_pid)
-    for fd in fds:
-        os.close(fd)
-    try:
-        send_message(conn, {"pid": pid})
-    except OSError:
-        pass
+    _close_all(fds)
+    _tell(conn, {"pid": pid})
     children[pid] = conn
     return None
+
+
+def _close_all(fds: list[int]) -> None:
+    for fd in fds:
+        os.close(fd)
+
+
+def _tell(conn: socket.socket, message: dict) -> None:
+    """A task that has gone away hears nothing: its rank, if any, sees its pipes close."""
+    try:
+        send_message(conn, message)
+    except OSError:
+        pass
 
 
 def _unlink_own(path: str, inode: int) -> None:
@@ -299,10 +303,7 @@ def _reap(children: dict[int, socket.socket]) -> None:
             return
         conn = children.pop(pid, None)
         if conn is not None:
-            try:
-                send_message(conn, {"code": os.waitstatus_to_exitcode(status)})
-            except OSError:
-                pass
+            _tell(conn, {"code": os.waitstatus_to_exitcode(status)})
             conn.close()
 
 
