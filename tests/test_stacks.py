@@ -7,6 +7,7 @@ import re
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 from conftest import run
@@ -403,3 +404,63 @@ def test_a_hang_names_the_notebook_cells_and_says_where_each_rank_is(ip):
     for unnamed in ("<ipython-input", "/tmp/ipykernel", "<horovod-cell>"):
         assert unnamed not in rendered, rendered
     assert hvdmagic.last_run().stacks == error.stacks  # kept as shown
+
+
+# Ranks that print nothing, ever: rank 1 sleeps in a function from another cell, rank 0 waits for it in
+# a collective. The stall clock runs from the ranks' start, not from a first line that never comes.
+SILENT_DEADLOCK = {
+    "horovod": ("import torch, horovod.torch as hvd\nhvd.init()\nif hvd.rank() == 1:\n    slow_step(120)\n"
+                "hvd.allreduce(torch.ones(1))\n", "allreduce"),
+    "torchrun": ("import torch, torch.distributed as dist\ndist.init_process_group('gloo')\n"
+                 "if dist.get_rank() == 1:\n    slow_step(120)\ndist.all_reduce(torch.ones(1))\n", "all_reduce"),
+}
+STALL = 4  # --stall-timeout, seconds
+# What the error may take beyond --stall-timeout: the ranks' start (spawned or forked), the stacks'
+# collection (STACKS_WAIT) and the stop. Horovod's own stall warning, which once set the clock off,
+# comes only after 60 s.
+STALL_SLACK = 35
+
+
+def _assert_the_sleeper_is_named_first(error, defined: int, own: int, collective: str) -> None:
+    assert isinstance(error, JobTimeout), error
+    assert f"rank(s) 0, 1 made no progress for {STALL} s (--stall-timeout)" in str(error), error
+    assert re.search(rf"Rank 1 is in `slow_step` \(Cell In\[{defined}\], line 4\); rank 0 waits in `{collective}` "
+                     rf"\(Cell In\[{own}\], line 6\)\.$", str(error)), error
+
+
+@pytest.mark.parametrize("magic", ["horovod", "torchrun"])
+@pytest.mark.parametrize("where", ["local", "spark"])
+def test_the_stall_timeout_catches_a_deadlock_among_ranks_that_never_printed(ip, magic, where):
+    if where == "spark":  # the embedded Spark's start (once per kernel) is not the cell's to time
+        from hvdmagic.launch.spark import session_for
+        from hvdmagic.launch.spark_session import on_spark_thread
+
+        on_spark_thread(session_for, 2)
+    defined = ip.run_cell("".join(SLOW_STEP), store_history=True).execution_count
+    code, collective = SILENT_DEADLOCK[magic]
+    np = "-2" if where == "local" else "2"
+    started = time.monotonic()
+    outcome = ip.run_cell(f"%%{magic} --np {np} --stall-timeout {STALL}\n{code}", store_history=True)
+    took = time.monotonic() - started
+    _assert_the_sleeper_is_named_first(outcome.error_in_exec, defined, outcome.execution_count, collective)
+    assert took < STALL + STALL_SLACK, f"the stall timeout fired after {took:.1f} s, not about {STALL} s"
+
+
+def test_the_stall_timeout_catches_a_silent_deadlock_in_a_session_cell(ip):
+    _, error = run(ip, "%horovod start --np -2")
+    assert error is None, error
+    try:
+        _, error = run(ip, "%%horovod\nimport torch, horovod.torch as hvd\nhvd.init()")
+        assert error is None, error
+        defined = ip.run_cell("".join(SLOW_STEP), store_history=True).execution_count
+        started = time.monotonic()
+        outcome = ip.run_cell(f"%%horovod --stall-timeout {STALL}\n\nif hvd.rank() == 1:\n    slow_step(120)\n"
+                              "hvd.allreduce(torch.ones(1))\n", store_history=True)
+        took = time.monotonic() - started
+        error = outcome.error_in_exec
+        assert isinstance(error, JobTimeout) and f"made no progress for {STALL} s" in str(error), error
+        assert re.search(rf"Rank 1 is in `slow_step` \(Cell In\[{defined}\], line 4\); rank 0 waits in `allreduce`",
+                         str(error)), error
+        assert took < STALL + STALL_SLACK, f"the stall timeout fired after {took:.1f} s, not about {STALL} s"
+    finally:
+        run(ip, "%horovod stop")

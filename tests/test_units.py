@@ -323,12 +323,13 @@ def test_a_hang_among_128_ranks_names_the_quiet_rank_and_its_host_in_one_clause_
     import types
 
     from hvdmagic.launch.job import Job, JobState
+    from hvdmagic.launch.stall_clock import StallClock
 
-    state = JobState(np=128, go_at=0.0)
+    state = JobState(np=128, go_at=0.0, clock=StallClock(0.0))
     state.hosts = {rank: f"host{rank // 8 + 1}" for rank in range(128)}
     state.last_heard = {rank: 99.0 for rank in range(128)}
-    state.last_progress = {rank: 70.0 for rank in range(128)}
-    state.last_progress[84] = 60.0
+    for rank in range(128):
+        state.clock.saw({"type": "output", "rank": rank}, 60.0 if rank == 84 else 70.0)
     state.last_heard[84] = 60.0  # its heartbeats stopped too: the process does not answer
     job = types.SimpleNamespace(np=128, timeout=None, stall_timeout=30.0, _stuck=lambda s, now: Job._stuck(job, s, now))
     message = Job._watchdog(job, state, 100.0, None)
@@ -396,3 +397,30 @@ def test_the_drivers_gpus_follow_cuda_visible_devices_as_cuda_reads_it(monkeypat
 
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
     assert driver_devices() == devices
+
+
+@pytest.mark.unit
+def test_the_stall_clock_runs_from_the_go_for_a_rank_that_never_reported():
+    from hvdmagic.launch.stall_clock import StallClock
+
+    clock = StallClock(100.0)
+    clock.saw({"type": "output", "rank": 0}, 103.0)
+    assert clock.stalled([0, 1], 105.0, 4) == [1]  # rank 1 said nothing since its go at 100
+    assert clock.stalled([0, 1], 108.0, 4) == [0, 1]
+    clock.saw({"type": "heartbeat", "rank": 1}, 108.0)  # alive is not progress
+    clock.saw({"type": "stage", "rank": 1, "stage": "first step"}, 108.0)  # a stage reached is
+    assert clock.stalled([0, 1], 110.0, 4) == [0]
+
+
+@pytest.mark.unit
+def test_the_stall_clock_holds_while_any_rank_imports_a_framework():
+    from hvdmagic.launch.stall_clock import StallClock
+
+    clock = StallClock(0.0)
+    clock.saw({"type": "stage", "rank": 1, "stage": "importing", "importing": "tensorflow"}, 1.0)
+    assert clock.stalled([0, 1], 30.0, 4) == []  # rank 0 waits for rank 1 in hvd.init meanwhile
+    clock.saw({"type": "stage", "rank": 1, "stage": "importing", "importing": ""}, 31.0)
+    assert clock.stalled([0, 1], 33.0, 4) == []  # every clock restarted when the import held them
+    assert clock.stalled([0, 1], 36.0, 4) == [0, 1]
+    clock.saw({"type": "stage", "rank": 0, "stage": "importing into the template"}, 36.0)
+    assert clock.stalled([0, 1], 50.0, 4) == []  # a template's imports hold them too

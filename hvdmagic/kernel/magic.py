@@ -37,7 +37,7 @@ def _launch_arguments(func):
         argument("--out", metavar="NAME", help="store rank 0's result in the variable NAME"),
         argument("--timeout", type=float, metavar="SECONDS", help="stop every rank and fail after SECONDS"),
         argument("--stall-timeout", type=float, metavar="SECONDS",
-                 help="fail when a rank that reported goes silent for SECONDS (a deadlock)"),
+                 help="fail when a rank makes no progress for SECONDS (a deadlock)"),
         argument("--data", metavar="NAME", help="a Spark DataFrame: each rank reads its shard with hvdmagic.shard()"),
         argument("--metrics", metavar="NAME", help="store the metrics history (a pandas DataFrame, all ranks) in NAME"),
         argument("--mlflow", nargs="?", const="", metavar="EXPERIMENT",

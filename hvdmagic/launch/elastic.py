@@ -35,6 +35,7 @@ from hvdmagic.launch import versions
 from hvdmagic.launch.job import POLL, STACKS_WAIT, Job, JobState, describe_exit, result_value, serve_requests
 from hvdmagic.launch.placement import Elastic, Placement
 from hvdmagic.launch.shipment import Shipment
+from hvdmagic.launch.stall_clock import StallClock
 from hvdmagic.protocol import Event, Slot, Stage
 
 # A rank's notification service ends with its process, so the driver can find it gone just as the
@@ -316,6 +317,7 @@ class ElasticJob(Job):
             self._by_link[link] = task
         if state.go_at is None:
             state.go_at = time.monotonic()
+            state.clock = StallClock(state.go_at)
             self.on_event(protocol.stage_reached(Stage.RANKS_STARTING))
 
     def _versions_fit(self, task: _Task, hello: dict) -> bool:

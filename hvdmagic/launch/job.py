@@ -26,7 +26,8 @@ from hvdmagic.launch.layout import compute_layout, visible_devices
 from hvdmagic.launch.mpi import MpiDriver
 from hvdmagic.launch.placement import Placement
 from hvdmagic.launch.shipment import Shipment
-from hvdmagic.protocol import PROGRESS_EVENTS, Event, Framework, ResultPolicy, Slot, Stage, TaskSpec
+from hvdmagic.launch.stall_clock import StallClock
+from hvdmagic.protocol import Event, Framework, ResultPolicy, Slot, Stage, TaskSpec
 from hvdmagic.task import rank_template
 
 # The kernel's secret for its hosts' rank templates (task.rank_template): they outlive each job.
@@ -73,7 +74,7 @@ class JobState:
     exits: dict[int, int] = field(default_factory=dict)
     failures: list[RankFailure] = field(default_factory=list)
     go_at: float | None = None
-    last_progress: dict[int, float] = field(default_factory=dict)  # driver clock, by rank
+    clock: StallClock | None = None  # from the go on: when each rank last moved
     last_heard: dict[int, float] = field(default_factory=dict)  # any event, heartbeats included
     rows: dict[int, tuple[int, int]] = field(default_factory=dict)  # --data: (rows, padding) by rank
     stacks: dict[int, str] = field(default_factory=dict)  # by rank: where it was when the watchdog fired
@@ -234,6 +235,9 @@ class Job:
                 verdict = self._watchdog(state, now, deadline)
                 if verdict and state.go_at is not None:
                     self._collect_stacks(server, state, rendezvous)
+                    # Asked again once the stacks are in: a rank that fell silent a moment after the first
+                    # to cross the limit (the one asleep, say, while the other waits for it) is named too.
+                    verdict = self._watchdog(state, time.monotonic(), deadline) or verdict
                 if state.failures or verdict:
                     # Fail fast: stop the others now, then give them a moment to report.
                     aborted_all = not self._abort_others(server, state, None if verdict else
@@ -304,12 +308,8 @@ class Job:
         """Why the job must stop now (timeout, stall), or None."""
         if deadline is not None and now > deadline:
             return f"the run exceeded --timeout {self.timeout:g} s{self._stuck(state, now)}"
-        if self.stall_timeout and state.go_at is not None:
-            # The clock starts at a rank's first output or report: start-up (imports,
-            # hvd.init) on a busy machine is not a stall. --timeout bounds start-up.
-            stalled = [r for r in state.running()
-                       if r in state.last_progress and now - state.last_progress[r] > self.stall_timeout]
-            if stalled:
+        if self.stall_timeout and state.clock is not None:
+            if stalled := state.clock.stalled(state.running(), now, self.stall_timeout):
                 return (f"rank(s) {rank_ranges.compress(stalled)} made no progress for "
                         f"{self.stall_timeout:g} s (--stall-timeout){self._stuck(state, now)}")
         return None
@@ -323,7 +323,7 @@ class Job:
         threshold = min(RECENT_PROGRESS, (self.timeout or RECENT_PROGRESS) / 2, self.stall_timeout or RECENT_PROGRESS)
         quiet: dict[str, list[tuple[int, float]]] = {}
         for rank in state.running():
-            silent = now - state.last_progress.get(rank, state.go_at)
+            silent = state.clock.silent_for(rank, now)
             if silent > threshold:
                 heard = now - state.last_heard.get(rank, state.go_at)
                 alive = ALIVE_GUESS if heard < 5 else f"no heartbeat for {heard:.0f} s"
@@ -355,8 +355,8 @@ class Job:
         now = time.monotonic()
         if kind != Event.RESOURCES:  # sampled by the task's supervisor: says nothing of the rank's own life
             state.last_heard[rank] = now
-        if kind in PROGRESS_EVENTS:
-            state.last_progress[rank] = now
+        if state.clock is not None:
+            state.clock.saw(event, now)
         if self.session and kind in (Event.RESULT, Event.ERROR):
             pass  # a session's cell outcome: launch.warm_ranks reads it from the event
         elif kind == Event.RESULT:
@@ -410,6 +410,7 @@ class Job:
             except OSError:
                 pass  # that task is gone; its missing exit ends the job
         state.go_at = time.monotonic()
+        state.clock = StallClock(state.go_at)
         self.on_event(protocol.stage_reached(Stage.RANKS_STARTING))
         if state.rows:
             self.on_event(protocol.note(_data_note(state.rows), rank=0))

@@ -29,6 +29,7 @@ from hvdmagic.launch.interrupts import interruptible
 from hvdmagic.launch.job import STACKS_WAIT, Job, ShippingReports, result_value, serve_requests
 from hvdmagic.launch.placement import Placement, PlacementError
 from hvdmagic.launch.shipment import Shipment
+from hvdmagic.launch.stall_clock import StallClock
 from hvdmagic.protocol import Event, Payload, ResultPolicy
 
 INTERRUPT_GRACE = 5.0  # seconds the ranks get to leave a cell after Stop, before they are restarted
@@ -206,7 +207,7 @@ class Session:
         values: dict[int, object] = {}
         failures: list[RankFailure] = []
         broken = False
-        last_progress = {rank: started for rank in pending}
+        clock = StallClock(started)
         first_failure_at: float | None = None
         try:
             while pending:
@@ -217,9 +218,11 @@ class Session:
                     if stuck:
                         broken = True
                     break
-                verdict = self._watchdog(started, now, last_progress, pending, timeout, stall_timeout)
+                verdict = self._watchdog(started, now, clock, pending, timeout, stall_timeout)
                 if verdict:
                     stacks = self._stacks(pending, on_event)
+                    verdict = self._watchdog(started, time.monotonic(), clock, pending, timeout, stall_timeout) \
+                        or verdict  # as a one-shot job does (launch.job): the ranks silent by now
                     self._interrupt(pending, on_event)
                     self._restart_after(on_event)
                     raise JobTimeout(failures, sorted(pending), note=f"{verdict}; {LOST_STATE}", stacks=stacks)
@@ -232,8 +235,7 @@ class Session:
                 kind, rank = event.get("type"), event.get("rank")
                 if event.get("cell", cell) != cell:
                     continue  # a late answer to an earlier, interrupted cell
-                if isinstance(rank, int) and kind != Event.RESOURCES:  # the supervisor's sample is not the rank's
-                    last_progress[rank] = time.monotonic()
+                clock.saw(event, time.monotonic())
                 if kind == Event.IDLE:
                     pending.discard(rank)
                     self._note_idle(event)
@@ -306,12 +308,11 @@ class Session:
         self.restart(on_event)
 
     @staticmethod
-    def _watchdog(started, now, last_progress, pending, timeout, stall_timeout) -> str | None:
+    def _watchdog(started, now, clock: StallClock, pending, timeout, stall_timeout) -> str | None:
         if timeout and now - started > timeout:
             return f"the cell exceeded --timeout {timeout:g} s"
         if stall_timeout:
-            stalled = sorted(r for r in pending if now - last_progress[r] > stall_timeout)
-            if stalled:
+            if stalled := clock.stalled(pending, now, stall_timeout):
                 return (f"rank(s) {rank_ranges.compress(stalled)} made no progress for {stall_timeout:g} s "
                         "(--stall-timeout)")
         return None

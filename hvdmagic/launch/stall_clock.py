@@ -1,0 +1,51 @@
+"""When each rank last moved: the clock behind ``--stall-timeout``, for one-shot jobs and session cells.
+
+A rank's clock starts when the rank is given its go (a session's: when the cell is sent), not at its
+first line of output: a rank that never printed or reported anything (the one asleep while the others
+wait for it in an allreduce) is exactly the one a user needs the limit for. What restarts a clock is
+what shows the rank at work: its output, reports and result, and the stages it passes while it starts
+(its interpreter running, horovod imported, horovod initialised).
+
+Start-up is not a stall: while any rank imports a framework (or its host's template does), every
+clock is held, because the other ranks wait for that rank in ``hvd.init`` or the first collective,
+and an import on a busy machine can take longer than the limit. ``--timeout`` bounds start-up.
+"""
+
+from __future__ import annotations
+
+from hvdmagic.protocol import PROGRESS_EVENTS, Event, Stage
+
+
+class StallClock:
+    def __init__(self, started: float):
+        self._started = started  # every rank's clock starts here (the go, or the cell's start)
+        self._last: dict[int, float] = {}  # by rank: when it last moved, on the driver's clock
+        self._importing: set[int] = set()
+
+    def saw(self, event: dict, now: float) -> None:
+        """Account one event from a rank (any other is ignored)."""
+        rank, kind = event.get("rank"), event.get("type")
+        if not isinstance(rank, int):
+            return
+        if kind == Event.STAGE:
+            stage = event.get("stage")
+            # A rank's IMPORTING without a name is its interpreter starting the cell, not an import.
+            if stage == Stage.TEMPLATE or (stage == Stage.IMPORTING and event.get("importing")):
+                self._importing.add(rank)
+            else:
+                self._importing.discard(rank)
+            self._last[rank] = now
+        elif kind in PROGRESS_EVENTS:
+            self._last[rank] = now
+
+    def silent_for(self, rank: int, now: float) -> float:
+        return now - self._last.get(rank, self._started)
+
+    def stalled(self, running, now: float, limit: float) -> list[int]:
+        """The running ranks silent for longer than ``limit`` seconds; none while a rank imports."""
+        running = list(running)
+        if self._importing.intersection(running):
+            for rank in running:  # held: the clocks start again once the import is done
+                self._last[rank] = now
+            return []
+        return sorted(rank for rank in running if self.silent_for(rank, now) > limit)
