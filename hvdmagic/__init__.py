@@ -27,6 +27,8 @@ its modules and what they may import. Imports go one way, top to bottom:
 
 - ``kernel/``: the notebook kernel: the magics, the Python API, sessions, capture, the run
   record, the views; it may import ``launch``, ``rank``'s payload types and the shared modules;
+- ``spark/``: horovod.spark's Spark ML estimators (``hvdmagic.spark.torch.TorchEstimator``), in the
+  kernel; they run through ``kernel``'s runner, and ship ``rank`` and ``task`` code;
 - ``callbacks/``: framework integrations that run in a rank; they import only ``rank``;
 - ``launch/``: the driver's side of a job: the launcher core and its backends;
 - ``task/``: a Spark barrier task: the supervisor of one rank;

@@ -39,9 +39,10 @@ def run(fn: Callable, np: int | None = None, *args, timeout: float | None = None
         *args: positional arguments for ``fn``; they must be picklable.
         timeout: seconds after which every rank is stopped and the run fails; None (the
             default) waits for as long as the ranks run.
-        stall_timeout: fail as soon as a rank that has started reporting (output, progress,
-            metrics) goes silent this many seconds, e.g. in a deadlocked collective; start-up
-            is bounded by ``timeout`` only. None (the default) never checks.
+        stall_timeout: fail as soon as a rank makes no progress (output, progress, metrics)
+            for this many seconds, e.g. in a deadlocked collective, counted from the rank's
+            start, so a rank that never printed is caught too; while a rank imports a framework
+            the clock is held (``timeout`` bounds that). None (the default) never checks.
         data: a Spark DataFrame; each rank gets an equal-size shard of it, read in the rank
             with ``hvdmagic.shard()``. None (the default) sends no data.
         controller: "gloo" (the default), or "mpi" to run the ranks under Open MPI's mpirun.
@@ -112,12 +113,12 @@ def run(fn: Callable, np: int | None = None, *args, timeout: float | None = None
     if session is None:
         placement = Placement.of(np, framework=framework, controller=controller, elastic=elastic, name="np")
         placement.check_options(data=data, stall_timeout=stall_timeout)
-    payload = _dumps((fn, args, kwargs), fn)
+    payload = pack_call((fn, args, kwargs), fn)
     return execute(payload, placement, timeout=timeout, stall_timeout=stall_timeout, data=data, session=session,
                    command="hvdmagic.run", env=env).results
 
 
-def _dumps(obj, fn: Callable) -> Shipment:
+def pack_call(obj, fn: Callable) -> Shipment:
     """Pack ``(fn, args, kwargs)``, shipping ``fn``'s module by value when it is the user's own file."""
     fn_, args, kwargs = obj
     # Functions from notebook cells carry their cells' source, so tracebacks show it.
@@ -183,7 +184,7 @@ class HorovodRunner:
 
             accuracy = HorovodRunner(np=2).run(train, lr=0.1)
         """
-        payload = _dumps((main, (), kwargs), main)
+        payload = pack_call((main, (), kwargs), main)
         return execute(payload, self.placement, results=ResultPolicy.RANK0, command="HorovodRunner").result
 
 
@@ -242,7 +243,7 @@ class TorchDistributor:
             train_object, args = run_script, (train_object, *map(str, args))
         placement = Placement(self.num_processes, Where.LOCAL if self.local_mode else Where.SPARK, Framework.TORCH,
                               gpus=self.use_gpu)
-        payload = _dumps((train_object, args, kwargs), train_object)
+        payload = pack_call((train_object, args, kwargs), train_object)
         return execute(payload, placement, results=ResultPolicy.RANK0, command="TorchDistributor").result
 
 

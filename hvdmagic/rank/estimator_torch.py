@@ -1,0 +1,298 @@
+"""``TorchEstimator.fit``'s training loop, as each rank runs it (``hvdmagic.spark.torch``).
+
+It keeps horovod.spark's meanings: every feature and label as float32, labels reshaped to their
+output's shape, one loss per label averaged with ``loss_weights`` (equal by default), the
+learning rate scaled by the number of ranks on a fresh run (and unscaled in the model it returns),
+rank 0's checkpoint after every epoch, and a resumed run taking up at the epoch after it.
+
+The collectives are Horovod's where the kernel has horovod, else torch.distributed's (DDP over
+gloo, or NCCL on GPUs): the estimator works on a runtime without a horovod build.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+from hvdmagic import protocol
+from hvdmagic.protocol import CUDA_DEVICE_ENV
+from hvdmagic.rank import telemetry, training
+from hvdmagic.rank.estimator_data import FitSpec, ShardRows, shaped
+from hvdmagic.rank.shards import shard
+
+
+class _Horovod:
+    name = "horovod"
+
+    def __init__(self, torch):
+        import horovod.torch as hvd
+
+        hvd.init()
+        self.hvd, self.torch = hvd, torch
+        self.rank, self.size, self.local_rank = hvd.rank(), hvd.size(), hvd.local_rank()
+
+    def largest(self, value: int) -> int:
+        return int(self.hvd.allreduce(self.torch.tensor([value]), op=self.hvd.Max, name="hvdmagic.rows").item())
+
+    def mean(self, values: list[float]) -> list[float]:
+        tensor = self.torch.tensor(values, dtype=self.torch.float64)
+        return self.hvd.allreduce(tensor, op=self.hvd.Average, name="hvdmagic.metrics").tolist()
+
+    def distribute(self, model, optimizer, spec: FitSpec):
+        self.hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        self.hvd.broadcast_optimizer_state(optimizer, root_rank=0)
+        options = {"compression": spec.gradient_compression} if spec.gradient_compression is not None else {}
+        optimizer = self.hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
+                                                  backward_passes_per_step=spec.backward_passes_per_step, **options)
+        return model, optimizer
+
+    def quietly(self, model, last: bool):
+        import contextlib
+
+        return contextlib.nullcontext()  # DistributedOptimizer counts the passes itself
+
+
+class _TorchDistributed:
+    name = "torch.distributed"
+
+    def __init__(self, torch, device):
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        self.dist, self.torch, self.device = dist, torch, device
+        self.rank, self.size = dist.get_rank(), dist.get_world_size()
+        self.local_rank = int(os.environ.get("LOCAL_RANK", 0))
+
+    def largest(self, value: int) -> int:
+        tensor = self.torch.tensor([value], device=self.device)
+        self.dist.all_reduce(tensor, op=self.dist.ReduceOp.MAX)
+        return int(tensor.item())
+
+    def mean(self, values: list[float]) -> list[float]:
+        tensor = self.torch.tensor(values, dtype=self.torch.float64, device=self.device)
+        self.dist.all_reduce(tensor)
+        return (tensor / self.size).tolist()
+
+    def distribute(self, model, optimizer, spec: FitSpec):
+        from torch.nn.parallel import DistributedDataParallel
+
+        if spec.gradient_compression is not None and self.rank == 0:
+            telemetry.emit(protocol.note("hvdmagic: gradient_compression is Horovod's; this fit runs on "
+                                         "torch.distributed (no horovod here), which sends gradients uncompressed"))
+        ids = [self.device.index] if self.device.type == "cuda" else None
+        return DistributedDataParallel(model, device_ids=ids), optimizer
+
+    def quietly(self, model, last: bool):
+        import contextlib
+
+        return contextlib.nullcontext() if last else model.no_sync()  # gradients summed locally until the last pass
+
+
+def fit(spec: FitSpec) -> dict | None:
+    """Train ``spec.model`` on this rank's shard; rank 0 returns the weights, optimizer state and history."""
+    import numpy as np
+    import torch
+
+    device = _device(torch, spec)
+    group = _Horovod(torch) if spec.collectives == "horovod" else _TorchDistributed(torch, device)
+    if group.rank == 0:
+        for text in [*spec.notes, f"hvdmagic: training on {group.size} rank(s) with {group.name}'s collectives, "
+                     f"on {device.type}"]:
+            telemetry.emit(protocol.note(text))
+    if spec.random_seed is not None:
+        torch.manual_seed(spec.random_seed)
+    model, optimizer = spec.model, spec.optimizer
+    if optimizer is None:
+        raise ValueError("TorchEstimator needs an optimizer (optimizer=torch.optim.SGD(model.parameters(), lr=...))")
+    model.to(device)
+    optimizer.load_state_dict(optimizer.state_dict())  # its state onto the parameters' device
+    losses = _losses(spec)
+    weights = spec.loss_weights or [1.0 / len(spec.label_cols)] * len(spec.label_cols)
+
+    history: dict[str, list[float]] = {}
+    start = 0
+    if spec.checkpoint_dir:
+        state, epoch = training.load_checkpoint(spec.checkpoint_dir)
+        if state is not None:
+            model.load_state_dict(state["model"])
+            optimizer.load_state_dict(state["optimizer"])
+            history, start = state["history"], epoch + 1
+            if group.rank == 0:
+                print(f"resuming from the checkpoint of epoch {epoch + 1} in {spec.checkpoint_dir}", flush=True)
+    if start == 0:
+        _scale_lr(optimizer, group.size)
+    model, optimizer = group.distribute(model, optimizer, spec)
+
+    rows = ShardRows(shard(), spec)
+    train_steps = rows.steps([group.largest(len(rows.train))], spec.batch_size, spec.train_steps_per_epoch)
+    val_batch = spec.val_batch_size or spec.batch_size
+    val_steps = rows.steps([group.largest(len(rows.val))], val_batch, spec.validation_steps_per_epoch) \
+        if spec.validation else 0
+    # horovod.spark's hook: a function that returns the step function (its 7 arguments, as here).
+    custom_step = spec.train_minibatch_fn() if spec.train_minibatch_fn is not None else None
+    rng = np.random.default_rng(None if spec.random_seed is None else spec.random_seed + group.rank)
+
+    def tensor(values, shape=None):
+        # float32, as horovod.spark gives every column; a copy where the batch is a view of the memory-mapped shard
+        return torch.from_numpy(shaped(np.require(values, np.float32, ["C", "W"]), shape)).to(device)
+
+    def batch_tensors(arrays):
+        shapes = spec.input_shapes or [None] * len(spec.feature_cols)
+        inputs = [tensor(arrays[c], shape) for c, shape in zip(spec.feature_cols, shapes)]
+        labels = [tensor(arrays[c]) for c in spec.label_cols]
+        sample_weights = tensor(arrays[spec.sample_weight_col]) if spec.sample_weight_col else None
+        return inputs, labels, sample_weights
+
+    def loss_fn(outputs, labels, sample_weights):
+        total = 0
+        for output, label, loss, weight in zip(outputs, labels, losses, weights):
+            if sample_weights is None:
+                total = total + loss(output, label) * weight
+            else:  # per-row losses, each weighted, then their mean (horovod.spark's rule)
+                total = total + (loss(output, label, reduction="none").flatten() * sample_weights).mean() * weight
+        return total
+
+    for epoch in range(start, spec.epochs):
+        started = time.monotonic()
+        telemetry.progress(epoch, spec.epochs, "epoch")
+        model.train()
+        sums = _Sums(spec)
+        passes = spec.backward_passes_per_step
+        for step, arrays in enumerate(rows.batches(rows.train, spec.batch_size, train_steps,
+                                                   rng if spec.shuffle else None)):
+            inputs, labels, sample_weights = batch_tensors(arrays)
+            last = (step + 1) % passes == 0 or step + 1 == train_steps
+            with group.quietly(model, last):
+                if custom_step is not None:
+                    outputs, loss = custom_step(model, optimizer, _match_outputs, loss_fn, inputs, labels,
+                                                sample_weights)
+                else:
+                    outputs, loss = _train_minibatch(model, optimizer, inputs, labels, sample_weights, loss_fn,
+                                                     step, passes)
+            sums.add(loss, *_match_outputs(outputs, labels))
+            telemetry.progress(step + 1, train_steps, "batch")
+        metrics = dict(zip(sums.names(""), group.mean(sums.averages())))
+        if val_steps:
+            model.eval()
+            sums = _Sums(spec)
+            with torch.no_grad():
+                for arrays in rows.batches(rows.val, val_batch, val_steps):
+                    inputs, labels, sample_weights = batch_tensors(arrays)
+                    outputs, labels = _match_outputs(model(*inputs), labels)
+                    sums.add(loss_fn(outputs, labels, sample_weights), outputs, labels)
+            metrics.update(zip(sums.names("val_"), group.mean(sums.averages())))
+        for name, value in metrics.items():
+            history.setdefault(name, []).append(value)
+        telemetry.progress(epoch + 1, spec.epochs, "epoch")
+        if group.rank == 0:
+            telemetry.log_metrics(step=epoch, **metrics)
+            if spec.verbose:
+                shown = ", ".join(f"{name} {value:.4g}" for name, value in metrics.items())
+                print(f"epoch {epoch + 1}/{spec.epochs}: {shown} ({time.monotonic() - started:.1f} s)", flush=True)
+        if spec.checkpoint_dir:
+            training.save_checkpoint({"model": _plain(model).state_dict(), "optimizer": optimizer.state_dict(),
+                                      "history": history}, spec.checkpoint_dir, step=epoch, keep=1)
+    if group.rank != 0:
+        return None
+    plain = _plain(model)
+    plain.eval()
+    with torch.no_grad():  # what one row gives out: the prediction columns' sizes and types, known in advance
+        inputs, _, _ = batch_tensors(next(rows.batches(rows.train, 1, 1)))
+        outputs, _ = _match_outputs(plain(*inputs), [])
+    plain.to("cpu")
+    state = optimizer.state_dict()
+    _scale_lr_of_state(state, 1 / group.size)  # as the user gave it: a refit on another size scales it anew
+    return {"model_state": plain.state_dict(), "optimizer_state": state, "history": history,
+            "output_sizes": [int(output[0].numel()) for output in outputs],
+            "collectives": group.name, "epochs_run": spec.epochs - start, "device": str(device)}
+
+
+def _device(torch, spec: FitSpec):
+    if spec.use_gpu is not False and torch.cuda.is_available():
+        index = int(os.environ.get(CUDA_DEVICE_ENV, os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(index)
+        return torch.device("cuda", index)
+    if spec.use_gpu:
+        raise RuntimeError("use_gpu=True, but torch sees no CUDA device in this rank: give the tasks GPUs "
+                           "(spark.task.resource.gpu.amount) or pass use_gpu=False")
+    return torch.device("cpu")
+
+
+def _losses(spec: FitSpec) -> list:
+    if spec.loss_constructors:
+        return [make() for make in spec.loss_constructors]
+    if spec.loss is None:
+        raise ValueError("TorchEstimator needs a loss (loss=torch.nn.MSELoss(), or one per label column)")
+    losses = list(spec.loss) if isinstance(spec.loss, (list, tuple)) else [spec.loss] * len(spec.label_cols)
+    if len(losses) != len(spec.label_cols):
+        raise ValueError(f"{len(losses)} losses for {len(spec.label_cols)} label columns {spec.label_cols}: give "
+                         "one loss, or one per label column")
+    return losses
+
+
+def _match_outputs(outputs, labels):
+    """The model's outputs as a list, each label reshaped to its output's shape where the sizes agree."""
+    if not isinstance(outputs, (tuple, list)):
+        outputs = [outputs]
+    labels = [label.reshape(output.shape) if hasattr(output, "shape") and output.shape.numel() == label.numel()
+              else label for output, label in zip(outputs, labels)]
+    return list(outputs), labels
+
+
+def _train_minibatch(model, optimizer, inputs, labels, sample_weights, loss_fn, step: int, passes: int):
+    """One training step; the optimizer steps every ``passes`` batches (backward_passes_per_step)."""
+    if step % passes == 0:
+        optimizer.zero_grad()
+    outputs, labels = _match_outputs(model(*inputs), labels)
+    loss = loss_fn(outputs, labels, sample_weights)
+    (loss / passes if passes > 1 else loss).backward()
+    if (step + 1) % passes == 0:
+        optimizer.step()
+    return outputs, loss
+
+
+class _Sums:
+    """The loss and the metrics over an epoch's batches on this rank."""
+
+    def __init__(self, spec: FitSpec):
+        self.spec = spec
+        self.metrics = list(spec.metrics or [])
+        self.totals = [0.0] * (1 + len(self.metrics) * len(spec.label_cols))
+        self.count = 0
+
+    def add(self, loss, outputs, labels) -> None:
+        values = [_number(loss)]
+        for metric in self.metrics:
+            values.extend(_number(metric(output, label)) for output, label in zip(outputs, labels))
+        self.totals = [total + value for total, value in zip(self.totals, values)]
+        self.count += 1
+
+    def averages(self) -> list[float]:
+        return [total / max(self.count, 1) for total in self.totals]
+
+    def names(self, prefix: str) -> list[str]:
+        one_label = len(self.spec.label_cols) == 1
+        return [f"{prefix}loss"] + [f"{prefix}{getattr(metric, '__name__', type(metric).__name__)}"
+                                    + ("" if one_label else f"_{label}")
+                                    for metric in self.metrics for label in self.spec.label_cols]
+
+
+def _number(value) -> float:
+    return float(value.detach()) if hasattr(value, "detach") else float(value)
+
+
+def _plain(model):
+    return getattr(model, "module", model)  # DDP's wrapped module
+
+
+def _scale_lr(optimizer, factor: float) -> None:
+    for group in optimizer.param_groups:
+        if "lr" in group:
+            group["lr"] = group["lr"] * factor
+
+
+def _scale_lr_of_state(state: dict, factor: float) -> None:
+    for group in state.get("param_groups", []):
+        if "lr" in group:
+            group["lr"] = group["lr"] * factor

@@ -1,0 +1,1 @@
+"""What every estimator of ``hvdmagic.spark`` shares: params, store, backend, fit and transform."""

@@ -1,0 +1,256 @@
+"""What every framework's estimator and model share: the checks, fit through the launcher, and transform.
+
+``fit``:
+
+1. checks the params and the DataFrame's columns (``common.columns``), and counts the first
+   ``num_proc × batch_size`` rows with one small job: fewer fail at once, with the numbers;
+2. prepares the DataFrame (only the columns training reads, vectors as arrays, the validation rows
+   marked), lazily;
+3. runs the framework's training loop (``hvdmagic.rank.estimator_*``) on ``num_proc`` ranks through
+   ``execute``, as a ``%%horovod --data`` cell runs: its shards, dashboard, errors naming the rank,
+   Stop and stragglers;
+4. makes the model from rank 0's weights.
+
+``transform`` adds the prediction columns with one scalar-iterator pandas UDF
+(``hvdmagic.task.batch_inference``), lazily, with their types known without a probing job.
+"""
+
+from __future__ import annotations
+
+import copy as copying
+import hashlib
+import importlib.util
+import pickle
+import time
+
+from pyspark.ml import Estimator, Model
+from pyspark.sql import functions as F
+
+from hvdmagic.rank.estimator_data import FitSpec
+from hvdmagic.spark.common import columns
+from hvdmagic.spark.common.params import EstimatorParams
+from hvdmagic.spark.common.store import new_run_id
+from hvdmagic.task.batch_inference import PredictSpec
+
+
+def horovod_available() -> bool:
+    return importlib.util.find_spec("horovod") is not None and importlib.util.find_spec("horovod.torch") is not None
+
+
+class FitFailed(RuntimeError):
+    """A fit that could not start: the message says what to change."""
+
+
+class HorovodEstimator(Estimator, EstimatorParams):
+    """The shared estimator: a framework's subclass names its training loop and its model class."""
+
+    framework = "torch"
+
+    def __init__(self, **kwargs):
+        super().__init__()
+        self._set_arguments(kwargs)
+
+    # -- what a framework says --------------------------------------------------
+    def _fit_function(self):
+        """The function each rank calls with the FitSpec."""
+        raise NotImplementedError
+
+    def _collectives(self) -> str:
+        return "horovod" if horovod_available() else "torch"
+
+    def _check_model(self) -> None:
+        """The framework's checks of model, optimizer and loss, before anything runs."""
+
+    # -- Spark ML -------------------------------------------------------------
+    def copy(self, extra=None):
+        """A copy whose model and optimizer are copies too (as one, so the optimizer keeps the copy's
+        parameters): fitting the copy never changes this estimator's objects."""
+        that = super().copy(extra)
+        objects = {name: that.getOrDefault(name) for name in ("model", "optimizer")
+                   if that.isDefined(name) and that.getOrDefault(name) is not None}
+        if objects:
+            that._set(**copying.deepcopy(objects))
+        that._ignored = list(self._ignored)
+        return that
+
+    def _fit(self, df):
+        started = time.monotonic()
+        session = df.sparkSession
+        num_proc = self._num_proc(session)
+        self._check_model()
+        batch_size = self.getOrDefault("batch_size")
+        if batch_size < 1:
+            raise FitFailed(f"batch_size must be 1 or more, not {batch_size}.")
+        seed = self.getOrDefault("random_seed")
+        prepared = columns.training_frame(df, self.getOrDefault("feature_cols") if self.isDefined("feature_cols")
+                                          else [], self.getOrDefault("label_cols") if self.isDefined("label_cols")
+                                          else [], self.getOrDefault("sample_weight_col"),
+                                          self.getOrDefault("validation"), seed)
+        needed = num_proc * batch_size
+        rows, sizes = columns.first_rows_summary(prepared, needed)
+        if rows == 0:
+            raise FitFailed("the DataFrame is empty: there is nothing to train on.")
+        if rows < needed:
+            raise FitFailed(f"the DataFrame has {rows} row(s), fewer than num_proc × batch_size = {num_proc} × "
+                            f"{batch_size} = {needed}: every rank needs at least one full batch. Lower batch_size "
+                            "or num_proc.")
+        feature_cols = self.getOrDefault("feature_cols")
+        columns.check_shapes(sizes, prepared.kinds, feature_cols, self.getOrDefault("input_shapes"))
+        spec = self._spec(prepared)
+        result = self._run(spec, num_proc, prepared.frame)
+        return self._model_from(result, df, spec, num_proc, time.monotonic() - started)
+
+    def _num_proc(self, session) -> int:
+        num_proc, backend = self.getOrDefault("num_proc"), self.getOrDefault("backend")
+        if num_proc is not None and backend is not None:
+            raise FitFailed("give num_proc or backend, not both (horovod.spark's rule): backend=SparkBackend("
+                            "num_proc=N) carries the number itself.")
+        if backend is not None:
+            return backend.num_processes(session)
+        if num_proc is None:
+            from hvdmagic.spark.common.backend import SparkBackend
+
+            return SparkBackend().num_processes(session)
+        if num_proc < 1:
+            raise FitFailed(f"num_proc must be 1 or more, not {num_proc}.")
+        return num_proc
+
+    def _run_id(self) -> str:
+        return self.getOrDefault("run_id") or new_run_id()
+
+    def _spec(self, prepared) -> FitSpec:
+        get = self.getOrDefault
+        store, run_id = get("store"), self._run_id()
+        self._last_run_id = run_id
+        callbacks = get("callbacks")
+        return FitSpec(
+            framework=self.framework, collectives=self._collectives(), model=get("model"),
+            feature_cols=list(get("feature_cols")), label_cols=list(get("label_cols")),
+            input_shapes=get("input_shapes"), label_shapes=get("label_shapes"),
+            sample_weight_col=get("sample_weight_col"), validation=bool(get("validation")),
+            optimizer=get("optimizer"), loss=get("loss"), loss_constructors=get("loss_constructors"),
+            loss_weights=get("loss_weights"), metrics=get("metrics"), custom_objects=get("custom_objects"),
+            gradient_compression=get("gradient_compression"), callbacks=list(callbacks or []),
+            batch_size=get("batch_size"), val_batch_size=get("val_batch_size"), epochs=get("epochs"),
+            train_steps_per_epoch=get("train_steps_per_epoch"),
+            validation_steps_per_epoch=get("validation_steps_per_epoch"), shuffle=get("shuffle"),
+            random_seed=get("random_seed"), verbose=get("verbose"),
+            backward_passes_per_step=get("backward_passes_per_step"), transformation_fn=get("transformation_fn"),
+            train_minibatch_fn=get("train_minibatch_fn"), trainer_args=get("trainer_args"), use_gpu=get("use_gpu"),
+            checkpoint_dir=store.get_checkpoint_path(run_id) if store is not None else None,
+            notes=[f"hvdmagic: {', '.join(self._ignored)} tune Petastorm's reader in horovod.spark; here the "
+                   "DataFrame reaches the ranks as Arrow shards, so they change nothing"] if self._ignored else [],
+        )
+
+    def _run(self, spec: FitSpec, num_proc: int, frame) -> dict:
+        """The training on ``num_proc`` ranks, through the launcher cells use; rank 0's result."""
+        from hvdmagic.kernel.api import pack_call
+        from hvdmagic.kernel.runner import execute
+        from hvdmagic.launch import Placement, ResultPolicy
+        from hvdmagic.protocol import Framework
+
+        framework = Framework.HOROVOD if spec.collectives == "horovod" else Framework.TORCH
+        placement = Placement.of(num_proc, framework=framework, name="num_proc")
+        try:
+            payload = pack_call((self._fit_function(), (spec,), {}), type(spec.model))
+        except (pickle.PicklingError, TypeError, AttributeError) as exc:
+            raise FitFailed(f"the model, optimizer, loss, metrics or callbacks cannot be sent to the ranks "
+                            f"(cloudpickle: {type(exc).__name__}: {exc}); a lambda or a class defined in the "
+                            "notebook travels, an open file, lock or connection does not.") from None
+        env = dict(self.getOrDefault("backend").env) if self.getOrDefault("backend") is not None else None
+        return execute(payload, placement, data=frame, results=ResultPolicy.RANK0, env=env,
+                       command=f"{type(self).__name__}.fit", charts_expected=True).result
+
+    def _model_from(self, result: dict, df, spec: FitSpec, num_proc: int, seconds: float):
+        raise NotImplementedError
+
+    def _label_types(self, df) -> list:
+        return [df.schema[name].dataType for name in self.getOrDefault("label_cols")]
+
+
+class HorovodModel(Model, EstimatorParams):
+    """The shared model: predictions in batches on the executors, persistence in the framework's format."""
+
+    framework = "torch"
+
+    def __init__(self, **kwargs):
+        super().__init__()
+        self.history: dict[str, list[float]] = kwargs.pop("history", None) or {}
+        self.output_sizes: list[int] = list(kwargs.pop("output_sizes", None) or [])
+        self.label_types: list = list(kwargs.pop("label_types", None) or [])
+        self.fit_info: dict = kwargs.pop("fit_info", None) or {}
+        self._set_arguments(kwargs)
+
+    def getHistory(self) -> dict[str, list[float]]:
+        """Per epoch: the training loss and metrics, and ``val_``-prefixed the validation ones."""
+        return self.history
+
+    def copy(self, extra=None):
+        that = super().copy(extra)
+        that.history, that.output_sizes = dict(self.history), list(self.output_sizes)
+        that.label_types, that.fit_info = list(self.label_types), dict(self.fit_info)
+        return that
+
+    # -- what a framework says ----------------------------------------------------
+    def _model_bytes(self) -> bytes:
+        """The model for the executors: cloudpickled, on the CPU."""
+        import cloudpickle
+
+        return cloudpickle.dumps(self.getOrDefault("model"))
+
+    # -- transform --------------------------------------------------------------
+    def output_columns(self) -> list[str]:
+        labels = self.getOrDefault("label_cols")
+        return list(self.getOrDefault("output_cols") or [f"{label}__output" for label in labels])
+
+    def _transform(self, df):
+        from collections.abc import Iterator
+
+        import pandas as pd
+        from pyspark.ml.functions import array_to_vector
+        from pyspark.sql import types as T
+        from pyspark.sql.functions import pandas_udf
+
+        from hvdmagic.task.batch_inference import predict
+
+        feature_cols = self.getOrDefault("feature_cols")
+        outputs = self.output_columns()
+        if len(outputs) != len(self.output_sizes):
+            raise columns.ColumnError(f"output_cols names {len(outputs)} column(s) {outputs} for a model with "
+                                      f"{len(self.output_sizes)} output(s).")
+        kinds = {name: columns.kind(df, name, "feature") for name in feature_cols}
+        model_bytes = self._model_bytes()
+        spec = PredictSpec(
+            framework=self.framework, digest=hashlib.blake2b(model_bytes, digest_size=16).hexdigest(),
+            feature_cols=tuple(feature_cols),
+            input_shapes=tuple(tuple(s) for s in self.getOrDefault("input_shapes") or []) or None,
+            output_sizes=tuple(self.output_sizes),
+            batch_size=self.getOrDefault("transform_batch_size") or self.getOrDefault("batch_size"),
+            use_gpu=self.getOrDefault("use_gpu"),
+        )
+        one = [T.DoubleType() if size == 1 else T.ArrayType(T.DoubleType()) for size in self.output_sizes]
+        returns = one[0] if len(one) == 1 else T.StructType([T.StructField(f"_{i}", t) for i, t in enumerate(one)])
+
+        def batches(iterator):
+            return predict(spec, model_bytes, iterator)
+
+        # A scalar-iterator UDF, told by its hints (set here: this module's annotations are strings).
+        batches.__annotations__ = {"iterator": Iterator[pd.DataFrame],
+                                   "return": Iterator[pd.Series if len(one) == 1 else pd.DataFrame]}
+        udf = pandas_udf(batches, returns)
+        features = F.struct(*[columns.as_arrow_friendly(df, name, kinds[name], "feature") for name in feature_cols])
+        predicted = "__hvdmagic_predicted"
+        out = df.withColumn(predicted, udf(features))
+        for i, (name, size) in enumerate(zip(outputs, self.output_sizes)):
+            value = F.col(predicted) if len(outputs) == 1 else F.col(predicted)[f"_{i}"]
+            target = columns.output_type(self.label_types[i], size) if i < len(self.label_types) else None
+            if size == 1 and target is not None and not type(target).__name__ == "VectorUDT":
+                value = value.cast(target)
+            elif size == 1:
+                value = array_to_vector(F.array(value))
+            else:
+                value = array_to_vector(value)
+            out = out.withColumn(name, value)
+        return out.drop(predicted)
+
+

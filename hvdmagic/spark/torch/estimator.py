@@ -1,0 +1,116 @@
+"""``TorchEstimator``: trains a ``torch.nn.Module`` on a DataFrame; ``TorchModel`` predicts with it.
+
+The training loop each rank runs is ``hvdmagic.rank.estimator_torch``; everything else is the shared
+estimator's (``hvdmagic.spark.common.estimator``).
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+from hvdmagic.spark.common.estimator import FitFailed, HorovodEstimator, HorovodModel
+from hvdmagic.spark.common.params import add_accessors
+from hvdmagic.spark.common.persistence import Persistent
+
+
+@add_accessors
+class TorchEstimator(HorovodEstimator, Persistent):
+    """Spark ML estimator for a PyTorch model, with horovod.spark.torch.TorchEstimator's params.
+
+    Example::
+
+        from hvdmagic.spark.common.store import Store
+        from hvdmagic.spark.torch import TorchEstimator
+
+        model = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+        estimator = TorchEstimator(num_proc=2, store=Store.create("/tmp/runs"), model=model,
+                                   optimizer=torch.optim.Adam(model.parameters(), lr=0.01),
+                                   loss=torch.nn.MSELoss(), feature_cols=["features"], label_cols=["y"],
+                                   batch_size=32, epochs=5, validation=0.1)
+        fitted = estimator.fit(train_df)            # the dashboard shows the ranks while it trains
+        predictions = fitted.transform(test_df)     # column y__output
+    """
+
+    framework = "torch"
+
+    def _fit_function(self):
+        from hvdmagic.rank.estimator_torch import fit
+
+        return fit
+
+    def _check_model(self) -> None:
+        import torch
+
+        model = self.getOrDefault("model") if self.isDefined("model") else None
+        if not isinstance(model, torch.nn.Module):
+            raise FitFailed(f"TorchEstimator's model must be a torch.nn.Module, not {type(model).__name__}.")
+        if not isinstance(self.getOrDefault("optimizer"), torch.optim.Optimizer):
+            raise FitFailed("TorchEstimator needs an optimizer over the model's parameters "
+                            "(optimizer=torch.optim.SGD(model.parameters(), lr=0.01)).")
+        owned = {id(p) for p in model.parameters()}
+        for group in self.getOrDefault("optimizer").param_groups:
+            if any(id(p) not in owned for p in group["params"]):
+                raise FitFailed("the optimizer holds parameters that are not the model's: build it from this "
+                                "model (torch.optim.SGD(model.parameters(), ...)).")
+        if self.getOrDefault("loss") is None and not self.getOrDefault("loss_constructors"):
+            raise FitFailed("TorchEstimator needs a loss (loss=torch.nn.MSELoss(), or one per label column).")
+
+    def _model_from(self, result: dict, df, spec, num_proc: int, seconds: float) -> TorchModel:
+        model, optimizer = copy.deepcopy((spec.model, spec.optimizer))
+        model.load_state_dict(result["model_state"])
+        optimizer.load_state_dict(result["optimizer_state"])
+        fitted = TorchModel(history=result["history"], output_sizes=result["output_sizes"],
+                            label_types=self._label_types(df),
+                            fit_info={"collectives": result["collectives"], "num_proc": num_proc,
+                                      "epochs_run": result["epochs_run"], "seconds": round(seconds, 2),
+                                      "device": result["device"], "run_id": self._last_run_id})
+        self._copyValues(fitted)
+        fitted._set(model=model, optimizer=optimizer, run_id=self._last_run_id)
+        return fitted
+
+
+@add_accessors
+class TorchModel(HorovodModel, Persistent):
+    """A fitted TorchEstimator: ``transform`` adds ``<label>__output`` columns (``setOutputCols`` renames
+    them); ``getModel()`` is the trained ``torch.nn.Module``, ``getHistory()`` its per-epoch metrics."""
+
+    framework = "torch"
+    saved_by_framework = ("model", "optimizer")
+
+    def _extra_metadata(self) -> dict:
+        return {"history": self.history, "output_sizes": self.output_sizes, "fit_info": self.fit_info,
+                "label_types": [t.json() for t in self.label_types]}
+
+    def _save_weights(self, root: Path) -> None:
+        import cloudpickle
+        import torch
+
+        model, optimizer = self.getOrDefault("model"), self.getOrDefault("optimizer")
+        torch.save(model.state_dict(), root / "model.pt")
+        # The architecture without its weights (on torch's meta device): the weights are model.pt's.
+        shell = copy.deepcopy(model).to("meta")
+        (root / "architecture.pkl").write_bytes(cloudpickle.dumps(shell))
+        if optimizer is not None:
+            torch.save({"class": cloudpickle.dumps(type(optimizer)), "state": optimizer.state_dict()},
+                       root / "optimizer.pt")
+
+    @classmethod
+    def _from_saved(cls, root: Path, extra: dict) -> TorchModel:
+        import cloudpickle
+        import torch
+        from pyspark.sql.types import _parse_datatype_json_string
+
+        model = cloudpickle.loads((root / "architecture.pkl").read_bytes()).to_empty(device="cpu")
+        model.load_state_dict(torch.load(root / "model.pt", map_location="cpu"))
+        fitted = cls(history=extra.get("history"), output_sizes=extra.get("output_sizes"),
+                     fit_info=extra.get("fit_info"),
+                     label_types=[_parse_datatype_json_string(t) for t in extra.get("label_types", [])])
+        fitted._set(model=model)
+        if (root / "optimizer.pt").exists():
+            saved = torch.load(root / "optimizer.pt", map_location="cpu", weights_only=False)
+            optimizer = cloudpickle.loads(saved["class"])(model.parameters(), lr=1.0)
+            optimizer.load_state_dict(saved["state"])
+            fitted._set(optimizer=optimizer)
+        return fitted
+

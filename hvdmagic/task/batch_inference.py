@@ -1,0 +1,106 @@
+"""A Spark ML model's ``transform``, inside an executor's Python worker: batches of rows through the model.
+
+The kernel wraps ``predict`` in a scalar-iterator pandas UDF over a struct of the feature columns
+(``hvdmagic.spark.common.estimator``). Each Arrow batch Spark hands the worker is cut into
+``batch_size`` rows, and each of those is one forward pass, not one per row as horovod.spark does.
+
+The model is unpickled once per Python worker and kept while the worker lives (Spark reuses its
+workers, ``spark.python.worker.reuse``), under the digest of its bytes: the tasks of a transform
+and of the next one with the same model find it loaded. Each task runs on the GPU its Spark
+resources give it (``TaskContext.resources()["gpu"]``), on the CPU otherwise.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+_loaded: dict[str, Any] = {}  # by model digest: (model, device), for this worker's life
+_KEEP = 3  # models a worker keeps (a CrossValidator's folds each bring one)
+
+
+@dataclass(frozen=True)
+class PredictSpec:
+    framework: str  # "torch", "keras" or "lightning"
+    digest: str  # of ``model``'s bytes: the worker's cache key
+    feature_cols: tuple[str, ...]
+    input_shapes: tuple | None
+    output_sizes: tuple[int, ...]  # values per row of each output; 1 and a scalar label: a scalar column
+    batch_size: int
+    use_gpu: bool | None
+
+
+def predict(spec: PredictSpec, model_bytes: bytes, batches: Iterator) -> Iterator:
+    """The UDF's body: for each pandas batch of features (a DataFrame), the outputs (a Series, or a
+    DataFrame with one column per output when the model has several)."""
+    import numpy as np
+    import pandas as pd
+
+    model, device = _model(spec, model_bytes)
+    for frame in batches:
+        outputs: list[list] = [[] for _ in spec.output_sizes]
+        for start in range(0, len(frame), spec.batch_size):
+            part = frame.iloc[start:start + spec.batch_size]
+            inputs = [_feature(part[name], shape) for name, shape in
+                      zip(spec.feature_cols, spec.input_shapes or [None] * len(spec.feature_cols))]
+            for i, values in enumerate(_forward(spec.framework, model, device, inputs)):
+                outputs[i].append(values.reshape(len(part), -1))
+        columns = []
+        for size, parts in zip(spec.output_sizes, outputs):
+            values = np.concatenate(parts) if parts else np.zeros((0, size))
+            columns.append(pd.Series(values[:, 0].astype(np.float64)) if size == 1
+                           else pd.Series(list(values.astype(np.float64))))
+        yield columns[0] if len(columns) == 1 else pd.DataFrame({f"_{i}": c for i, c in enumerate(columns)})
+
+
+def _feature(series, shape):
+    import numpy as np
+
+    first = series.iloc[0] if len(series) else None
+    values = np.stack(series.to_numpy()) if isinstance(first, np.ndarray | list) else series.to_numpy()
+    values = values.astype(np.float32, copy=False)
+    return values.reshape(shape) if shape else values
+
+
+def _model(spec: PredictSpec, model_bytes: bytes):
+    if spec.digest not in _loaded:
+        import cloudpickle
+
+        while len(_loaded) >= _KEEP:
+            _loaded.pop(next(iter(_loaded)))
+        model = cloudpickle.loads(model_bytes)
+        device = _device(spec)
+        if spec.framework in ("torch", "lightning"):
+            model = model.to(device).eval()
+        _loaded[spec.digest] = (model, device)
+    return _loaded[spec.digest]
+
+
+def _device(spec: PredictSpec) -> str:
+    """The task's GPU from its Spark resources, or the CPU."""
+    if spec.use_gpu is False:
+        return "cpu"
+    from pyspark import TaskContext
+
+    context = TaskContext.get()
+    gpus = context.resources().get("gpu") if context is not None else None
+    if gpus is None or not gpus.addresses:
+        if spec.use_gpu:
+            raise RuntimeError("use_gpu=True, but this Spark task was given no GPU (spark.task.resource.gpu.amount)")
+        return "cpu"
+    return f"cuda:{gpus.addresses[0]}"
+
+
+def _forward(framework: str, model, device: str, inputs: list) -> list:
+    """One forward pass: each output as a numpy array, one row per input row."""
+    if framework == "keras":
+        outputs = model(inputs if len(inputs) > 1 else inputs[0], training=False)
+        outputs = outputs if isinstance(outputs, (list, tuple)) else [outputs]
+        return [output.numpy() for output in outputs]
+    import torch
+
+    with torch.no_grad():
+        outputs = model(*[torch.from_numpy(x).to(device) for x in inputs])
+    outputs = outputs if isinstance(outputs, (list, tuple)) else [outputs]
+    return [output.detach().to("cpu").numpy() for output in outputs]

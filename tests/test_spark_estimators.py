@@ -1,0 +1,265 @@
+"""hvdmagic.spark's estimators: fit on a DataFrame through the launcher, transform on the executors, Spark ML."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from digits_mnist import write_libsvm
+
+import hvdmagic
+from hvdmagic.spark.common.backend import SparkBackend
+from hvdmagic.spark.common.store import Store
+from hvdmagic.spark.torch import TorchEstimator, TorchModel
+
+HERE = Path(__file__).parent
+
+
+# -- params and store, no Spark job -------------------------------------------------------------------
+@pytest.mark.unit
+def test_an_unknown_argument_names_the_param_it_was_probably_meant_to_be():
+    with pytest.raises(TypeError, match=r"unknown argument\(s\) 'batchsize' \(did you mean 'batch_size'\?\)"):
+        TorchEstimator(batchsize=32)
+
+
+@pytest.mark.unit
+def test_horovods_getters_and_setters_and_petastorms_knobs_are_accepted():
+    estimator = TorchEstimator(feature_cols="x", label_cols=["y"], batch_size=16, inmemory_cache_all=True,
+                               partitions_per_process=4)
+    assert estimator.getFeatureCols() == ["x"] and estimator.getBatchSize() == 16
+    assert estimator.setEpochs(3) is estimator and estimator.getEpochs() == 3
+    assert estimator._ignored == ["inmemory_cache_all", "partitions_per_process"]
+
+
+@pytest.mark.unit
+def test_a_copy_has_its_own_model_and_an_optimizer_over_that_copy():
+    import torch
+
+    model = torch.nn.Linear(2, 1)
+    estimator = TorchEstimator(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    copied = estimator.copy({estimator.epochs: 4})
+    assert copied.getEpochs() == 4 and estimator.getEpochs() == 1
+    assert copied.getModel() is not model
+    params = {id(p) for p in copied.getModel().parameters()}
+    assert {id(p) for p in copied.getOptimizer().param_groups[0]["params"]} == params
+
+
+@pytest.mark.unit
+def test_a_store_on_a_remote_file_system_is_refused_with_the_fuse_path_to_use(tmp_path):
+    with pytest.raises(ValueError, match=r"here: /dbfs/tmp/runs"):
+        Store.create("dbfs:/tmp/runs")
+    with pytest.raises(ValueError, match=r"does not speak hdfs://"):
+        Store.create("hdfs://namenode/runs")
+    store = Store.create(f"file://{tmp_path}")
+    assert store.get_checkpoint_path("r1") == str(tmp_path / "runs" / "r1" / "checkpoint")
+
+
+@pytest.mark.unit
+def test_num_proc_and_backend_exclude_each_other():
+    estimator = TorchEstimator(num_proc=2, backend=SparkBackend(num_proc=2))
+    with pytest.raises(RuntimeError, match="give num_proc or backend, not both"):
+        estimator._num_proc(None)
+
+
+# -- fit and transform on Spark --------------------------------------------------------------------------
+def _regression(spark, rows: int = 512, seed: int = 0):
+    """y = 2·x0 − 3·x1 + 0.5, with the features as two columns and as one vector."""
+    from pyspark.ml.feature import VectorAssembler
+
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(rows, 2))
+    y = 2 * x[:, 0] - 3 * x[:, 1] + 0.5
+    df = spark.createDataFrame([(float(a), float(b), float(t)) for (a, b), t in zip(x, y)], ["x0", "x1", "y"])
+    return VectorAssembler(inputCols=["x0", "x1"], outputCol="features").transform(df)
+
+
+def _linear_estimator(**params):
+    import torch
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(2, 1)
+    defaults = dict(num_proc=2, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.05),
+                    loss=torch.nn.MSELoss(), feature_cols=["features"], label_cols=["y"], batch_size=16, epochs=8,
+                    verbose=0)
+    return TorchEstimator(**{**defaults, **params})
+
+
+def test_fit_trains_on_every_rank_and_transform_predicts_in_batches(spark_kind, tmp_path):
+    from pyspark.sql import functions as F
+    from pyspark.sql import types as T
+
+    df = _regression(spark_kind.session)
+    store = Store.create(tmp_path)
+    fitted = _linear_estimator(store=store, validation=0.25, run_id="linear").fit(df)
+    history = fitted.getHistory()
+    assert len(history["loss"]) == 8 and len(history["val_loss"]) == 8, history
+    assert history["loss"][-1] < history["loss"][0] / 20, history
+    assert fitted.fit_info["collectives"] == "horovod" and fitted.fit_info["num_proc"] == 2
+    record = hvdmagic.last_run()
+    assert record.command == "TorchEstimator.fit" and len(record.ranks) == 2
+    assert any("collectives" in note for note in record.notes), record.notes
+    assert [row["step"] for row in record.metrics.to_dict("records") if row["rank"] == 0][-1] == 7
+    assert sorted(p.name for p in (tmp_path / "runs" / "linear" / "checkpoint").iterdir()) == ["checkpoint-7.pt"]
+
+    predicted = fitted.transform(df)
+    assert predicted.schema["y__output"].dataType == T.DoubleType()  # a scalar label, one value out
+    error = predicted.select(F.max(F.abs(F.col("y__output") - F.col("y")))).first()[0]
+    assert error < 0.2, error
+    assert predicted.columns == [*df.columns, "y__output"]
+
+
+def test_a_fit_with_the_run_id_of_a_finished_one_resumes_from_its_checkpoint(tmp_path):
+    from hvdmagic.launch.spark import session_for
+    from hvdmagic.launch.spark_session import on_spark_thread
+
+    df = _regression(on_spark_thread(session_for, 2))
+    store = Store.create(tmp_path)
+    first = _linear_estimator(store=store, run_id="again", epochs=3).fit(df)
+    again = _linear_estimator(store=store, run_id="again", epochs=5).fit(df)
+    assert first.fit_info["epochs_run"] == 3 and again.fit_info["epochs_run"] == 2
+    assert again.getHistory()["loss"][:3] == first.getHistory()["loss"]
+    assert len(again.getHistory()["loss"]) == 5
+
+
+def test_without_horovod_a_fit_trains_on_torch_distributed_and_says_so(monkeypatch):
+    """A runtime without a horovod build: the kernel finds none, and the ranks train with DDP over gloo."""
+    from hvdmagic.launch.spark import session_for
+    from hvdmagic.launch.spark_session import on_spark_thread
+    from hvdmagic.spark.common import estimator
+
+    monkeypatch.setattr(estimator, "horovod_available", lambda: False)
+    df = _regression(on_spark_thread(session_for, 2))
+    fitted = _linear_estimator(backward_passes_per_step=2, epochs=10).fit(df)
+    assert fitted.fit_info["collectives"] == "torch.distributed", fitted.fit_info
+    assert fitted.getHistory()["loss"][-1] < fitted.getHistory()["loss"][0] / 20, fitted.getHistory()
+    record = hvdmagic.last_run()
+    assert record.mode == "spark" and "torch.distributed's collectives" in " ".join(record.notes), record.notes
+
+
+# -- the example horovod ships, with only the import changed ---------------------------------------------
+def test_horovods_pytorch_spark_mnist_example_runs_with_only_its_import_changed(tmp_path):
+    source = (HERE / "horovod_examples" / "pytorch_spark_mnist.py").read_text()
+    changed = source.replace("horovod.spark", "hvdmagic.spark")
+    assert changed.count("hvdmagic.spark") == 3 and "horovod" not in changed.replace("hvdmagic.spark", "").split(
+        "import argparse")[1].split("parser =")[0].replace("Horovod", "")
+    script = tmp_path / "pytorch_spark_mnist.py"
+    script.write_text(changed)
+    write_libsvm(tmp_path / "mnist.bz2")
+    done = subprocess.run([sys.executable, str(script), "--num-proc", "2", "--epochs", "4", "--batch-size", "64",
+                           "--work-dir", str(tmp_path / "work"), "--data-dir", str(tmp_path)],
+                          capture_output=True, text=True, timeout=600, cwd=tmp_path,
+                          # The script makes its own SparkSession: its executors run this Python, as a cluster's
+                          # would run the one hvdmagic is installed in.
+                          env={**os.environ, "PYSPARK_PYTHON": sys.executable})
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    accuracy = float(re.search(r"Test accuracy: ([\d.]+)", done.stdout).group(1))
+    assert accuracy > 0.6, f"test accuracy {accuracy} (0.1 is a model that learned nothing)\n{done.stdout[-3000:]}"
+
+
+# -- a citizen of Spark ML ------------------------------------------------------------------------------------
+def _pipeline(**params):
+    from pyspark.ml import Pipeline
+    from pyspark.ml.feature import StandardScaler, VectorAssembler
+
+    assemble = VectorAssembler(inputCols=["x0", "x1"], outputCol="raw")
+    scale = StandardScaler(inputCol="raw", outputCol="features")
+    return Pipeline(stages=[assemble, scale, _linear_estimator(**params)])
+
+
+def test_a_pipeline_fits_evaluates_saves_and_loads(spark_kind, tmp_path):
+    from pyspark.ml import PipelineModel
+    from pyspark.ml.evaluation import RegressionEvaluator
+
+    df = _regression(spark_kind.session).drop("features")
+    fitted = _pipeline().fit(df)
+    evaluator = RegressionEvaluator(labelCol="y", predictionCol="y__output", metricName="rmse")
+    rmse = evaluator.evaluate(fitted.transform(df))
+    assert rmse < 0.2, rmse
+    path = str(tmp_path / "pipeline")
+    fitted.write().save(path)
+    loaded = PipelineModel.load(path)
+    assert isinstance(loaded.stages[-1], TorchModel)
+    assert loaded.stages[-1].getHistory() == fitted.stages[-1].getHistory()
+    before = fitted.transform(df).select("y__output").toPandas()["y__output"]
+    after = loaded.transform(df).select("y__output").toPandas()["y__output"]
+    assert np.allclose(before, after), (before[:5], after[:5])
+
+
+@pytest.mark.unit
+def test_a_saved_model_loads_without_a_store_or_spark_and_keeps_its_optimizer(tmp_path):
+    import torch
+
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.003)
+    fitted = TorchModel(history={"loss": [1.0, 0.5]}, output_sizes=[2], fit_info={"collectives": "horovod"})
+    fitted._set(model=model, optimizer=optimizer, feature_cols=["f"], label_cols=["y"], input_shapes=[[-1, 3]])
+    fitted.write().save(str(tmp_path / "m"))
+    assert sorted(p.name for p in (tmp_path / "m").iterdir()) == [
+        "architecture.pkl", "metadata", "model.pt", "objects.pkl", "optimizer.pt"]
+    assert (tmp_path / "m" / "architecture.pkl").stat().st_size < 2000  # the weights are model.pt's alone
+    loaded = TorchModel.load(str(tmp_path / "m"))
+    assert loaded.uid == fitted.uid and loaded.getHistory() == {"loss": [1.0, 0.5]}
+    assert loaded.getInputShapes() == [[-1, 3]] and loaded.getFeatureCols() == ["f"]
+    assert torch.equal(loaded.getModel().weight, model.weight)
+    assert loaded.getOptimizer().param_groups[0]["lr"] == 0.003
+    with pytest.raises(FileExistsError, match="overwrite"):
+        fitted.write().save(str(tmp_path / "m"))
+    fitted.write().overwrite().save(str(tmp_path / "m"))
+
+
+def test_cross_validation_over_epochs_picks_the_longer_training():
+    from pyspark.ml.evaluation import RegressionEvaluator
+    from pyspark.ml.tuning import CrossValidator, ParamGridBuilder
+
+    from hvdmagic.launch.spark import session_for
+    from hvdmagic.launch.spark_session import on_spark_thread
+
+    df = _regression(on_spark_thread(session_for, 2), rows=384)
+    estimator = _linear_estimator(epochs=1)
+    grid = ParamGridBuilder().addGrid(estimator.epochs, [1, 6]).build()
+    search = CrossValidator(estimator=estimator, estimatorParamMaps=grid, numFolds=2, seed=1,
+                            evaluator=RegressionEvaluator(labelCol="y", predictionCol="y__output"))
+    model = search.fit(df)
+    assert model.avgMetrics[1] < model.avgMetrics[0] / 2, model.avgMetrics
+    assert model.bestModel.getEpochs() == 6 and len(model.bestModel.getHistory()["loss"]) == 6
+
+
+# -- bad input: one paragraph, before any rank starts -----------------------------------------------------
+def _fails_before_any_rank(estimator, df, match: str) -> None:
+    runs = hvdmagic.last_run()
+    with pytest.raises(Exception) as caught:
+        estimator.fit(df)
+    message = str(caught.value)
+    assert re.search(match, message), message
+    assert "\n" not in message.strip() and "at org.apache" not in message, message
+    record = hvdmagic.last_run()
+    assert record is runs or not record.ranks or all(not rank.logs for rank in record.ranks), "a rank started"
+
+
+def test_bad_input_fails_in_one_paragraph_naming_the_column_or_param():
+    import torch
+    from pyspark.sql import functions as F
+
+    from hvdmagic.launch.spark import session_for
+    from hvdmagic.launch.spark_session import on_spark_thread
+
+    spark = on_spark_thread(session_for, 2)
+    df = _regression(spark, rows=64)
+    _fails_before_any_rank(_linear_estimator(feature_cols=["nope"]), df, r"no feature column 'nope'; its columns are")
+    words = df.withColumn("word", F.lit("a"))
+    _fails_before_any_rank(_linear_estimator(feature_cols=["word"]), words, r"feature column 'word' is string")
+    _fails_before_any_rank(_linear_estimator(input_shapes=[[-1, 3]]), df,
+                           r"input_shapes gives feature column 'features' the shape \[-1, 3\]")
+    _fails_before_any_rank(_linear_estimator(), df.limit(0), r"the DataFrame is empty")
+    _fails_before_any_rank(_linear_estimator(batch_size=40), df, r"64 row\(s\), fewer than num_proc × batch_size")
+    lock = __import__("threading").Lock()
+    _fails_before_any_rank(_linear_estimator(loss=lambda out, y: lock and torch.nn.functional.mse_loss(out, y)), df,
+                           r"cannot be sent to the ranks \(cloudpickle: TypeError: cannot pickle '_thread.lock'")
+    _fails_before_any_rank(_linear_estimator(num_proc=64), df, r"64")
+    nulls = df.withColumn("features", F.when(F.col("x0") > 1, None).otherwise(F.col("features")))
+    _fails_before_any_rank(_linear_estimator(), nulls, r"feature column features has a null value")
