@@ -89,11 +89,15 @@ def _linear_estimator(**params):
     return TorchEstimator(**{**defaults, **params})
 
 
-def test_fit_trains_on_every_rank_and_transform_predicts_in_batches(spark_kind, tmp_path):
+def test_fit_trains_on_every_rank_and_transform_predicts_in_batches(tmp_path):
+    """On a classic session; the pipeline test below runs fit and transform on Spark Connect too."""
     from pyspark.sql import functions as F
     from pyspark.sql import types as T
 
-    df = _regression(spark_kind.session)
+    from hvdmagic.launch.spark import session_for
+    from hvdmagic.launch.spark_session import on_spark_thread
+
+    df = _regression(on_spark_thread(session_for, 2))
     store = Store.create(tmp_path)
     fitted = _linear_estimator(store=store, validation=0.25, run_id="linear").fit(df)
     history = fitted.getHistory()
@@ -212,9 +216,10 @@ def test_a_saved_model_loads_without_a_store_or_spark_and_keeps_its_optimizer(tm
     fitted.write().overwrite().save(str(tmp_path / "m"))
 
 
-def test_cross_validation_over_epochs_picks_the_longer_training():
+def test_a_train_validation_split_over_epochs_picks_the_longer_training():
+    """CrossValidator runs in notebooks/13_spark_ml_pipeline.ipynb; the same grid through TrainValidationSplit."""
     from pyspark.ml.evaluation import RegressionEvaluator
-    from pyspark.ml.tuning import CrossValidator, ParamGridBuilder
+    from pyspark.ml.tuning import ParamGridBuilder, TrainValidationSplit
 
     from hvdmagic.launch.spark import session_for
     from hvdmagic.launch.spark_session import on_spark_thread
@@ -222,10 +227,10 @@ def test_cross_validation_over_epochs_picks_the_longer_training():
     df = _regression(on_spark_thread(session_for, 2), rows=384)
     estimator = _linear_estimator(epochs=1)
     grid = ParamGridBuilder().addGrid(estimator.epochs, [1, 6]).build()
-    search = CrossValidator(estimator=estimator, estimatorParamMaps=grid, numFolds=2, seed=1,
-                            evaluator=RegressionEvaluator(labelCol="y", predictionCol="y__output"))
+    search = TrainValidationSplit(estimator=estimator, estimatorParamMaps=grid, trainRatio=0.75, seed=1,
+                                  evaluator=RegressionEvaluator(labelCol="y", predictionCol="y__output"))
     model = search.fit(df)
-    assert model.avgMetrics[1] < model.avgMetrics[0] / 2, model.avgMetrics
+    assert model.validationMetrics[1] < model.validationMetrics[0] / 2, model.validationMetrics
     assert model.bestModel.getEpochs() == 6 and len(model.bestModel.getHistory()["loss"]) == 6
 
 
@@ -263,3 +268,35 @@ def test_bad_input_fails_in_one_paragraph_naming_the_column_or_param():
     _fails_before_any_rank(_linear_estimator(num_proc=64), df, r"64")
     nulls = df.withColumn("features", F.when(F.col("x0") > 1, None).otherwise(F.col("features")))
     _fails_before_any_rank(_linear_estimator(), nulls, r"feature column features has a null value")
+
+
+# -- MLflow ---------------------------------------------------------------------------------------------------
+def test_a_fit_logs_its_params_history_and_model_to_the_active_mlflow_run(tmp_path, monkeypatch):
+    import mlflow
+    import mlflow.pyspark.ml
+
+    from hvdmagic.launch.spark import session_for
+    from hvdmagic.launch.spark_session import on_spark_thread
+
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow 3 refuses a folder store otherwise
+    mlflow.set_tracking_uri((tmp_path / "mlruns").as_uri())
+    df = _regression(on_spark_thread(session_for, 2), rows=128)
+    with mlflow.start_run() as run:
+        fitted = _linear_estimator(epochs=3).fit(df)
+    logged = mlflow.MlflowClient().get_run(run.info.run_id)
+    assert logged.data.params["epochs"] == "3" and logged.data.params["feature_cols"] == '["features"]'
+    history = mlflow.MlflowClient().get_metric_history(run.info.run_id, "loss")
+    assert [m.value for m in sorted(history, key=lambda m: m.step)] == fitted.getHistory()["loss"]
+    artifacts = mlflow.artifacts.download_artifacts(run_id=run.info.run_id, artifact_path="hvdmagic_model",
+                                                    dst_path=str(tmp_path / "down"))
+    assert TorchModel.load(artifacts).getHistory() == fitted.getHistory()
+
+    mlflow.pyspark.ml.autolog(log_models=False)  # wraps every pyspark.ml fit in a run of its own
+    try:
+        again = _linear_estimator(epochs=2).fit(df)
+        autologged = mlflow.last_active_run()
+        assert autologged.info.run_id != run.info.run_id
+        steps = mlflow.MlflowClient().get_metric_history(autologged.info.run_id, "loss")
+        assert len(steps) == 2 and len(again.getHistory()["loss"]) == 2
+    finally:
+        mlflow.pyspark.ml.autolog(disable=True)

@@ -153,6 +153,7 @@ def fit(spec: FitSpec) -> dict | None:
                 total = total + (loss(output, label, reduction="none").flatten() * sample_weights).mean() * weight
         return total
 
+    training_started = time.monotonic()
     for epoch in range(start, spec.epochs):
         started = time.monotonic()
         telemetry.progress(epoch, spec.epochs, "epoch")
@@ -193,6 +194,7 @@ def fit(spec: FitSpec) -> dict | None:
         if spec.checkpoint_dir:
             training.save_checkpoint({"model": _plain(model).state_dict(), "optimizer": optimizer.state_dict(),
                                       "history": history}, spec.checkpoint_dir, step=epoch, keep=1)
+    training_seconds = time.monotonic() - training_started
     if group.rank != 0:
         return None
     plain = _plain(model)
@@ -205,7 +207,8 @@ def fit(spec: FitSpec) -> dict | None:
     _scale_lr_of_state(state, 1 / group.size)  # as the user gave it: a refit on another size scales it anew
     return {"model_state": plain.state_dict(), "optimizer_state": state, "history": history,
             "output_sizes": [int(output[0].numel()) for output in outputs],
-            "collectives": group.name, "epochs_run": spec.epochs - start, "device": str(device)}
+            "collectives": group.name, "epochs_run": spec.epochs - start, "device": str(device),
+            "training_seconds": training_seconds}
 
 
 def _device(torch, spec: FitSpec):

@@ -27,7 +27,7 @@ from pyspark.ml import Estimator, Model
 from pyspark.sql import functions as F
 
 from hvdmagic.rank.estimator_data import FitSpec
-from hvdmagic.spark.common import columns
+from hvdmagic.spark.common import columns, tracking
 from hvdmagic.spark.common.params import EstimatorParams
 from hvdmagic.spark.common.store import new_run_id
 from hvdmagic.task.batch_inference import PredictSpec
@@ -98,7 +98,9 @@ class HorovodEstimator(Estimator, EstimatorParams):
         columns.check_shapes(sizes, prepared.kinds, feature_cols, self.getOrDefault("input_shapes"))
         spec = self._spec(prepared)
         result = self._run(spec, num_proc, prepared.frame)
-        return self._model_from(result, df, spec, num_proc, time.monotonic() - started)
+        fitted = self._model_from(result, df, spec, num_proc, time.monotonic() - started)
+        tracking.log_fit(self, fitted)
+        return fitted
 
     def _num_proc(self, session) -> int:
         num_proc, backend = self.getOrDefault("num_proc"), self.getOrDefault("backend")

@@ -64,6 +64,7 @@ class TorchEstimator(HorovodEstimator, Persistent):
                             label_types=self._label_types(df),
                             fit_info={"collectives": result["collectives"], "num_proc": num_proc,
                                       "epochs_run": result["epochs_run"], "seconds": round(seconds, 2),
+                                      "training_seconds": round(result["training_seconds"], 2),
                                       "device": result["device"], "run_id": self._last_run_id})
         self._copyValues(fitted)
         fitted._set(model=model, optimizer=optimizer, run_id=self._last_run_id)
