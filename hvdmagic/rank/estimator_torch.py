@@ -26,7 +26,6 @@ class _Horovod:
 
     def __init__(self, torch):
         import horovod.torch as hvd
-
         hvd.init()
         self.hvd, self.torch = hvd, torch
         self.rank, self.size, self.local_rank = hvd.rank(), hvd.size(), hvd.local_rank()
@@ -93,7 +92,10 @@ def fit(spec: FitSpec) -> dict | None:
     """Train ``spec.model`` on this rank's shard; rank 0 returns the weights, optimizer state and history."""
     import numpy as np
     import torch
+    import torch._dynamo  # the optimizer's first call imports it (2 s here): named, the host's template imports it
 
+    if spec.collectives == "horovod":
+        import horovod.torch  # noqa: F401  (named in fit itself, so that the host's template imports it ahead)
     device = _device(torch, spec)
     group = _Horovod(torch) if spec.collectives == "horovod" else _TorchDistributed(torch, device)
     if group.rank == 0:

@@ -38,28 +38,31 @@ def predict(spec: PredictSpec, model_bytes: bytes, batches: Iterator) -> Iterato
     import pandas as pd
 
     model, device = _model(spec, model_bytes)
+    shapes = spec.input_shapes or [None] * len(spec.feature_cols)
     for frame in batches:
-        outputs: list[list] = [[] for _ in spec.output_sizes]
-        for start in range(0, len(frame), spec.batch_size):
-            part = frame.iloc[start:start + spec.batch_size]
-            inputs = [_feature(part[name], shape) for name, shape in
-                      zip(spec.feature_cols, spec.input_shapes or [None] * len(spec.feature_cols))]
-            for i, values in enumerate(_forward(spec.framework, model, device, inputs)):
-                outputs[i].append(values.reshape(len(part), -1))
-        columns = []
-        for size, parts in zip(spec.output_sizes, outputs):
-            values = np.concatenate(parts) if parts else np.zeros((0, size))
-            columns.append(pd.Series(values[:, 0].astype(np.float64)) if size == 1
-                           else pd.Series(list(values.astype(np.float64))))
+        # Each feature as one array for the whole Arrow batch; the forward passes take slices of it.
+        features = [_feature(frame[name]) for name in spec.feature_cols]
+        rows = len(frame)
+        outputs = [np.empty((rows, size), dtype=np.float64) for size in spec.output_sizes]
+        for start in range(0, rows, spec.batch_size):
+            end = min(start + spec.batch_size, rows)
+            inputs = [_shaped(values[start:end], shape) for values, shape in zip(features, shapes)]
+            for out, values in zip(outputs, _forward(spec.framework, model, device, inputs)):
+                out[start:end] = values.reshape(end - start, -1)
+        columns = [pd.Series(out[:, 0]) if out.shape[1] == 1 else pd.Series(list(out)) for out in outputs]
         yield columns[0] if len(columns) == 1 else pd.DataFrame({f"_{i}": c for i, c in enumerate(columns)})
 
 
-def _feature(series, shape):
+def _feature(series):
+    """A feature column of the batch as float32: a vector per row (arrays, vectors) or one number."""
     import numpy as np
 
     first = series.iloc[0] if len(series) else None
     values = np.stack(series.to_numpy()) if isinstance(first, np.ndarray | list) else series.to_numpy()
-    values = values.astype(np.float32, copy=False)
+    return values.astype(np.float32, copy=False)
+
+
+def _shaped(values, shape):
     return values.reshape(shape) if shape else values
 
 
