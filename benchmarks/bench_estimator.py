@@ -12,8 +12,8 @@ vector column and a scalar label. Three measurements, each repeated ``--repeat``
   predicted, nothing kept), against ``pyspark.ml.functions.predict_batch_udf`` with the same
   model, rows and batch size. Throughput is rows per second; also the time from the action to
   the first row (``take(1)``).
-- horovod.spark's own TorchEstimator is not run beside them: it needs Petastorm, which needs
-  pyarrow < 11, which has no wheel for Python 3.11 on this machine's index (docs/performance.md).
+- horovod.spark's own TorchEstimator is not run beside them yet: it needs a virtualenv with
+  Petastorm, pyarrow < 11, numpy < 2 and a horovod built there (docs/performance.md).
 
     .venv/bin/python benchmarks/bench_estimator.py [--rows 200000] [--features 64] [--repeat 3]
 
