@@ -29,6 +29,7 @@ class FitSpec:
 
     framework: str  # "torch", "keras" or "lightning"
     collectives: str  # "horovod" or "torch" (torch.distributed)
+    run_id: str  # the run's name in the store
     model: Any
     feature_cols: list[str]
     label_cols: list[str]

@@ -123,7 +123,7 @@ def fit(spec: FitSpec) -> dict | None:
             if group.rank == 0:
                 print(f"resuming from the checkpoint of epoch {epoch + 1} in {spec.checkpoint_dir}", flush=True)
     if start == 0:
-        _scale_lr(optimizer, group.size)
+        _scale_lr(optimizer.param_groups, group.size)
     model, optimizer = group.distribute(model, optimizer, spec)
 
     rows = ShardRows(shard(), spec)
@@ -206,7 +206,7 @@ def fit(spec: FitSpec) -> dict | None:
         outputs, _ = _match_outputs(plain(*inputs), [])
     plain.to("cpu")
     state = optimizer.state_dict()
-    _scale_lr_of_state(state, 1 / group.size)  # as the user gave it: a refit on another size scales it anew
+    _scale_lr(state["param_groups"], 1 / group.size)  # as the user gave it: a refit on another size scales it anew
     return {"model_state": plain.state_dict(), "optimizer_state": state, "history": history,
             "output_sizes": [int(output[0].numel()) for output in outputs],
             "collectives": group.name, "epochs_run": spec.epochs - start, "device": str(device),
@@ -291,13 +291,8 @@ def _plain(model):
     return getattr(model, "module", model)  # DDP's wrapped module
 
 
-def _scale_lr(optimizer, factor: float) -> None:
-    for group in optimizer.param_groups:
-        if "lr" in group:
-            group["lr"] = group["lr"] * factor
-
-
-def _scale_lr_of_state(state: dict, factor: float) -> None:
-    for group in state.get("param_groups", []):
+def _scale_lr(param_groups: list[dict], factor: float) -> None:
+    """An optimizer's learning rates (its ``param_groups``, or its state's) times ``factor``."""
+    for group in param_groups:
         if "lr" in group:
             group["lr"] = group["lr"] * factor

@@ -22,7 +22,7 @@ class ColumnError(ValueError):
     """A column the estimator cannot use; the message names it and says why."""
 
 
-def _is_vector(data_type) -> bool:
+def is_vector(data_type) -> bool:
     return type(data_type).__name__ == "VectorUDT"  # pyspark.ml.linalg's, from either module that defines it
 
 
@@ -31,7 +31,7 @@ def kind(df, name: str, role: str) -> str:
     if name not in df.columns:
         raise ColumnError(f"the DataFrame has no {role} column {name!r}; its columns are {', '.join(df.columns)}.")
     data_type = df.schema[name].dataType
-    if _is_vector(data_type):
+    if is_vector(data_type):
         return "vector"
     if isinstance(data_type, _NUMERIC):
         return "scalar"
@@ -116,7 +116,8 @@ def check_shapes(sizes: dict[str, tuple[int, int]], kinds: dict[str, str], featu
 
 
 def output_type(label_type, size: int):
-    """horovod.spark's rule: a scalar label and one value out gives the label's type; else a vector."""
+    """horovod.spark's rule: a scalar label and one value out gives the label's type; else (a vector or
+    array label, several values out, or a loaded model that does not know its label) a vector."""
     if size == 1 and isinstance(label_type, _NUMERIC) and not isinstance(label_type, T.BooleanType):
         return label_type
     from pyspark.ml.linalg import VectorUDT

@@ -42,7 +42,8 @@ class FitFailed(RuntimeError):
 
 
 class HorovodEstimator(Estimator, EstimatorParams):
-    """The shared estimator: a framework's subclass names its training loop and its model class."""
+    """The shared estimator: a framework's subclass names its training loop, checks its model and
+    makes its fitted model (``_fit_function``, ``_check_model``, ``_model_from``)."""
 
     framework = "torch"
 
@@ -81,11 +82,9 @@ class HorovodEstimator(Estimator, EstimatorParams):
         batch_size = self.getOrDefault("batch_size")
         if batch_size < 1:
             raise FitFailed(f"batch_size must be 1 or more, not {batch_size}.")
-        seed = self.getOrDefault("random_seed")
-        prepared = columns.training_frame(df, self.getOrDefault("feature_cols") if self.isDefined("feature_cols")
-                                          else [], self.getOrDefault("label_cols") if self.isDefined("label_cols")
-                                          else [], self.getOrDefault("sample_weight_col"),
-                                          self.getOrDefault("validation"), seed)
+        feature_cols, label_cols = self._columns("feature_cols"), self._columns("label_cols")
+        prepared = columns.training_frame(df, feature_cols, label_cols, self.getOrDefault("sample_weight_col"),
+                                          self.getOrDefault("validation"), self.getOrDefault("random_seed"))
         needed = num_proc * batch_size
         rows, sizes = columns.first_rows_summary(prepared, needed)
         if rows == 0:
@@ -94,9 +93,8 @@ class HorovodEstimator(Estimator, EstimatorParams):
             raise FitFailed(f"the DataFrame has {rows} row(s), fewer than num_proc × batch_size = {num_proc} × "
                             f"{batch_size} = {needed}: every rank needs at least one full batch. Lower batch_size "
                             "or num_proc.")
-        feature_cols = self.getOrDefault("feature_cols")
         columns.check_shapes(sizes, prepared.kinds, feature_cols, self.getOrDefault("input_shapes"))
-        spec = self._spec(prepared)
+        spec = self._spec()
         result = self._run(spec, num_proc, prepared.frame)
         fitted = self._model_from(result, df, spec, num_proc, time.monotonic() - started)
         tracking.log_fit(self, fitted)
@@ -117,16 +115,15 @@ class HorovodEstimator(Estimator, EstimatorParams):
             raise FitFailed(f"num_proc must be 1 or more, not {num_proc}.")
         return num_proc
 
-    def _run_id(self) -> str:
-        return self.getOrDefault("run_id") or new_run_id()
+    def _columns(self, name: str) -> list[str]:
+        return list(self.getOrDefault(name)) if self.isDefined(name) else []
 
-    def _spec(self, prepared) -> FitSpec:
+    def _spec(self) -> FitSpec:
         get = self.getOrDefault
-        store, run_id = get("store"), self._run_id()
-        self._last_run_id = run_id
+        store, run_id = get("store"), get("run_id") or new_run_id()
         callbacks = get("callbacks")
         return FitSpec(
-            framework=self.framework, collectives=self._collectives(), model=get("model"),
+            framework=self.framework, collectives=self._collectives(), run_id=run_id, model=get("model"),
             feature_cols=list(get("feature_cols")), label_cols=list(get("label_cols")),
             input_shapes=get("input_shapes"), label_shapes=get("label_shapes"),
             sample_weight_col=get("sample_weight_col"), validation=bool(get("validation")),
@@ -245,13 +242,11 @@ class HorovodModel(Model, EstimatorParams):
         out = df.withColumn(predicted, udf(features))
         for i, (name, size) in enumerate(zip(outputs, self.output_sizes)):
             value = F.col(predicted) if len(outputs) == 1 else F.col(predicted)[f"_{i}"]
-            target = columns.output_type(self.label_types[i], size) if i < len(self.label_types) else None
-            if size == 1 and target is not None and not type(target).__name__ == "VectorUDT":
-                value = value.cast(target)
-            elif size == 1:
-                value = array_to_vector(F.array(value))
+            target = columns.output_type(self.label_types[i] if i < len(self.label_types) else None, size)
+            if columns.is_vector(target):
+                value = array_to_vector(value if size > 1 else F.array(value))
             else:
-                value = array_to_vector(value)
+                value = value.cast(target)
             out = out.withColumn(name, value)
         return out.drop(predicted)
 

@@ -65,9 +65,9 @@ class TorchEstimator(HorovodEstimator, Persistent):
                             fit_info={"collectives": result["collectives"], "num_proc": num_proc,
                                       "epochs_run": result["epochs_run"], "seconds": round(seconds, 2),
                                       "training_seconds": round(result["training_seconds"], 2),
-                                      "device": result["device"], "run_id": self._last_run_id})
+                                      "device": result["device"], "run_id": spec.run_id})
         self._copyValues(fitted)
-        fitted._set(model=model, optimizer=optimizer, run_id=self._last_run_id)
+        fitted._set(model=model, optimizer=optimizer, run_id=spec.run_id)
         return fitted
 
 
