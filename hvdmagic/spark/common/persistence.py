@@ -39,6 +39,11 @@ class StageWriter(MLWriter):
         super().__init__()
         self.instance = instance
 
+    def save(self, path: str) -> None:
+        """MLWriter's, without its overwrite through the JVM (no SparkContext on Connect, or at all):
+        ``saveImpl`` replaces an existing directory itself."""
+        self.saveImpl(path)
+
     def saveImpl(self, path: str) -> None:
         import cloudpickle
         import pyspark
