@@ -47,8 +47,24 @@ print(f"rank {{rank}} done", flush=True)
 {end}"""
 TWELVE = CELL.format(np=12, steps=120, pace="0.15 if rank == 7 else 0.1", end="")
 SIXTY_FOUR = CELL.format(np=64, steps=80, pace="0.1", end="""\
-if rank == 40:
-    time.sleep(2)  # after the others finished: they stay finished, this one fails
+# Rank 40 fails once every other rank has ended: they stay finished. Each leaves its pid in the run's
+# folder; rank 40 waits (a deadline, not a guess) until all 63 are there and none of them runs.
+folder = os.path.join(os.environ.get("TMPDIR", "/tmp"), "hvdmagic-ranks-" + os.environ["HVDMAGIC_JOB_ID"])
+os.makedirs(folder, exist_ok=True)
+if rank != 40:
+    open(os.path.join(folder, str(os.getpid())), "w").close()
+else:
+    def running(pid):
+        try:
+            return open(f"/proc/{pid}/stat").read().split()[2] != "Z"  # a zombie has ended too
+        except FileNotFoundError:
+            return False
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        pids = [int(name) for name in os.listdir(folder)]
+        if len(pids) == 63 and not any(running(pid) for pid in pids):
+            break
+        time.sleep(0.1)
     raise ValueError("rank 40 found a bad shard")
 """)
 GROUP_ROWS = f"{DASHBOARD} .hvdmagic-rank"
