@@ -279,7 +279,7 @@ def test_a_fit_logs_its_params_history_and_model_to_the_active_mlflow_run(tmp_pa
     from hvdmagic.launch.spark_session import on_spark_thread
 
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow 3 refuses a folder store otherwise
-    mlflow.set_tracking_uri((tmp_path / "mlruns").as_uri())
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", (tmp_path / "mlruns").as_uri())  # read on each call, restored after
     df = _regression(on_spark_thread(session_for, 2), rows=128)
     with mlflow.start_run() as run:
         fitted = _linear_estimator(epochs=3).fit(df)
