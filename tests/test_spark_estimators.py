@@ -67,6 +67,14 @@ def test_num_proc_and_backend_exclude_each_other():
 
 
 # -- fit and transform on Spark --------------------------------------------------------------------------
+def _embedded_spark():
+    """hvdmagic's embedded classic session, started if no test has started it yet (as SparkKind.session)."""
+    from hvdmagic.launch.spark import session_for
+    from hvdmagic.launch.spark_session import on_spark_thread
+
+    return on_spark_thread(session_for, 2)
+
+
 def _regression(spark, rows: int = 512, seed: int = 0):
     """y = 2·x0 − 3·x1 + 0.5, with the features as two columns and as one vector."""
     from pyspark.ml.feature import VectorAssembler
@@ -94,10 +102,7 @@ def test_fit_trains_on_every_rank_and_transform_predicts_in_batches(tmp_path):
     from pyspark.sql import functions as F
     from pyspark.sql import types as T
 
-    from hvdmagic.launch.spark import session_for
-    from hvdmagic.launch.spark_session import on_spark_thread
-
-    df = _regression(on_spark_thread(session_for, 2))
+    df = _regression(_embedded_spark())
     store = Store.create(tmp_path)
     fitted = _linear_estimator(store=store, validation=0.25, run_id="linear").fit(df)
     history = fitted.getHistory()
@@ -118,10 +123,7 @@ def test_fit_trains_on_every_rank_and_transform_predicts_in_batches(tmp_path):
 
 
 def test_a_fit_with_the_run_id_of_a_finished_one_resumes_from_its_checkpoint(tmp_path):
-    from hvdmagic.launch.spark import session_for
-    from hvdmagic.launch.spark_session import on_spark_thread
-
-    df = _regression(on_spark_thread(session_for, 2))
+    df = _regression(_embedded_spark())
     store = Store.create(tmp_path)
     first = _linear_estimator(store=store, run_id="again", epochs=3).fit(df)
     again = _linear_estimator(store=store, run_id="again", epochs=5).fit(df)
@@ -132,12 +134,10 @@ def test_a_fit_with_the_run_id_of_a_finished_one_resumes_from_its_checkpoint(tmp
 
 def test_without_horovod_a_fit_trains_on_torch_distributed_and_says_so(monkeypatch):
     """A runtime without a horovod build: the kernel finds none, and the ranks train with DDP over gloo."""
-    from hvdmagic.launch.spark import session_for
-    from hvdmagic.launch.spark_session import on_spark_thread
     from hvdmagic.spark.common import estimator
 
     monkeypatch.setattr(estimator, "horovod_available", lambda: False)
-    df = _regression(on_spark_thread(session_for, 2))
+    df = _regression(_embedded_spark())
     fitted = _linear_estimator(backward_passes_per_step=2, epochs=10).fit(df)
     assert fitted.fit_info["collectives"] == "torch.distributed", fitted.fit_info
     assert fitted.getHistory()["loss"][-1] < fitted.getHistory()["loss"][0] / 20, fitted.getHistory()
@@ -221,10 +221,7 @@ def test_a_train_validation_split_over_epochs_picks_the_longer_training():
     from pyspark.ml.evaluation import RegressionEvaluator
     from pyspark.ml.tuning import ParamGridBuilder, TrainValidationSplit
 
-    from hvdmagic.launch.spark import session_for
-    from hvdmagic.launch.spark_session import on_spark_thread
-
-    df = _regression(on_spark_thread(session_for, 2), rows=384)
+    df = _regression(_embedded_spark(), rows=384)
     estimator = _linear_estimator(epochs=1)
     grid = ParamGridBuilder().addGrid(estimator.epochs, [1, 6]).build()
     search = TrainValidationSplit(estimator=estimator, estimatorParamMaps=grid, trainRatio=0.75, seed=1,
@@ -250,10 +247,7 @@ def test_bad_input_fails_in_one_paragraph_naming_the_column_or_param():
     import torch
     from pyspark.sql import functions as F
 
-    from hvdmagic.launch.spark import session_for
-    from hvdmagic.launch.spark_session import on_spark_thread
-
-    spark = on_spark_thread(session_for, 2)
+    spark = _embedded_spark()
     df = _regression(spark, rows=64)
     _fails_before_any_rank(_linear_estimator(feature_cols=["nope"]), df, r"no feature column 'nope'; its columns are")
     words = df.withColumn("word", F.lit("a"))
@@ -275,12 +269,9 @@ def test_a_fit_logs_its_params_history_and_model_to_the_active_mlflow_run(tmp_pa
     import mlflow
     import mlflow.pyspark.ml
 
-    from hvdmagic.launch.spark import session_for
-    from hvdmagic.launch.spark_session import on_spark_thread
-
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow 3 refuses a folder store otherwise
     monkeypatch.setenv("MLFLOW_TRACKING_URI", (tmp_path / "mlruns").as_uri())  # read on each call, restored after
-    df = _regression(on_spark_thread(session_for, 2), rows=128)
+    df = _regression(_embedded_spark(), rows=128)
     with mlflow.start_run() as run:
         fitted = _linear_estimator(epochs=3).fit(df)
     logged = mlflow.MlflowClient().get_run(run.info.run_id)

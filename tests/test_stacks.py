@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import subprocess
@@ -141,12 +142,21 @@ def test_a_stall_shows_where_every_rank_was_before_they_were_stopped(ip):
     assert sorted(hvdmagic.last_run().stacks) == [0, 1]
 
 
-def test_a_stalled_session_cell_shows_where_its_ranks_were(ip):
+@contextlib.contextmanager
+def _horovod_session(ip):
+    """A session of 2 local ranks that have initialised horovod (and imported time and torch), stopped after."""
     _, error = run(ip, "%horovod start --np -2")
     assert error is None, error
     try:
         _, error = run(ip, "%%horovod\nimport time, torch, horovod.torch as hvd\nhvd.init()")
         assert error is None, error
+        yield
+    finally:
+        run(ip, "%horovod stop")
+
+
+def test_a_stalled_session_cell_shows_where_its_ranks_were(ip):
+    with _horovod_session(ip):
         _, error = run(ip, "%%horovod --stall-timeout 3\nif hvd.rank() == 0:\n    time.sleep(120)\n"
                            "hvd.allreduce(torch.ones(1))\n")
         assert isinstance(error, JobTimeout) and "--stall-timeout" in str(error), error
@@ -156,8 +166,6 @@ def test_a_stalled_session_cell_shows_where_its_ranks_were(ip):
         assert "in synchronize" in waiting and waiting.rstrip().endswith(
             'File "<horovod-cell-2>", line 4 in <module>'), where
         assert sorted(hvdmagic.last_run().stacks) == [0, 1]
-    finally:
-        run(ip, "%horovod stop")
 
 
 def _python_part(group: str) -> str:
@@ -447,11 +455,7 @@ def test_the_stall_timeout_catches_a_deadlock_among_ranks_that_never_printed(ip,
 
 
 def test_the_stall_timeout_catches_a_silent_deadlock_in_a_session_cell(ip):
-    _, error = run(ip, "%horovod start --np -2")
-    assert error is None, error
-    try:
-        _, error = run(ip, "%%horovod\nimport torch, horovod.torch as hvd\nhvd.init()")
-        assert error is None, error
+    with _horovod_session(ip):
         defined = ip.run_cell("".join(SLOW_STEP), store_history=True).execution_count
         started = time.monotonic()
         outcome = ip.run_cell(f"%%horovod --stall-timeout {STALL}\n\nif hvd.rank() == 1:\n    slow_step(120)\n"
@@ -462,5 +466,3 @@ def test_the_stall_timeout_catches_a_silent_deadlock_in_a_session_cell(ip):
         assert re.search(rf"Rank 1 is in `slow_step` \(Cell In\[{defined}\], line 4\); rank 0 waits in `allreduce`",
                          str(error)), error
         assert took < STALL + STALL_SLACK, f"the stall timeout fired after {took:.1f} s, not about {STALL} s"
-    finally:
-        run(ip, "%horovod stop")

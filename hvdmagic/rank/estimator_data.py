@@ -78,9 +78,9 @@ class ShardRows:
         self.columns = [*spec.feature_cols, *spec.label_cols,
                         *([spec.sample_weight_col] if spec.sample_weight_col else [])]
 
-    def steps(self, rows_on_every_rank: list[int], batch_size: int, asked: int | None) -> int:
-        """Batches an epoch: ``asked`` (train_steps_per_epoch) or what the rank with most rows needs."""
-        return asked if asked else math.ceil(max(rows_on_every_rank) / batch_size)
+    def steps(self, most_rows: int, batch_size: int, asked: int | None) -> int:
+        """Batches an epoch: ``asked`` (train_steps_per_epoch) or what the rank with ``most_rows`` needs."""
+        return asked if asked else math.ceil(most_rows / batch_size)
 
     def batches(self, indices, batch_size: int, steps: int, rng=None) -> Iterator[dict[str, Any]]:
         """``steps`` batches of ``indices`` (reshuffled by ``rng`` when given), going round them as needed."""

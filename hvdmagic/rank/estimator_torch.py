@@ -127,9 +127,9 @@ def fit(spec: FitSpec) -> dict | None:
     model, optimizer = group.distribute(model, optimizer, spec)
 
     rows = ShardRows(shard(), spec)
-    train_steps = rows.steps([group.largest(len(rows.train))], spec.batch_size, spec.train_steps_per_epoch)
+    train_steps = rows.steps(group.largest(len(rows.train)), spec.batch_size, spec.train_steps_per_epoch)
     val_batch = spec.val_batch_size or spec.batch_size
-    val_steps = rows.steps([group.largest(len(rows.val))], val_batch, spec.validation_steps_per_epoch) \
+    val_steps = rows.steps(group.largest(len(rows.val)), val_batch, spec.validation_steps_per_epoch) \
         if spec.validation else 0
     # horovod.spark's hook: a function that returns the step function (its 7 arguments, as here).
     custom_step = spec.train_minibatch_fn() if spec.train_minibatch_fn is not None else None
