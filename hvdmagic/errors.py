@@ -94,6 +94,9 @@ class JobFailed(HvdmagicError, RuntimeError):
         self.stacks = rank_stacks.trimmed(stacks)
         # By rank: start-up chatter the views hid while it ran (kernel.noise), shown with the failure.
         self.quiet_output: dict[int, list[str]] = {}
+        # By rank: what a failed rank printed after the run's first failure, as the others were
+        # stopped (Gloo's "Connection reset by peer"): counted under its traceback, never in front.
+        self.after_failure: dict[int, list[str]] = {}
         # By rank: the digest of its NCCL flight recorder's dump, where torch wrote one (set by the kernel).
         self.flight_records: dict[int, dict] = {}
         super().__init__(self._headline())
@@ -129,11 +132,13 @@ class JobFailed(HvdmagicError, RuntimeError):
                 break
             lines.append("")
             lines.append(f"--- rank {rank_ranges.compress(ranks)} ---")
+            lines.extend(text.rstrip("\n").splitlines())
             for rank in ranks:
                 if quiet := self.quiet_output.get(rank):
                     lines.append(f"(rank {rank}'s start-up messages, hidden while it ran:)")
                     lines.extend(quiet[-self.QUIET_LINES:])
-            lines.extend(text.rstrip("\n").splitlines())
+                if after := self.after_failure.get(rank):
+                    lines.append(_fallout_line(rank, after))
         return lines + _stack_lines(self.stacks) + flight_records.describe(self.flight_records)
 
 
@@ -155,6 +160,15 @@ class JobInterrupted(HvdmagicError):
 
     def _render_traceback_(self) -> list[str]:
         return super()._render_traceback_() + _stack_lines(self.stacks) + flight_records.describe(self.flight_records)
+
+
+def _fallout_line(rank: int, after: list[str]) -> str:
+    """One line for what a rank printed once the run had failed: it followed the stop, it is not the cause."""
+    first = after[0].strip()
+    first = first if len(first) <= 100 else "..." + first[-97:]  # a log line's news is at its end
+    more = f" and {len(after) - 1} more" if len(after) > 1 else ""
+    return (f"(then, as the ranks were stopped, rank {rank} printed \"{first}\"{more}: in "
+            f"hvdmagic.last_run().logs[{rank}])")
 
 
 def _stack_lines(stacks: dict[int, str]) -> list[str]:

@@ -455,9 +455,15 @@ shipping = _builder(Shipping, Event.SHIPPING)
 
 
 def ends_a_cell(line: bytes) -> bool:
-    """Whether a rank's event line is its "idle" after a cell (the one at start-up names no cell);
-    checked on the raw line, which the supervisor relays without decoding it."""
+    """Whether a rank's event line is its "idle" after a cell (the one at start-up names no cell)."""
     return b'"type":"idle"' in line and json.loads(line).get("cell") is not None
+
+
+def follows_output(line: bytes) -> bool:
+    """Whether a rank's event line comes after a mark on its streams (``rank.outcome.mark_output_end``):
+    its "idle" after a cell (the one at start-up names no cell), or its error. Checked on the raw
+    line, which the supervisor relays without decoding it."""
+    return b'"type":"error"' in line or ends_a_cell(line)
 
 
 def bare(kind: Event) -> Bare:

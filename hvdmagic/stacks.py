@@ -300,6 +300,24 @@ def _place(stack: str) -> tuple[bool, str] | None:
     return False, f"`{own.function}`{at}"
 
 
+def place(stack: str) -> str | None:
+    """Where a rank is, from its stacks, as a row says it: "in `allreduce` (Cell In[6], line 7)",
+    "at Cell In[5], line 3"; None without a frame."""
+    if (found := _place(stack)) is None:
+        return None
+    what = found[1]
+    return what if what.startswith("at ") else f"in {what}"
+
+
+_CELL_LINE = re.compile(r"Cell In\[\d+\], line \d+")
+
+
+def raised_at(traceback_text: str) -> str | None:
+    """The innermost notebook-cell line of a traceback ("Cell In[15], line 6"), or None."""
+    found = _CELL_LINE.findall(traceback_text)
+    return found[-1] if found else None
+
+
 def summary(stacks: dict[int, str], noun: str = "rank") -> str:
     """Where the ranks are, in one sentence, ranks in the same place together: "rank 1 is in
     `slow_step` (Cell In[5], line 3); ranks 0, 2–23 wait in `allreduce` (Cell In[6], line 7)".

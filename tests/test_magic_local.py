@@ -127,7 +127,58 @@ def test_a_rank_failing_in_its_first_line_keeps_its_own_exit_code_and_failed_in_
     assert (ranks[1].state, ranks[1].exit_code) == ("failed", 1), ranks[1]
     assert ranks[0].state == "stopped" and ranks[0].exit_code == -15, ranks[0]
     out = capfd.readouterr().out
-    assert "rank 1: [failed in the cell]" in out and "at importing" not in out, out
+    assert re.search(r"rank 1: \[failed in the cell \(Cell In\[\d+\], line 5\)\]", out), out
+    assert "at importing" not in out, out
+
+
+# Rank 1 says why before it fails; its start-up printed a line of chatter; after its KeyError, its exit
+# prints what the stop of a Horovod job prints (Horovod's own line, and one that looks like Gloo's).
+ERROR_AMID_NOISE = """%%horovod --np -2
+import atexit, sys
+import horovod.torch as hvd, torch
+hvd.init()
+print("oneDNN custom operations are on (start-up chatter)", file=sys.stderr)
+if hvd.rank() == 1:
+    print("the data is bad")
+    atexit.register(print, "Read error [127.0.0.1]:4242: Connection reset by peer", file=sys.stderr)
+    {}["missing"]
+while True:
+    hvd.allreduce(torch.ones(1))
+"""
+
+
+def test_an_error_leads_with_the_failed_rank_s_traceback_and_folds_what_the_stop_printed(ip, capfd):
+    """The traceback comes first, then the chatter its start-up printed; what the rank printed once it had
+    failed, as the ranks were stopped, is one line under it, here and in the live lines. The rows say the
+    true place: the failed rank's cell line, the stopped rank's collective in the cell (issue 48, 2 and 3)."""
+    _, error = run(ip, ERROR_AMID_NOISE)
+    assert isinstance(error, JobFailed) and "KeyError: 'missing'" in str(error), error
+    rendered = error._render_traceback_()
+    body = rendered[rendered.index("--- rank 1 ---") + 1:]
+    assert body[0] == "Traceback (most recent call last):", rendered
+    assert re.fullmatch(r"  Cell In\[\d+\], line 9, in <module>", body[1]), rendered
+    chatter = body.index("(rank 1's start-up messages, hidden while it ran:)")
+    assert body[chatter + 1] == "oneDNN custom operations are on (start-up chatter)", rendered
+    assert body[chatter - 1] == "KeyError: 'missing'", rendered
+    fold = body[chatter + 2]
+    assert fold.startswith("(then, as the ranks were stopped, rank 1 printed \""), rendered
+    assert "Connection reset by peer\"" in fold, fold  # ours, or Gloo's own when it came first
+    assert "hvdmagic.last_run().logs[1]" in fold, fold
+    assert sum("Connection reset" in line for line in rendered) == 1, rendered
+
+    out = capfd.readouterr().out
+    assert "[rank 1] the data is bad" in out, out  # printed before the error: shown, not folded
+    live = out[:out.index("%%horovod np=2")]  # what printed as it ran, before the summary and the error
+    assert "Connection reset" not in live, out
+    assert re.search(r"hvdmagic: \d+ more line\(s\) from ranks? [0-9, –]*1, printed once the run had "
+                     r"failed, as the ranks were stopped: in hvdmagic.last_run\(\).logs", out), out
+    assert re.search(r"rank 1: \[failed in the cell \(Cell In\[\d+\], line 9\)\]", out), out
+    # Rank 0 is stopped in its allreduce, or fails there first (Horovod shut down with rank 1's exit).
+    assert re.search(r"rank 0: \[(stopped (in `allreduce` \(Cell In\[\d+\], line 11\)|while training)"
+                     r"|failed in the cell \(Cell In\[\d+\], line 11\))\]", out), out
+    import hvdmagic
+
+    assert any("Connection reset by peer" in line for _, line in hvdmagic.last_run().ranks[1].logs)
 
 
 @pytest.mark.profile

@@ -57,6 +57,17 @@ class RankRecord:
     exit_code: int | None = None
     stage: Stage | None = None  # the furthest start-up stage this rank reached
     quiet: list[str] = field(default_factory=list)  # start-up chatter kept out of the views (kernel.noise)
+    # How many of its logs, and of its quiet lines, came before the run's first failure, and before
+    # its own error: what came after (its own error's, or else the run's) is the stop's fallout
+    # (Gloo's "Connection reset by peer"). None while nothing failed. Its own error's count wins: a
+    # rank's lines and the others' errors reach the kernel in any order, its own error after its lines.
+    logs_at_failure: int | None = None
+    quiet_at_failure: int | None = None
+    logs_at_error: int | None = None
+    quiet_at_error: int | None = None
+    # Where it was when the run failed or was stopped, if known: "in the cell (Cell In[15], line 6)",
+    # "in `allreduce` (Cell In[4], line 9)" (its stacks), "while training" (its stage).
+    ended_in: str = ""
     stage_since: float | None = None  # when it reached that stage, on the kernel's clock
     # The framework it imports now, as it says (rank.framework_imports): "tensorflow"; "" when none; and since when.
     importing: str = ""
@@ -76,6 +87,20 @@ class RankRecord:
     rss: int | None = None
     peak_rss: int = 0
     gpus: list = field(default_factory=list)
+
+    @property
+    def logs_cut(self) -> int | None:
+        """How many of its logs came before its failure (its own error's, or else the run's)."""
+        return self.logs_at_error if self.logs_at_error is not None else self.logs_at_failure
+
+    @property
+    def quiet_before_failure(self) -> list[str]:
+        return self.quiet[:self.quiet_at_error if self.quiet_at_error is not None else self.quiet_at_failure]
+
+    @property
+    def after_failure(self) -> list[str]:
+        """The lines it printed after its failure, hidden ones too."""
+        return [line for _, line in self.logs[self.logs_cut:]] if self.logs_cut is not None else []
 
     def where_it_died(self) -> str:
         """Where a crash signal killed the rank (its fault handler's stacks), or ""."""
@@ -107,6 +132,8 @@ class RunRecord:
         self.history = MetricHistory()
         # The merged log, kept incrementally so a redraw never rescans every rank's.
         self.all_logs: list[tuple[int, str, str]] = []  # (rank, stream, line) in arrival order
+        # How many of all_logs came before the first error or failed exit; None while nothing failed.
+        self.all_logs_at_failure: int | None = None
         self.result: Any = None
         self.results: list[Any] = []
         self.error: BaseException | None = None
@@ -231,11 +258,28 @@ class RunRecord:
                 self._apply_report(rank, record, event)
             elif kind == Event.ERROR:
                 record.state = "failed"
+                self._mark_failure(rank)
             elif kind == Event.EXIT:
                 record.exit_code = event.get("code")
                 if record.state != "failed":
                     record.state = "finished" if event.get("code") == 0 else (
                         "stopped" if event.get("aborted") else "failed")
+                    if record.state == "failed":
+                        self._mark_failure(rank)
+
+    def _mark_failure(self, rank: int) -> None:
+        """A rank's error: what it prints from now on follows it; and at the run's first, what the others
+        print follows the run's failure, as they are stopped. An elastic run goes on after a rank's
+        failure, so nothing it prints is fallout."""
+        if self.elastic:
+            return
+        failed = self.ranks[rank]
+        if failed.logs_at_error is None:
+            failed.logs_at_error, failed.quiet_at_error = len(failed.logs), len(failed.quiet)
+        if self.all_logs_at_failure is None:
+            self.all_logs_at_failure = len(self.all_logs)
+            for record in self.ranks:
+                record.logs_at_failure, record.quiet_at_failure = len(record.logs), len(record.quiet)
 
     def _reach(self, stage: Stage) -> None:
         self.stage = stage
@@ -313,6 +357,23 @@ class RunRecord:
                     record.state = "unused"  # an elastic task that never got a slot or a rank
                 elif record.state in ("launching", "running"):
                     record.state = "stopped" if error is not None or cancelled else done
+            if error is not None:
+                self._say_where_each_ended(error)
+
+    def _say_where_each_ended(self, error: BaseException) -> None:
+        """Each failed rank's line of the cell its exception came from; each stopped rank's place
+        in its stacks, taken before the stop, or else "while training" once past hvd.init (its stage
+        may lag: a rank reports it every FLUSH_INTERVAL, and a stop does not wait for the report)."""
+        failures = {failure.rank: failure for failure in getattr(error, "failures", ())}
+        taken = getattr(error, "stacks", None) or {}
+        for record in self.ranks:
+            failure = failures.get(record.rank)
+            if failure is not None and (line := stacks.raised_at(failure.traceback)):
+                record.ended_in = f"in the cell ({line})"
+            elif record.state == "stopped" and (place := stacks.place(taken.get(record.rank, ""))):
+                record.ended_in = place
+            elif record.state == "stopped" and record.stage in (Stage.FIRST_STEP, Stage.TRAINING):
+                record.ended_in = "while training"
 
     # -- read by views and users --------------------------------------------
     @property

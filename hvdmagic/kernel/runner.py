@@ -78,8 +78,9 @@ def _run(payload, placement, record, view, *, timeout, stall_timeout, env, spark
         raise
     except BaseException as exc:
         if isinstance(exc, JobFailed):
-            exc.quiet_output = {f.rank: record.ranks[f.rank].quiet for f in exc.failures
-                                if 0 <= f.rank < record.np and record.ranks[f.rank].quiet}
+            failed = [record.ranks[f.rank] for f in exc.failures if 0 <= f.rank < record.np]
+            exc.quiet_output = {rank.rank: rank.quiet_before_failure for rank in failed if rank.quiet_before_failure}
+            exc.after_failure = {rank.rank: rank.after_failure for rank in failed if rank.after_failure}
             exc.stacks = record.cell_frames.each_named(exc.stacks)  # the message, made when shown, reads them
             record.stacks = exc.stacks
             exc.flight_records = dict(record.flight_records)

@@ -19,7 +19,7 @@ import threading
 from hvdmagic import protocol
 from hvdmagic.protocol import CRASH_HOLD_ENV, STACKS_ENV, STACKS_SIGNAL, Stage
 from hvdmagic.rank import framework_bars, telemetry
-from hvdmagic.rank.outcome import error_event, report_result
+from hvdmagic.rank.outcome import report_error, report_result
 
 _stacks_file = None
 
@@ -105,8 +105,7 @@ def main() -> int:
         report_result(value, rank, boot.results, **fields)
         _shutdown_horovod()
     except BaseException as exc:
-        telemetry.flush()
-        telemetry.emit(error_event(exc))
+        report_error(exc)
         sys.stdout.flush()
         sys.stderr.flush()
         return 1

@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import os
 import signal
-import sys
 import threading
 
 from hvdmagic import protocol
 from hvdmagic.rank import telemetry
 from hvdmagic.rank.blobs import load_payload
 from hvdmagic.rank.cell import CellFunction
-from hvdmagic.rank.outcome import error_event, report_result
+from hvdmagic.rank.outcome import mark_output_end, report_error, report_result
 
 # Errors after which the ranks' collectives cannot be trusted: the session restarts its ranks.
 _BROKEN_COLLECTIVES = ("HorovodInternalError", "DistBackendError", "DistNetworkError")
@@ -49,25 +48,10 @@ def serve(rank: int, policy: str, stdin) -> int:
             report_result(value, rank, policy, cell=cell)
         except BaseException as exc:  # KeyboardInterrupt and SystemExit too: the session goes on
             in_cell.clear()
-            telemetry.flush()
-            telemetry.emit(error_event(exc, cell=cell, broken=_breaks_collectives(exc)))
-        _end_output()
+            report_error(exc, cell=cell, broken=_breaks_collectives(exc))
+        mark_output_end()
         telemetry.emit(protocol.idle(cell, _rss()))
     return 0
-
-
-def _end_output() -> None:
-    """Flush the cell's output and mark its end on both streams (``protocol.CELL_END_MARK``):
-    on the file descriptors, which the supervisor reads, whatever the cell did to sys.stdout."""
-    for stream, fd in ((sys.stdout, 1), (sys.stderr, 2)):
-        try:
-            stream.flush()
-        except (OSError, ValueError):
-            pass
-        try:
-            os.write(fd, protocol.CELL_END_MARK)
-        except OSError:
-            pass  # a closed stream: the supervisor's wait for the mark is bounded
 
 
 def _breaks_collectives(exc: BaseException) -> bool:

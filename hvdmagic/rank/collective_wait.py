@@ -42,3 +42,20 @@ def adopt_horovod_torch(package) -> None:
     for module in (mpi_ops, sys.modules.get("horovod.torch.optimizer"), package):
         if module is not None and getattr(module, "synchronize", None) is original:
             module.synchronize = synchronize
+    _say_init_done(mpi_ops, package)
+
+
+def _say_init_done(mpi_ops, package) -> None:
+    original = getattr(mpi_ops, "init", None)
+    if original is None:
+        return
+
+    @functools.wraps(original)
+    def init(*args, **kwargs):
+        value = original(*args, **kwargs)
+        telemetry.send_horovod_stage()
+        return value
+
+    for module in (mpi_ops, package):
+        if getattr(module, "init", None) is original:
+            module.init = init

@@ -7,6 +7,8 @@ Used by the one-shot rank (``rank.__main__``) and the session's cell loop
 from __future__ import annotations
 
 import base64
+import os
+import sys
 import time
 import traceback
 from pathlib import Path
@@ -38,6 +40,29 @@ def report_result(value, rank: int, policy: str, **fields) -> None:
             event.update(unpicklable=kind, repr=_short_repr(value), reason=f"{type(exc).__name__}: {exc}"[:300])
     telemetry.flush()  # anything the pickling logged, before the result
     telemetry.emit(event)
+
+
+def report_error(exc: BaseException, **fields) -> None:
+    """Send the exception the cell raised, after all it printed before it (``mark_output_end``):
+    the driver tells the lines that came after it, the stop's noise, from those that explain it."""
+    telemetry.flush()
+    mark_output_end()
+    telemetry.emit(error_event(exc, **fields))
+
+
+def mark_output_end() -> None:
+    """Flush what the rank printed and mark the spot on both streams (``protocol.CELL_END_MARK``),
+    on the file descriptors the supervisor reads, whatever the cell did to sys.stdout. The
+    supervisor relays the next event (the cell's idle, or an error) once both marks have passed."""
+    for stream, fd in ((sys.stdout, 1), (sys.stderr, 2)):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+        try:
+            os.write(fd, protocol.CELL_END_MARK)
+        except OSError:
+            pass  # a closed stream: the supervisor's wait for the mark is bounded
 
 
 def _short_repr(value, limit: int = 500) -> str:

@@ -226,6 +226,7 @@ def flush() -> None:
     global _progress_sent
     if _events is None:
         return
+    send_horovod_stage()
     _note_keras_once()
     with _write_lock:  # take and write as one step, so two flushes cannot reorder batches
         pending = _pending[:]
@@ -249,6 +250,19 @@ def flush() -> None:
 
 
 HOROVOD_MODULES = ("horovod.torch", "horovod.tensorflow", "horovod.tensorflow.keras", "horovod.keras")
+
+
+def send_horovod_stage() -> None:
+    """The stage horovod is at, when it moved on since it was last sent: so a rank that fails or
+    reports just after ``hvd.init`` is known to have got past it (a flush precedes each), and one
+    stopped in its first collective (``rank.collective_wait`` sends it there)."""
+    global _stage_sent
+    if _stage_sent is not Stage.FIRST_STEP and (now := _horovod_stage()) is not None and now != _stage_sent:
+        _stage_sent = now
+        emit(protocol.stage_reached(now))
+
+
+_stage_sent: Stage | None = None
 
 
 def _horovod_stage() -> Stage | None:
@@ -290,15 +304,10 @@ _keras_noted = False
 
 def _flush_loop() -> None:
     next_beat = time.monotonic()
-    stage: Stage | None = None
     while True:
         _wake.wait(FLUSH_INTERVAL)
         _wake.clear()
         try:
-            if stage is not Stage.FIRST_STEP and (now := _horovod_stage()) is not None and now != stage:
-                stage = now
-                emit(protocol.stage_reached(stage))
-            _note_keras_once()
             flush()
             if time.monotonic() >= next_beat:
                 emit(protocol.bare(Event.HEARTBEAT))

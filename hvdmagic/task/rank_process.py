@@ -71,10 +71,12 @@ class RankProcess:
         # Set by the rank's first event, which it sends after registering its fault handler:
         # before that, STACKS_SIGNAL would kill it (the signal's default action).
         self._listening = threading.Event()
-        # How many cell ends each output stream has relayed (CELL_END_MARK), and how many the
-        # rank's idle events announced: a cell's idle goes out once both streams caught up.
+        # How many marks (CELL_END_MARK) each output stream has relayed, how many the rank's events
+        # that follow one (a cell's idle, an error) announced, and how many of those went out. Such an
+        # event goes out once both streams passed its mark; what a stream has after a mark, after it.
         self._marks = {"stdout": 0, "stderr": 0}
-        self._cells_ended = 0
+        self._marks_awaited = 0
+        self._marked_events_sent = 0
         self._marks_changed = threading.Condition()
         self._stdin_lock = threading.Lock()
         self._usage: Sampler | None = None  # samples the rank's CPU, memory and GPUs while it runs a cell
@@ -245,13 +247,16 @@ class RankProcess:
     def _passed_mark(self, stream: str) -> None:
         with self._marks_changed:
             self._marks[stream] += 1
+            passed = self._marks[stream]
             self._marks_changed.notify_all()
+            # The driver tells what a rank printed after its error by the order it gets them in.
+            self._marks_changed.wait_for(lambda: self._marked_events_sent >= passed, MARK_WAIT)
 
-    def _await_cell_output(self) -> None:
-        """Before a cell's idle: both streams have relayed everything the cell wrote."""
+    def _await_output(self) -> None:
+        """Before a cell's idle or an error: both streams have relayed everything the rank wrote before it."""
         with self._marks_changed:
-            self._cells_ended += 1
-            self._marks_changed.wait_for(lambda: min(self._marks.values()) >= self._cells_ended, MARK_WAIT)
+            self._marks_awaited += 1
+            self._marks_changed.wait_for(lambda: min(self._marks.values()) >= self._marks_awaited, MARK_WAIT)
 
     def _relay_events(self, events) -> None:
         tail = b',"rank":%d}' % self.row
@@ -261,12 +266,17 @@ class RankProcess:
                 frame = relayed(line, tail)
                 if frame is None:
                     continue
-                if protocol.ends_a_cell(line):
-                    if self._usage is not None:
+                marked = protocol.follows_output(line)
+                if marked:
+                    if self._usage is not None and protocol.ends_a_cell(line):
                         self._usage.idle()
-                    self._await_cell_output()
+                    self._await_output()
                 try:
                     self._send_raw(frame)
                 except ValueError as exc:  # over the frame limit: fail the rank, never drop silently
                     self._send(protocol.error("ValueError", str(exc), "", time.time(), rank=self.row))
+                if marked:
+                    with self._marks_changed:
+                        self._marked_events_sent += 1
+                        self._marks_changed.notify_all()
 

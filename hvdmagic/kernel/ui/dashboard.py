@@ -758,8 +758,17 @@ class Dashboard:
             lines = "".join(html.escape(f"[{block.name()}] {_clean(line)}") + "\n"
                             for block in blocks for _, line in block.lines)
         else:
+            cut = self.record.all_logs_at_failure
+            before = logs if cut is None else logs[:cut]
+            after = [] if cut is None else logs[cut:]
             lines = "".join(html.escape(f"[{rank:>{width}}] {_clean(line)}") + "\n"
-                            for rank, _, line in logs[-RECENT_LINES:])
+                            for rank, _, line in before[-(RECENT_LINES - bool(after)):])
+            if after:  # the stop's fallout, folded under the line that says so
+                counts = [0] * self.record.np
+                for rank, _, _ in after:
+                    counts[rank] += 1
+                folded = html.escape(progress_text.after_failure_line(counts))
+                lines += f'<span style="color:#888">{folded}</span>'
         self.recent.value = _recent_html(lines)
 
     def series(self) -> dict[str, list[charts.Series]]:

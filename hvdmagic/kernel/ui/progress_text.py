@@ -26,6 +26,7 @@ from __future__ import annotations
 import math
 import time
 
+from hvdmagic import rank_ranges
 from hvdmagic.kernel import stragglers
 from hvdmagic.kernel.record import Bar, RankRecord, RunRecord
 from hvdmagic.protocol import Stage
@@ -61,15 +62,28 @@ def row_state(rank: RankRecord) -> str:
 
 
 def where_it_ended(rank: RankRecord) -> str | None:
-    """Where a rank that failed or was stopped before it trained was: "at hvd.init", "at first step".
+    """Where a rank that failed or was stopped was: where the run's error says (``RankRecord.ended_in``:
+    "in the cell (Cell In[15], line 6)", "while training"), else its stage: "at hvd.init".
 
     Its first stage, ``importing``, lasts from its start until the cell imports horovod (a
     ``%%torchrun`` cell's rank, until its first output): a rank that ended there ended "in the
-    cell", whatever the cell was doing. None for a rank that trained, finished or stays up.
+    cell", whatever the cell was doing. None for a rank that finished or stays up, or that trained
+    and ended where nothing says.
     """
-    if rank.stage is None or rank.stage is Stage.TRAINING or rank.state in UP:
+    if rank.state in UP:
+        return None
+    if rank.ended_in:
+        return rank.ended_in
+    if rank.stage is None or rank.stage is Stage.TRAINING:
         return None
     return "in the cell" if rank.stage is Stage.IMPORTING else f"at {rank.stage}"
+
+
+def after_failure_line(counts: list[int]) -> str:
+    """The line the ranks' output after the run's failure folds under: it followed the stop."""
+    ranks = [rank for rank, count in enumerate(counts) if count]
+    return (f"hvdmagic: {sum(counts)} more line(s) from {rank_ranges.label(ranks)}, printed once the run had "
+            "failed, as the ranks were stopped: in hvdmagic.last_run().logs")
 
 
 def size_text(record: RunRecord) -> str:

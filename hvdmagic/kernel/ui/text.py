@@ -92,6 +92,8 @@ class TextView:
         lines = [line for line in lines if not is_startup_noise(line)]
         if event.get("transient"):
             lines.append(event["transient"])
+        if self.record.all_logs_at_failure is not None:
+            return  # once the run failed, the end sorts each rank's lines (_after_the_failure)
         room = self._max_lines - self._printed[rank]
         if room <= 0 or not lines:
             return
@@ -172,6 +174,26 @@ class TextView:
         if inner is not None and not stale:
             self._inner = _inner_text(*inner)
 
+    def _after_the_failure(self) -> None:
+        """The lines each rank printed once the run had failed: those from before its own error (they
+        may still explain it), then one line for the rest, the stop's fallout (Gloo's "Connection reset
+        by peer"). A rank's lines and the others' errors reach the kernel in any order."""
+        fallout = [0] * self.record.np
+        for rank in self.record.ranks:
+            if rank.logs_at_failure is None:
+                continue
+            cut = rank.logs_cut
+            for index, (stream, line) in enumerate(rank.logs[rank.logs_at_failure:], start=rank.logs_at_failure):
+                if is_startup_noise(line):
+                    continue
+                if index >= cut:
+                    fallout[rank.rank] += 1
+                elif self._printed[rank.rank] < self._max_lines:
+                    self._printed[rank.rank] += 1
+                    self._write(f"[rank {rank.rank}] {line}\n", stderr=stream == "stderr")
+        if any(fallout):
+            self._write(progress_text.after_failure_line(fallout) + "\n")
+
     def _write(self, text: str, stderr: bool = False) -> None:
         stream = (self._err or sys.stderr) if stderr else (self._out or sys.stdout)
         stream.write(text)
@@ -188,6 +210,7 @@ class TextView:
         if hang_timer is not None:
             hang_timer.cancel()
         self._say_hangs()  # a notice whose window had not ended yet
+        self._after_the_failure()
         text = Snapshot(self.record).text(output=False)  # the lines were printed as they came
         if self.record.timeline:
             text += describe(self.record.timeline) + "\n"
