@@ -1015,3 +1015,98 @@ def test_a_fresh_cell_forks_from_the_template_and_its_stages_say_so(lab, browser
     assert not [row for row in importing if row["cut"]], f"a row's text was cut: {importing[:3]}"
     assert "importing into the template" in first and "forking from the template" in first, first
     assert "forking from the template" in second and "importing into the template" not in second, second
+
+
+# -- Rows in a narrow output area (issue 48, point 4) -------------------------------------------
+
+NARROW_CELL = """\
+%%horovod --np -2
+import time, hvdmagic
+for epoch in hvdmagic.track(range(3), desc="epoch"):
+    for step in hvdmagic.track(range(40), desc="train"):
+        time.sleep(0.12)
+        if step % 10 == 0:
+            print(f"epoch {epoch} step {step}: the loss falls and this line is long enough to be cut")
+"""
+# Each live row: how far its content runs past its box, the columns hidden (display: none), the text of
+# the columns that must stay whole, and any element whose text its box cuts without an ellipsis.
+ROWS_FIT = f"""() => {{
+    const board = document.querySelector({json.dumps(DASHBOARD)});
+    if (!board) return null;
+    const clipped = e => ["hidden", "clip"].includes(getComputedStyle(e).overflowX)
+                         && e.scrollWidth > e.clientWidth + 1;
+    const marked = e => getComputedStyle(e).textOverflow === "ellipsis";
+    return Array.from(board.querySelectorAll(".hvdmagic-rank"), row => {{
+        const parts = row.children;  // the label, the numbers, the bar, the steps, the state, the figures, the line
+        const hidden = [...row.querySelectorAll("[class^='hvdmagic-']")]
+            .filter(e => getComputedStyle(e).display === "none").map(e => e.className.replace("hvdmagic-", ""));
+        return {{
+            width: row.clientWidth,
+            overflow: row.scrollWidth - row.clientWidth,
+            hidden,
+            label: parts[0].innerText.trim(),
+            state: parts[4].innerText.trim(),
+            figures: parts[5].innerText.trim(),
+            cut: [row, ...row.querySelectorAll("*")]
+                .filter(e => e.innerText && clipped(e) && !marked(e)
+                             && ![...e.querySelectorAll("*")].some(d => marked(d) && clipped(d)))
+                .map(e => e.innerText),
+        }};
+    }});
+}}"""
+FILE_BROWSER_OPEN = "() => !!document.querySelector('#filebrowser:not(.lm-mod-hidden)')"
+# A cell that drives no bar: its dashboard keeps no room for an overall bar (issue 48: a 35 px gap).
+NO_BARS_CELL = "%%horovod --np -2\nimport time\ntime.sleep(4)\nprint('done')\n"
+# The px between the bottom of the live dashboard's header and the top of its first rank row.
+HEADER_TO_ROWS = cell_js(2, f"""(() => {{
+    const board = cell?.querySelector({json.dumps(DASHBOARD)});
+    const row = board?.querySelector(".hvdmagic-rank");
+    return row ? row.getBoundingClientRect().top - board.children[1].getBoundingClientRect().bottom : null;
+}})()""")
+
+
+@pytest.mark.timeout(300)
+def test_rows_fit_a_narrow_output_area_with_the_file_browser_open(lab, browser):
+    """At 1100 px with the file browser open (an output area of about 670 px), and then at about 600 px,
+    every live row fits its box: the rate and elapsed<ETA give way first, then the bar's name and the
+    epoch, whole; the rank, the state and the CPU and memory figures stay, uncut. At 1600 px all show."""
+    path = write_notebook(lab, "narrow.ipynb", LOAD_CELL, NARROW_CELL, NO_BARS_CELL)
+    seen: dict[int, list] = {}
+    try:
+        with new_page(browser, "narrow") as page:
+            page.set_viewport_size({"width": 1100, "height": 900})
+            open_notebook(page, lab, path.name)
+            if not page.evaluate(FILE_BROWSER_OPEN):
+                page.locator(".jp-SideBar [data-id='filebrowser']").click()
+            wait_for(page, FILE_BROWSER_OPEN, timeout=10, failure="The file browser did not open")
+            run_all_cells(page)
+            wait_for(page, f"""() => {{
+                    const rows = ({ROWS_FIT})();
+                    return !!rows && rows.length === 2 && rows.every(r => /CPU/.test(r.figures));
+                }}""", timeout=120, failure="The rows did not show the ranks' CPU and memory")
+            for viewport in (1100, 1030, 1600):
+                page.set_viewport_size({"width": viewport, "height": 900})
+                page.wait_for_timeout(600)  # a redraw at the new width (the dashboard draws 4 times a second)
+                seen[viewport] = page.evaluate(ROWS_FIT) or []
+                page.locator(DASHBOARD).evaluate("e => e.scrollIntoView({block: 'start'})")
+                page.screenshot(path=SCREENSHOTS / f"narrow-{viewport}.png")
+            wait_for_snapshot(page, 1, timeout=120, what="The narrow run did not end")
+            gap = wait_for(page, HEADER_TO_ROWS, timeout=60, failure="The cell without bars showed no rank rows")
+            page.locator(DASHBOARD).last.evaluate("e => e.scrollIntoView({block: 'start'})")
+            page.screenshot(path=SCREENSHOTS / "no-bars.png")
+            wait_for_snapshot(page, 2, timeout=60, what="The cell without bars did not end")
+    finally:
+        shut_down_kernels(lab)
+    print(json.dumps(seen, indent=1))
+    for viewport, rows in seen.items():
+        assert len(rows) == 2, (viewport, rows)
+        for row in rows:
+            assert row["overflow"] <= 0, f"at {viewport} px a row runs {row['overflow']} px past its box: {row}"
+            assert not row["cut"], f"at {viewport} px a row's text was cut: {row}"
+            assert re.fullmatch(r"rank [01]( @ .*)?", row["label"]) and row["state"] == "running", row
+            assert re.fullmatch(r"CPU \d+ % · [\d.]+ [kMG]B", row["figures"]), row
+    narrow = {viewport: rows[0] for viewport, rows in seen.items()}
+    assert narrow[1100]["width"] < 720 and narrow[1030]["width"] < 660, narrow  # the widths the issue names
+    assert {"rate", "times"} <= set(narrow[1100]["hidden"]), narrow[1100]
+    assert not narrow[1600]["hidden"], narrow[1600]
+    assert gap < 10, f"{gap:.0f} px between the header and the rows of a cell that drives no bar"

@@ -23,6 +23,9 @@ LARGE_PAYLOAD = 1 << 20
 # A cell that seems to log metrics (ours, Keras' fit, a callback of ours) gets room for its charts
 # from the dashboard's first frame; a wrong guess costs an empty band while the run is live.
 LOGS_METRICS = re.compile(r"\blog_metrics\b|\bHvdmagicCallback\b|\.fit\(")
+# Likewise a cell that seems to drive a progress bar (ours, tqdm's, Keras' or a trainer's) gets the
+# overall bar's row from the first frame, its place kept; any other shows it once the ranks step.
+DRIVES_BARS = re.compile(r"\b(track|progress|tqdm|trange)\b|\.fit\(|\bTrainer\b|\bHvdmagicCallback\b")
 HELP_WIDTH = 100  # the help's prose, wrapped (%%horovod?)
 
 
@@ -218,6 +221,7 @@ evaluate(model)                                   # rank 0's value: the result, 
                          data=data, results=ResultPolicy.ALL_OR_REPR, session=session, command=magic,
                          timeline=timeline, captured=capture.summary(), env=env,
                          charts_expected=bool(args.metrics or LOGS_METRICS.search(source)),
+                         bars_expected=bool(DRIVES_BARS.search(source)),
                          cell=capture.function)
         if args.out:
             self.shell.user_ns[args.out] = record.result

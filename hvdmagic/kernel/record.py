@@ -146,6 +146,7 @@ class RunRecord:
         # Whether the cell looks like it logs metrics (kernel.magic reads its source): the dashboard
         # keeps room for the charts from its first frame, so that nothing below them jumps.
         self.charts_expected = False
+        self.bars_expected = False  # likewise, whether the ranks look like they drive progress bars
         # metric -> "linear" or "log": the scale its live chart had last, which the snapshot keeps.
         self.chart_scales: dict[str, str] = {}
         # By rank: where each running rank was (its Python stacks) when a watchdog stopped the run.

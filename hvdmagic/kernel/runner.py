@@ -21,7 +21,7 @@ def execute(payload: Shipment, placement: Placement | None, *, timeout: float | 
             stall_timeout: float | None = None, timeline: str | None = None, data=None, spark=None, view=None,
             results: ResultPolicy = ResultPolicy.ALL, session=None, command: str = "%%horovod",
             captured: str = "", env: dict[str, str] | None = None, charts_expected: bool = False,
-            cell: CellFunction | None = None) -> RunRecord:
+            bars_expected: bool = False, cell: CellFunction | None = None) -> RunRecord:
     """Run a packed ``(fn, args, kwargs)`` (``launch.shipment.pack``) where ``placement`` says; return its record.
 
     ``timeline``: a path where rank 0 records a Horovod Timeline. ``results``: which
@@ -33,6 +33,7 @@ def execute(payload: Shipment, placement: Placement | None, *, timeout: float | 
     An elastic placement's record has a row per task (``max_np``) and lists the resets.
     ``captured``: what the magic captured (``Capture.summary``), kept in the record.
     ``charts_expected``: the run will likely log metrics; its dashboard keeps room for the charts.
+    ``bars_expected``: the ranks will likely drive progress bars; its dashboard keeps the overall bar's row.
     ``env``: variables for every rank's environment (``--stall-check``, ``--debug``); a new
     job's only, since a session's ranks run with the environment they started with.
     ``cell``: the %%horovod cell the payload runs, so that the ranks' stacks name its frames as the
@@ -43,6 +44,7 @@ def execute(payload: Shipment, placement: Placement | None, *, timeout: float | 
     record = RunRecord(placement, command)
     record.capture = captured
     record.charts_expected = charts_expected
+    record.bars_expected = bars_expected
     record.cell_frames = CellFrames(cell)
     env = dict(env or {})
     if timeline:

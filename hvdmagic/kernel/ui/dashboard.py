@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextvars
 import html
+import itertools
 import re
 import threading
 import time
@@ -47,7 +48,7 @@ from IPython.display import display
 from hvdmagic import stacks
 from hvdmagic.kernel.record import RankRecord, RunRecord
 from hvdmagic.kernel.timeline import describe
-from hvdmagic.kernel.ui import charts, grouping, progress_text
+from hvdmagic.kernel.ui import charts, grouping, progress_text, row_fit
 from hvdmagic.kernel.ui.snapshot import hang_notices_html
 from hvdmagic.kernel.ui.widget_api import titled, view_bundle
 from hvdmagic.metric_rows import GAP_BITS
@@ -63,6 +64,7 @@ LOG_LINES = 200  # per pane of the collapsed logs
 RECENT_LINES = 10  # the newest lines of every rank, always visible
 GROUPED_TAIL = 20  # per rank, grouped in a many-rank run's "each line once" pane: 200 of 256 ranks cost 50 ms
 _STATE_COLOURS = progress_text.STATE_COLOURS
+_DASHBOARDS = itertools.count(1)  # numbers each dashboard's scope for its own row style
 # Said in the first dashboard of a kernel without subshells (ipykernel 6: Databricks, Colab), which has
 # neither the chart controls nor the where button: why they are missing.
 CONTROLS_NEED_SUBSHELLS = ("chart controls and the where button need ipykernel >= 7 (subshells): here a click "
@@ -81,6 +83,13 @@ def _recent_html(lines: str) -> str:
             f'background-color:#f7f7f7;font-family:{_MONO};font-size:12px;line-height:17px;'
             f'height:{RECENT_LINES * 17}px;box-sizing:content-box;white-space:pre;'
             f'overflow:hidden">{body}</pre>')
+
+
+def _columns_html(columns, colour: str = "") -> str:
+    """``_mono``'s line, its (name, text) columns each in a span of class ``hvdmagic-{name}``."""
+    style = f"font-family:{_MONO};font-size:12px;{_ONE_LINE}" + (f";color:{colour}" if colour else "")
+    spans = "".join(f'<span class="hvdmagic-{name}">{html.escape(text)}</span>' for name, text in columns if text)
+    return f'<div style="{style}">{spans}</div>'
 
 
 def _mono(text: str, colour: str = "") -> str:
@@ -211,9 +220,17 @@ class _RankRow:
             rate = self.meter.update(bar.step, bar.time)
         left, _, right = progress_text.row_parts(record, rate=rate, epochs=epochs, now=now, steps=count_column)
         stage = progress_text.starting_stage(record) if inner is None else None
-        self.left.value = _mono(left, grey[7:]) if stage is None else _stage_html(stage, len(left), grey[7:])
+        if stage is not None:
+            self.left.value = _stage_html(stage, len(left), grey[7:])
+        elif inner is not None:  # in columns, that give way in a narrow output area (_FitColumns)
+            self.left.value = _columns_html(zip(("epoch", "desc", "percent"),
+                                                progress_text.left_columns(left, epochs)), grey[7:])
+        else:
+            self.left.value = _mono(left, grey[7:])
         self.bar.layout.visibility = "hidden" if stage is not None else None
-        self.right.value = _mono(right, grey[7:])
+        timed = inner is not None and len(right) >= progress_text.right_width(True)
+        self.right.value = (_columns_html(zip(("steps", "rate", "times"), progress_text.right_columns(right)),
+                                          grey[7:]) if timed else _mono(right, grey[7:]))
         for part, text in ((self.left, left), (self.right, right)):
             part.layout.display = "none" if not counted and not text.strip() else ""
         with self.bar.hold_sync():
@@ -403,10 +420,16 @@ class Dashboard:
         self._drawn_hangs: tuple | None = None
         self.overall_bar = widgets.FloatProgress(value=0, min=0, max=1, layout=widgets.Layout(width="300px"))
         self.overall_text = widgets.HTML()
+        # The overall bar's row: from the first frame where the cell looks like it drives bars (kernel.magic),
+        # with a line that says what will come, so nothing below it moves when it does; else once a rank steps.
+        if record.bars_expected:
+            self.overall_text.value = ('<span style="color:#999;font-size:12px">the run\'s progress shows here '
+                                       "once the ranks step</span>")
         self.overall = widgets.HBox(
             [widgets.HTML("<b>overall</b>", layout=widgets.Layout(width="120px")), self.overall_bar,
              self.overall_text],
-            layout=widgets.Layout(visibility="hidden", height="30px", align_items="center", overflow="hidden"))
+            layout=widgets.Layout(display=None if record.bars_expected else "none", height="30px",
+                                  align_items="center", overflow="hidden"))
         # An elastic run's label holds its task and its rank now: "task 2 · rank 1 @ host".
         # A many-rank run (grouping.is_grouped) gets grouped rows instead, from a pool that grows
         # to the number of groups, and every rank's own row as text one click away.
@@ -466,11 +489,15 @@ class Dashboard:
             titles = ["all ranks"] + [progress_text.row_name(record, r) for r in range(record.np)]
             rows = [row.box for row in self.rows]
         self.logs = titled(widgets.Tab(children=tabs), titles)
+        # The style that lets the rows' columns give way in a narrow output area (row_fit), this dashboard's only.
+        self.fit = widgets.HTML(layout=widgets.Layout(display="none"))
+        self._fit_scope = f"hvdmagic-fit-{next(_DASHBOARDS)}"
+        self._fit_columns: row_fit.Columns | None = None
         self.box = widgets.VBox([
-            self.header, self.hangs, self.overall, *rows, self.recent,
+            self.fit, self.header, self.hangs, self.overall, *rows, self.recent,
             self.where_button, self.where, self.controls, self.charts, self.notes,
             titled(widgets.Accordion(children=[self.logs], selected_index=None), ["logs"]),
-        ], _dom_classes=["hvdmagic-dashboard"])
+        ], _dom_classes=["hvdmagic-dashboard", self._fit_scope])
         self.text_carrier = widgets.Box(layout=widgets.Layout(display="none"))
 
     # -- the view protocol ----------------------------------------------------
@@ -636,6 +663,7 @@ class Dashboard:
             if self.grouped:
                 self._draw_groups(epochs, now, counted)
             self._draw_overall(now)
+            self._draw_fit(epochs)
         self._draw_recent()
         self._draw_where()
         self._draw_metrics(force)
@@ -648,6 +676,15 @@ class Dashboard:
         if force and self.grouped:
             self._draw_every_rank(now)
         self._drawn_version = version
+
+    def _draw_fit(self, epochs: bool) -> None:
+        label = 170 if self.grouped else 180 if self.record.elastic else 120
+        usage = max((len(" ".join(filter(None, (progress_text.straggler_text(rank), progress_text.usage_text(rank)))))
+                     for rank in self.record.ranks), default=0)
+        columns = row_fit.Columns(label, epochs, usage)
+        if columns != self._fit_columns:
+            self._fit_columns = columns
+            self.fit.value = row_fit.css(self._fit_scope, columns)
 
     def _draw_groups(self, epochs: bool, now: float, counted: bool) -> None:
         """A many-rank run's rows: a row per group of ranks that read the same (grouping.rows)."""
@@ -725,7 +762,7 @@ class Dashboard:
             elif self.record.state == "failed":
                 self.overall_bar.bar_style = "danger"
         self.overall_text.value = _mono(progress_text.overall_text(done, outer, eta))
-        self.overall.layout.visibility = "visible"
+        self.overall.layout.display = None
 
     def _draw_where(self) -> None:
         """The button while the run is live (and a click can reach the kernel mid-run); the answers."""

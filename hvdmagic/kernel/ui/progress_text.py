@@ -341,6 +341,21 @@ def right_width(timing: bool = True) -> int:
     return COUNT_COLUMN + (2 + RATE_WIDTH + 2 + TIMES_WIDTH if timing else 0)
 
 
+def left_columns(left: str, epochs: bool) -> tuple[str, str, str]:
+    """A trained row's ``left`` (``row_parts``) in its columns: (epoch, the bar's name, its percentage),
+    for a view that lets the first two give way in a narrow space."""
+    epoch, rest = (left[:EPOCH_WIDTH + 2], left[EPOCH_WIDTH + 2:]) if epochs else ("", left)
+    return epoch, rest[:DESC_WIDTH + 1], rest[DESC_WIDTH + 1:]
+
+
+def right_columns(right: str) -> tuple[str, str, str]:
+    """A trained row's ``right`` (``row_parts``, with timing) in its columns: (steps, rate, elapsed<ETA),
+    the last two a fixed width at its end, whatever the steps' width."""
+    times_at = len(right) - TIMES_WIDTH
+    rate_at = times_at - RATE_WIDTH - 2
+    return right[:rate_at], right[rate_at:times_at], right[times_at:]
+
+
 def count_column(steps: str, total: float | None) -> str | None:
     """The steps column of a row, ``COUNT_COLUMN`` wide: "   45/100  ", the "/" in the same place on
     every row; a group's range ("145–150/300") right-aligned when it is longer; None when it does not fit."""

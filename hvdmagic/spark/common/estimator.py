@@ -158,7 +158,8 @@ class HorovodEstimator(Estimator, EstimatorParams):
                             "notebook travels, an open file, lock or connection does not.") from None
         env = dict(self.getOrDefault("backend").env) if self.getOrDefault("backend") is not None else None
         return execute(payload, placement, data=frame, results=ResultPolicy.RANK0, env=env,
-                       command=f"{type(self).__name__}.fit", charts_expected=True).result
+                       command=f"{type(self).__name__}.fit", charts_expected=True,
+                       bars_expected=True).result
 
     def _model_from(self, result: dict, df, spec: FitSpec, num_proc: int, seconds: float):
         raise NotImplementedError
