@@ -519,6 +519,8 @@ def test_stop_during_launch_then_the_next_cell_runs(lab, browser):
     finally:
         shut_down_kernels(lab)
     print(f"Stop pressed at {stage!r}")
+    if "Spark" in stage:  # the first Spark cell of a kernel says what it waits for (issue 48, point 5)
+        assert re.match(r"starting the embedded Spark, once per kernel, for \d:\d\d", stage), stage
     assert state == "cancelled", interrupted
     assert len(errors) == 1, errors
     error = errors[0].strip()

@@ -324,9 +324,15 @@ def test_the_header_and_rows_show_each_start_up_stage():
     board._draw()
     assert ">launching<" in board.header.value and "hvdmagic-stage" not in board.header.value
     record.apply({"type": "stage", "stage": Stage.SPARK_STARTING})
-    record.stage_reached[Stage.SPARK_STARTING] -= 7  # reached 7 s ago
+    record.stage_reached[Stage.SPARK_STARTING] -= 2  # reached 2 s ago
     board._draw()
-    assert "starting the embedded Spark for 0:07" in board.header.value
+    # Once per kernel, it says; and after a few seconds, that local mode needs no Spark (issue 48, point 5).
+    assert "starting the embedded Spark, once per kernel, for 0:02" in board.header.value, board.header.value
+    assert "without Spark" not in board.header.value
+    record.stage_reached[Stage.SPARK_STARTING] -= 5
+    board._draw()
+    assert ("starting the embedded Spark, once per kernel, for 0:07 (--np -2 runs on this machine without Spark)"
+            in board.header.value), board.header.value
     for stage in (Stage.WAITING_FOR_SLOTS, Stage.SUBMITTED, Stage.RANKS_STARTING):
         record.apply({"type": "stage", "stage": stage})
         board._draw()

@@ -329,8 +329,23 @@ def run_stage(record: RunRecord, now: float | None = None) -> str | None:
     if record.state not in ("launching", "running") or record.stage in (None, Stage.TRAINING):
         return None
     since = record.stage_reached.get(record.stage, record.started)
+    seconds = (now if now is not None else time.time()) - since
+    if record.stage is Stage.SPARK_STARTING:
+        return spark_starting_text(record.np, seconds)
     stage = _importing_label(record) if record.stage is Stage.IMPORTING else record.stage
-    return stage_text(stage, (now if now is not None else time.time()) - since)
+    return stage_text(stage, seconds)
+
+
+SPARK_HINT_AFTER = 5.0  # seconds of the embedded Spark's start after which its stage says how to go without
+
+
+def spark_starting_text(np: int, seconds: float | None) -> str:
+    """The embedded Spark's start, as the stage line says it: once per kernel; and, once it takes a
+    while (a JVM on a loaded laptop: most of a minute), that local mode needs no Spark."""
+    text = stage_text(f"{Stage.SPARK_STARTING}, once per kernel{',' if seconds is not None else ''}", seconds)
+    if seconds is None or seconds >= SPARK_HINT_AFTER:
+        text += f" (--np -{np} runs on this machine without Spark)"
+    return text
 
 
 def left_width(epochs: bool) -> int:

@@ -65,7 +65,7 @@ class TextView:
         kind = event.get("type")
         if kind == Event.STAGE and event.get("stage") == Stage.SPARK_STARTING and not self._spark_said:
             self._spark_said = True
-            self._write("hvdmagic: starting the embedded Spark (the first run in this process)\n")
+            self._write(f"hvdmagic: {progress_text.spark_starting_text(self.record.np, None)}\n")
         elif kind == Event.REPORT and event.get("rank") == 0 and event.get("progress"):
             self._epoch_line(self.record.ranks[0])
         elif kind == Event.LOST:
