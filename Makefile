@@ -58,11 +58,11 @@ test-latest:
 # package sets of Databricks' ML runtimes, Colab and a new virtualenv, each in .venv-<profile>, then
 # the tests marked `profile` and two notebooks. On demand and before a release, not in CI.
 # `make test-profile PROFILE=dbr-16.4` runs one; `make test-profiles` runs them all, prints the
-# table and writes it into the README's support table. The set-up first: Java, Open MPI, chromium and uv.
+# table and writes it into docs/runtimes.md's support table. The set-up first: Java, Open MPI, chromium and uv.
 test-profile: setup
 	@test -n "$(PROFILE)" || { echo "PROFILE= one of: $(basename $(notdir $(wildcard requirements/profiles/*.txt)))"; exit 2; }
 	python3 scripts/profiles.py run $(PROFILE)
 
 test-profiles: setup
 	python3 scripts/profiles.py run; status=$$?; \
-		python3 scripts/profiles.py table --readme >/dev/null; exit $$status
+		python3 scripts/profiles.py table --docs >/dev/null; exit $$status

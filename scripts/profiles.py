@@ -21,7 +21,7 @@ standard library only (and uv, which ``make setup`` installs):
 5. runs the tests marked ``profile`` and two notebooks (``PROFILE_TESTS``), and writes
    ``artifacts/profiles/<name>.json``: versions, outcome counts, set-up and test times.
 
-``table`` prints one Markdown table of those files, and ``--readme`` writes it between the README's
+``table`` prints one Markdown table of those files, and ``--docs`` writes it between docs/runtimes.md's
 ``profiles`` markers, so the support table is never written by hand. docs/runtimes.md says more.
 """
 
@@ -42,7 +42,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent.parent
 PROFILES = HERE / "requirements" / "profiles"
 RESULTS = HERE / "artifacts" / "profiles"
-README = HERE / "README.md"
+RUNTIMES_DOC = HERE / "docs" / "runtimes.md"
 TABLE_BEGIN, TABLE_END = "<!-- profiles:begin -->", "<!-- profiles:end -->"
 
 # The tests marked `profile`, and these two notebooks (the notebook tier, of the paths named here only).
@@ -316,12 +316,12 @@ def table() -> str:
     return "\n".join(rows)
 
 
-def write_readme(text: str) -> None:
-    readme = README.read_text()
-    begin, end = readme.find(TABLE_BEGIN), readme.find(TABLE_END)
+def write_docs(text: str) -> None:
+    page = RUNTIMES_DOC.read_text()
+    begin, end = page.find(TABLE_BEGIN), page.find(TABLE_END)
     if begin < 0 or end < begin:
-        sys.exit(f"[profiles] README.md has no {TABLE_BEGIN} ... {TABLE_END} block")
-    README.write_text(readme[:begin + len(TABLE_BEGIN)] + "\n" + text + "\n" + readme[end:])
+        sys.exit(f"[profiles] docs/runtimes.md has no {TABLE_BEGIN} ... {TABLE_END} block")
+    RUNTIMES_DOC.write_text(page[:begin + len(TABLE_BEGIN)] + "\n" + text + "\n" + page[end:])
 
 
 def main() -> None:
@@ -331,7 +331,7 @@ def main() -> None:
     run.add_argument("names", nargs="*", help="profiles (default: every file in requirements/profiles)")
     run.add_argument("--setup-only", action="store_true", help="stop before the tests (and write no result)")
     shown = sub.add_parser("table", help="print the table of the last results")
-    shown.add_argument("--readme", action="store_true", help="also write it into README.md")
+    shown.add_argument("--docs", action="store_true", help="also write it into docs/runtimes.md")
     args = parser.parse_args()
     if args.command == "run":
         names = args.names or sorted(p.stem for p in PROFILES.glob("*.txt"))
@@ -342,8 +342,8 @@ def main() -> None:
         sys.exit(0 if all(r["green"] for r in results) else 1)
     text = table()
     print(text)
-    if args.readme:
-        write_readme(text)
+    if args.docs:
+        write_docs(text)
 
 
 if __name__ == "__main__":
