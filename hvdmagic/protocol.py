@@ -301,6 +301,8 @@ class Note(TypedDict, total=False):
     text: str
     once: str  # a note a rank sends once per run, whoever calls for it
     rank: int
+    # Its text has "{ranks}" where the ranks that sent it go: the kernel shows one note naming them all.
+    ranked: bool
 
 
 class StageReached(TypedDict, total=False):

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 import hvdmagic
+from hvdmagic import rank_ranges
 from hvdmagic.protocol import Stage
 from hvdmagic.task import rank_template
 
@@ -129,6 +130,7 @@ def test_a_thread_started_in_the_template_forces_a_spawn(tmp_path, monkeypatch):
     assert not any(r["template"] for r in results), results
     notes = [n for n in hvdmagic.last_run().notes if "spawned, not forked" in n]
     assert len(notes) == 1 and "the template runs 1 thread(s) besides the libraries' own pools" in notes[0], notes
+    assert notes[0].startswith("hvdmagic: ranks 0, 1 on "), notes  # one note, naming both
 
 
 def test_a_module_changed_on_disk_forces_a_spawn_and_then_a_new_template(tmp_path, monkeypatch):
@@ -136,13 +138,21 @@ def test_a_module_changed_on_disk_forces_a_spawn_and_then_a_new_template(tmp_pat
     before = hvdmagic.run(where_am_i, np=-2)
     assert all(r["template"] for r in before)
     path.write_text("VALUE = 2  # edited\n")
-    spawned = hvdmagic.run(where_am_i, np=-2)
-    assert not any(r["template"] for r in spawned), spawned
+    changed = hvdmagic.run(where_am_i, np=-2)
+    # No rank forks from the stale template. The first to ask is refused and spawned; under load, one
+    # that asks as the stale template ends starts a new template and forks from it. The note names the
+    # ranks that were spawned, and only them.
+    old_template = before[0]["parent"]
+    assert not any(r["template"] and r["parent"] == old_template for r in changed), changed
+    spawned = [rank for rank, r in enumerate(changed) if not r["template"]]
     notes = [n for n in hvdmagic.last_run().notes if "spawned, not forked" in n]
-    assert len(notes) == 1 and "changes_on_disk.py changed on disk since the template imported it" in notes[0]
-    assert _gone_within(before[0]["parent"], DEADLINE), "the stale template did not end"
+    assert (len(notes) == 1) == bool(spawned), (spawned, notes)
+    if spawned:
+        assert notes[0].startswith(f"hvdmagic: {rank_ranges.label(spawned)} on "), (spawned, notes)
+        assert "changes_on_disk.py changed on disk since the template imported it" in notes[0], notes
+    assert _gone_within(old_template, DEADLINE), "the stale template did not end"
     after = hvdmagic.run(where_am_i, np=-2)
-    assert all(r["template"] for r in after) and after[0]["parent"] != before[0]["parent"]
+    assert all(r["template"] for r in after) and after[0]["parent"] != old_template
 
 
 @pytest.mark.unit
@@ -158,7 +168,7 @@ def test_the_template_refuses_a_rank_whose_environment_differs():
 def rank_template_orders():
     from hvdmagic.rank.template import Orders
 
-    return Orders(socket="", log="", token="", modules=[], owner=os.getpid(), idle=1.0,
+    return Orders(socket="", log="", lock="", token="", modules=[], owner=os.getpid(), idle=1.0,
                   own_keys=list(rank_template.OWN_KEYS), own_prefixes=list(rank_template.OWN_PREFIXES))
 
 
@@ -211,10 +221,16 @@ def test_the_template_ends_with_its_kernel(tmp_path):
     assert _gone_within(template, DEADLINE), "the template outlived its kernel"
 
 
-def test_an_idle_template_ends(monkeypatch):
+def test_an_idle_template_ends_and_leaves_no_file(monkeypatch):
+    """It ends, and removes its socket, its log and the lock file its start was serialised under
+    (they piled up by the hundred: issue 46)."""
     monkeypatch.setenv(rank_template.IDLE_ENV, "1")
     monkeypatch.setenv("TEMPLATE_TEST_TAG", "idle")  # its own template, with the short idle timeout
-    assert _gone_within(_template_pid(), DEADLINE), "the idle template did not end"
+    before = set(rank_template.directory().iterdir())
+    template = _template_pid()
+    assert _gone_within(template, DEADLINE), "the idle template did not end"
+    left = set(rank_template.directory().iterdir()) - before
+    assert not left, f"the ended template left {sorted(p.name for p in left)}"
 
 
 def test_a_request_without_the_kernels_token_forks_nothing(monkeypatch):

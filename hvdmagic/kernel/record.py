@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from hvdmagic import metric_rows, stacks
+from hvdmagic import metric_rows, rank_ranges, stacks
 from hvdmagic.kernel.cell_frames import CellFrames
 from hvdmagic.kernel.hang_notices import HangNotice, HangNotices
 from hvdmagic.kernel.history import MetricHistory
@@ -139,6 +139,8 @@ class RunRecord:
         self.error: BaseException | None = None
         self.timeline: str | None = None  # where rank 0 wrote a Horovod Timeline (--timeline)
         self.notes: list[str] = []  # sentences from the ranks, e.g. a scaled learning rate
+        self._ranked_notes: dict[str, list[int]] = {}  # a ranked note's text: the ranks that sent it
+        self._note_places: dict[str, int] = {}  # and where its sentence is in notes
         # The payload's large values on their way to the hosts (a SHIPPING event: text, bytes by
         # host), or None when every host had them already.
         self.shipping: dict | None = None
@@ -248,6 +250,8 @@ class RunRecord:
                 shown = event.get("transient") or (lines[-1] if lines else None)
                 if shown is not None:
                     record.last_line = shown
+            elif kind == Event.NOTE and event.get("ranked"):
+                self._ranked_note(str(event.get("text", "")), rank)
             elif kind == Event.NOTE:
                 once = event.get("once")
                 text = str(event.get("text", ""))
@@ -267,6 +271,15 @@ class RunRecord:
                         "stopped" if event.get("aborted") else "failed")
                     if record.state == "failed":
                         self._mark_failure(rank)
+
+    def _ranked_note(self, text: str, rank: int) -> None:
+        """One note for every rank that sent ``text``, naming them: "ranks 0, 2 on vm were spawned"."""
+        ranks = self._ranked_notes.setdefault(text, [])
+        if not ranks:
+            self.notes.append("")
+        ranks.append(rank)
+        said = text.replace("{ranks}", rank_ranges.label(ranks))
+        self.notes[self._note_places.setdefault(text, len(self.notes) - 1)] = said
 
     def _mark_failure(self, rank: int) -> None:
         """A rank's error: what it prints from now on follows it; and at the run's first, what the others

@@ -27,6 +27,7 @@ thread of its own: one selector loop, and SIGCHLD through a wakeup pipe.
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import hmac
 import io
 import json
@@ -55,6 +56,7 @@ class Orders:
 
     socket: str
     log: str  # our stderr, for the starter to quote if we fail to start; removed when we end
+    lock: str  # the file the tasks start us under (task.rank_template): removed when we end
     token: str
     modules: list[str]
     owner: int
@@ -223,6 +225,7 @@ def serve(orders: Orders) -> RankOrders | None:
                     return child
     listener.close()
     _unlink_own(orders.socket, ours)
+    _remove_start_lock(orders.lock)
     Path(orders.log).unlink(missing_ok=True)
     for conn in children.values():
         conn.close()
@@ -274,6 +277,24 @@ def _tell(conn: socket.socket, message: dict) -> None:
         send_message(conn, message)
     except OSError:
         pass
+
+
+def _remove_start_lock(path: str) -> None:
+    """Remove the lock file the tasks start this template under (``task.rank_template``), unless a task
+    holds it now (it starts the next template, which removes it in turn). A task that waited on the
+    removed file finds it gone once it has the lock, and locks the path's new one."""
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except FileNotFoundError:
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        if os.fstat(fd).st_ino == os.stat(path).st_ino:
+            os.unlink(path)
+    except OSError:
+        pass  # held, or gone already
+    finally:
+        os.close(fd)
 
 
 def _unlink_own(path: str, inode: int) -> None:

@@ -119,7 +119,7 @@ class HostTemplate:
         stem = here / name(secret, modules, self.env, self.owner)
         self.socket = stem.with_suffix(".sock")
         self.log = stem.with_name(f"{stem.name}-{os.getpid()}-{time.time_ns()}.log")  # each template its own
-        self.lock = stem.with_suffix(".lock")  # kept: a task may wait on it while another removes it
+        self.lock = stem.with_suffix(".lock")  # the template removes it as it ends (rank.template)
 
     def fork(self, env: dict[str, str], events_w: int, on_stage: Callable[[Stage], None]) -> AdoptedRank:
         """A rank forked from the template with this environment and the task's working directory.
@@ -139,10 +139,14 @@ class HostTemplate:
         if self._answers():
             return
         on_wait()
-        with open(self.lock, "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)  # the task that holds it starts the template, within START_WAIT
-            if not self._answers():
-                self._start()
+        while True:
+            with open(self.lock, "a") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)  # the task that holds it starts the template, within START_WAIT
+                if not _still_named(lock, self.lock):
+                    continue  # an ending template removed the file we waited on: lock the one there now
+                if not self._answers():
+                    self._start()
+                return
 
     def _ask(self, env: dict[str, str], events_w: int) -> AdoptedRank:
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -183,7 +187,8 @@ class HostTemplate:
             probe.close()
 
     def _start(self) -> None:
-        orders = {"socket": str(self.socket), "log": str(self.log), "token": self._token, "modules": list(self.modules),
+        orders = {"socket": str(self.socket), "log": str(self.log), "lock": str(self.lock), "token": self._token,
+                  "modules": list(self.modules),
                   "owner": self.owner, "idle": float(os.environ.get(IDLE_ENV, IDLE)),
                   "own_keys": list(OWN_KEYS), "own_prefixes": list(OWN_PREFIXES)}
         with open(self.log, "wb") as log:
@@ -203,6 +208,14 @@ class HostTemplate:
             proc.kill()
             raise Refused(f"the host's template did not start within {START_WAIT:.0f} s{_last_words(self.log)}")
         # A module the template could not import fails in the rank too, with the rank's own traceback.
+
+
+def _still_named(file, path: Path) -> bool:
+    """Whether the open ``file`` is still the one at ``path`` (not removed, nor replaced, meanwhile)."""
+    try:
+        return os.fstat(file.fileno()).st_ino == os.stat(path).st_ino
+    except FileNotFoundError:
+        return False
 
 
 def _line_within(stream, seconds: float) -> bytes:

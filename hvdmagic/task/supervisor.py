@@ -168,8 +168,8 @@ class Supervisor:
                 template = rank_template.HostTemplate(self.spec.template_secret, self.spec.template, env)
                 return template.fork(env, events_w, lambda stage: self._send(protocol.stage_reached(stage, rank=rank)))
             except rank_template.Refused as exc:
-                self._send(protocol.note(f"hvdmagic: ranks on {socket.gethostname()} were spawned, not forked "
-                                         f"from the host's template: {exc}.", rank=rank))
+                self._send(protocol.note(f"hvdmagic: {{ranks}} on {socket.gethostname()}: spawned, not forked "
+                                         f"from the host's template: {exc}.", rank=rank, ranked=True))
                 return spawn(env, events_w)
 
         return start
