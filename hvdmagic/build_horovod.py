@@ -323,12 +323,31 @@ def cuda_frameworks(frameworks: list[str]) -> list[str]:
 
 @functools.cache
 def cuda_build(name: str) -> bool:
-    probes = {
-        "pytorch": "import torch; print(bool(torch.version.cuda))",
-        "tensorflow": "import tensorflow as tf; print(tf.test.is_built_with_cuda())",
-    }
-    out = subprocess.run([sys.executable, "-c", probes[name]], capture_output=True, text=True)
+    if name == "pytorch":
+        return bool(torch_cuda()[0])
+    probe = "import tensorflow as tf; print(tf.test.is_built_with_cuda())"
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
     return out.returncode == 0 and out.stdout.strip().endswith("True")
+
+
+# What the build asks torch, in one import of it (seconds): its CUDA version, and the architectures it was
+# built for (get_arch_list() is [] without a GPU, so the compiler's flags).
+_TORCH_CUDA = """
+import json, torch
+cuda = torch.version.cuda or ""
+print(json.dumps([cuda, torch._C._cuda_getArchFlags() if cuda else ""]))
+"""
+
+
+@functools.cache
+def torch_cuda() -> tuple[str, str]:
+    """(the CUDA release torch was built for, "" for a CPU build; its architecture flags, "sm_80 sm_90")."""
+    out = subprocess.run([sys.executable, "-c", _TORCH_CUDA], capture_output=True, text=True)
+    try:
+        cuda, arches = json.loads(out.stdout.strip().splitlines()[-1])
+    except (IndexError, ValueError):
+        return "", ""
+    return str(cuda), str(arches)
 
 
 def usable_toolkit(nvcc: str) -> bool:
@@ -343,12 +362,11 @@ def usable_toolkit(nvcc: str) -> bool:
         log(f"nvcc ({nvcc}) has no CUDA runtime (headers and libcudart) beside it in {root}: building without "
             "NCCL (--gpu to insist, with HOROVOD_CUDA_HOME naming a whole toolkit)")
         return False
-    torch_cuda = subprocess.run([sys.executable, "-c", "import torch; print(torch.version.cuda or '')"],
-                                capture_output=True, text=True).stdout.strip()
+    torch_release = torch_cuda()[0]
     out = subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout
     toolkit = next((part.split(",")[0] for part in out.split("release ")[1:2]), "")
-    if torch_cuda and toolkit and torch_cuda.split(".")[0] != toolkit.split(".")[0]:
-        log(f"nvcc is CUDA {toolkit} but torch was built for CUDA {torch_cuda}: building without NCCL "
+    if torch_release and toolkit and torch_release.split(".")[0] != toolkit.split(".")[0]:
+        log(f"nvcc is CUDA {toolkit} but torch was built for CUDA {torch_release}: building without NCCL "
             "(--gpu to insist, with a matching HOROVOD_CUDA_HOME)")
         return False
     return True
@@ -365,9 +383,7 @@ def cuda_architectures() -> dict[str, str]:
     # Only "9.0"-like lines: an old driver answers "Field "compute_cap" is not a valid field", a MIG one "[N/A]".
     found = {line.strip().replace(".", "") for line in out.splitlines() if re.fullmatch(r"\d+\.\d+", line.strip())}
     if not found:
-        probe = "import torch; print(torch._C._cuda_getArchFlags())"  # get_arch_list() is [] without a GPU
-        found = {arch[3:] for arch in _output([sys.executable, "-c", probe]).split()
-                 if re.fullmatch(r"sm_\d+", arch)}
+        found = {arch[3:] for arch in torch_cuda()[1].split() if re.fullmatch(r"sm_\d+", arch)}
     if not found:
         return {}
     log(f"compiling horovod's CUDA kernels for sm_{', sm_'.join(sorted(found))}")

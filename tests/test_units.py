@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import shlex
 import socket
 import subprocess
@@ -385,10 +386,43 @@ def test_a_gpu_build_finds_nccl_in_the_nvidia_wheel_through_a_link_named_as_cmak
 def test_a_gpu_build_ignores_what_nvidia_smi_says_that_is_no_compute_capability(tmp_path, monkeypatch):
     from hvdmagic import build_horovod
 
-    smi = _nvidia_smi_answering(['Field "compute_cap" is not a valid field to query.', "[N/A]"], tmp_path, monkeypatch)
-    monkeypatch.setattr(build_horovod, "_output", lambda cmd: (
-        subprocess.run(cmd, capture_output=True, text=True).stdout if cmd[0] == str(smi) else "sm_80 sm_90"))
+    _nvidia_smi_answering(['Field "compute_cap" is not a valid field to query.', "[N/A]"], tmp_path, monkeypatch)
+    monkeypatch.setattr(build_horovod, "torch_cuda", lambda: ("12.8", "sm_80 sm_90"))
     assert build_horovod.cuda_architectures() == {"HOROVOD_BUILD_CUDA_CC_LIST": "80,90"}, "torch's list instead"
+
+
+def test_a_build_imports_torch_once_to_ask_what_it_was_built_for(tmp_path, monkeypatch):
+    """Whether torch is a CUDA build, for which CUDA release, for which architectures: one import (seconds)."""
+    from hvdmagic import build_horovod
+
+    build_horovod.torch_cuda.cache_clear()
+    build_horovod.cuda_build.cache_clear()
+    toolkit = tmp_path / "cuda"
+    (toolkit / "include").mkdir(parents=True)
+    (toolkit / "include" / "cuda_runtime.h").write_text("")
+    (toolkit / "lib64").mkdir()
+    (toolkit / "lib64" / "libcudart.so.12").write_text("")
+    (toolkit / "bin").mkdir()
+    nvcc = toolkit / "bin" / "nvcc"
+    nvcc.write_text("#!/bin/sh\necho 'Cuda compilation tools, release 12.8, V12.8.93'\n")
+    nvcc.chmod(0o755)
+    _nvidia_smi_answering(["[N/A]"], tmp_path, monkeypatch)
+    real_run, torch_imports = subprocess.run, []
+
+    def counting(cmd, *args, **kwargs):
+        if cmd[1:2] == ["-c"] and re.search(r"\bimport\b.*\btorch\b", cmd[2]):
+            torch_imports.append(cmd)
+        return real_run(cmd, *args, **kwargs)
+
+    monkeypatch.setattr(subprocess, "run", counting)
+    try:
+        build_horovod.cuda_build("pytorch")
+        build_horovod.usable_toolkit(str(nvcc))
+        build_horovod.cuda_architectures()
+    finally:
+        build_horovod.torch_cuda.cache_clear()
+        build_horovod.cuda_build.cache_clear()
+    assert len(torch_imports) == 1, torch_imports
 
 
 @pytest.mark.parametrize("visible, devices", [("0,1", ["0", "1"]), ("-1", []), ("", []), ("1,-1,0", ["1"])])
