@@ -14,7 +14,7 @@ from hvdmagic.kernel.record import RunRecord, set_last
 from hvdmagic.kernel.ui import make_view
 from hvdmagic.launch import Placement, ResultPolicy, UnsentResult, launch
 from hvdmagic.launch.shipment import Shipment
-from hvdmagic.rank.cell import CellFunction
+from hvdmagic.rank.cell import CELL_FILENAME, CellFunction, session_filename
 
 
 def execute(payload: Shipment, placement: Placement | None, *, timeout: float | None = None,
@@ -45,7 +45,7 @@ def execute(payload: Shipment, placement: Placement | None, *, timeout: float | 
     record.capture = captured
     record.charts_expected = charts_expected
     record.bars_expected = bars_expected
-    record.cell_frames = CellFrames(cell)
+    record.cell_frames = CellFrames(cell, session_filename(session.next_cell) if session is not None else CELL_FILENAME)
     env = dict(env or {})
     if timeline:
         record.timeline = str(Path(timeline).expanduser().resolve())

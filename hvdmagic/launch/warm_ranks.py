@@ -188,6 +188,11 @@ class Session:
             self._busy = False
             self._lock.release()
 
+    @property
+    def next_cell(self) -> int:
+        """The number the next cell gets: its ranks compile it as ``rank.cell.session_filename`` of it."""
+        return self._cells + 1
+
     def _run_cell(self, payload, on_event, timeout, stall_timeout, requests) -> list:
         self._cells += 1
         cell = self._cells

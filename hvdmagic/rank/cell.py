@@ -25,6 +25,12 @@ from typing import Any
 
 CELL_FILENAME = "<horovod-cell>"
 
+
+def session_filename(cell_id: int) -> str:
+    """The file a session's ranks compile its ``cell_id``-th cell into: each its own, since the
+    functions a cell defines live on in the ranks' namespace, and their frames name it later."""
+    return f"<horovod-cell-{cell_id}>"
+
 # filename -> how a rank's traceback names it ("Cell In[3]"); filled before the user's code runs.
 DISPLAY_NAMES: dict[str, str] = {}
 

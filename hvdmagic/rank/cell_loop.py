@@ -16,7 +16,7 @@ import threading
 from hvdmagic import protocol
 from hvdmagic.rank import telemetry
 from hvdmagic.rank.blobs import load_payload
-from hvdmagic.rank.cell import CellFunction
+from hvdmagic.rank.cell import CellFunction, session_filename
 from hvdmagic.rank.outcome import mark_output_end, report_error, report_result
 
 # Errors after which the ranks' collectives cannot be trusted: the session restarts its ranks.
@@ -40,7 +40,7 @@ def serve(rank: int, policy: str, stdin) -> int:
             in_cell.set()
             try:
                 if isinstance(fn, CellFunction):
-                    value = fn(namespace=namespace, filename=f"<horovod-cell-{cell}>")
+                    value = fn(namespace=namespace, filename=session_filename(cell))
                 else:
                     value = fn(*args, **kwargs)
             finally:
