@@ -158,6 +158,12 @@ class JobInterrupted(HvdmagicError):
         self.stacks = rank_stacks.trimmed(stacks)
         self.flight_records: dict[int, dict] = {}  # as JobFailed's
 
+    def __str__(self) -> str:
+        """The message, then where the ranks were in one sentence (made when shown, as JobFailed's)."""
+        where = rank_stacks.summary(self.stacks)
+        message = super().__str__()
+        return f"{message} {where[0].upper()}{where[1:]}." if where else message
+
     def _render_traceback_(self) -> list[str]:
         return super()._render_traceback_() + _stack_lines(self.stacks) + flight_records.describe(self.flight_records)
 

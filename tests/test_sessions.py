@@ -168,7 +168,9 @@ def test_a_rank_stuck_in_a_collective_makes_the_session_restart_its_ranks(sessio
     stuck = "\n".join(error._render_traceback_()).split("where the ranks were (most recent call first):\n")[1]
     assert stuck.startswith("rank 0:\n") and "in synchronize" in stuck, stuck  # inside the allreduce
     # The cell's line, the outermost Python frame (py-spy's native frames may follow).
-    assert re.search(r'File "<horovod-cell-\d+>", line 5 in <module>\n*(  native frames|$)', stuck), stuck
+    assert re.search(r"Cell In\[\d+\], line 5 in <module>\n.*allreduce.*\n*(  native frames|$)", stuck), stuck
+    # The message says where, in a sentence, before the stacks (issue 46).
+    assert re.search(r"\. Rank 0 waits in `allreduce` \(Cell In\[\d+\], line 5\)\.$", str(error)), error
     assert list(error.stacks) == [0] and hvdmagic.last_run().stacks == error.stacks
     wait_until_gone(list(old), within=10)
     _, error = run(session, "%%horovod\nlost")
