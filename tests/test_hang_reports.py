@@ -4,6 +4,7 @@ torch.distributed's DETAIL checks of mismatched collectives (%%torchrun --debug)
 from __future__ import annotations
 
 import io
+import re
 import threading
 import time
 
@@ -205,6 +206,9 @@ def test_horovods_stall_report_becomes_a_notice_within_stall_check_plus_5_s(ip, 
                                          lambda: f"no hang notice {stall_check + 5} s after ranks 0 and 2 entered "
                                                  f"the allreduce; rank 0's log:\n{record.logs[0]}")
             seen["after"] = time.monotonic() - start
+            # The notice asks where the ranks are: it says so once they answer (a second here).
+            seen["where"] = wait_until(lambda: len(record.where) == 3 and record.hang_notices[0].where, 30,
+                                       lambda: f"the notice never said where all 3 were: {record.hang_notices}")
         except BaseException as exc:
             seen["error"] = exc
         finally:
@@ -229,6 +233,9 @@ def test_horovods_stall_report_becomes_a_notice_within_stall_check_plus_5_s(ip, 
     assert seen["notices"][0].text() == expected, seen
     record = hvdmagic.last_run()
     assert record.hang_notices[0].text() == expected and record.hang_notices[0].reporter == 0
+    assert re.fullmatch(r"rank 1 is at Cell In\[\d+\], line [67]; ranks 0, 2 wait in `allreduce` "
+                        r"\(Cell In\[\d+\], line 10\)", seen["where"]), seen["where"]
+    assert record.hang_notices[0].line().endswith(f". {seen['where'][0].upper()}{seen['where'][1:]}.")
     out = capfd.readouterr().out
     assert f"hvdmagic: {expected} (Horovod's stall check)" in out, out  # the text view, as it came
     summary = out.rsplit("%%horovod np=3 (local):", 1)[1]

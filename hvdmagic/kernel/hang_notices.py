@@ -140,6 +140,9 @@ class HangNotice:
     truncated: frozenset[int] = frozenset()
     shutdown: int | None = None
     reports: int = 1
+    # Where the ranks were, asked when the notice came (``stacks.summary``): "rank 1 is in `load`
+    # (Cell In[3], line 4); ranks 0, 2 wait in `allreduce` (Cell In[5], line 9)"; "" until they answer.
+    where: str = ""
 
     @classmethod
     def of(cls, report: StallReport, *, size: int, reporter: int, now: float) -> HangNotice:
@@ -173,8 +176,9 @@ class HangNotice:
         return text
 
     def line(self) -> str:
-        """``text()`` with where it comes from: what the views print."""
-        return f"{self.text()} (Horovod's stall check)"
+        """``text()`` with where it comes from, and where the ranks were once they answered: what the views print."""
+        return f"{self.text()} (Horovod's stall check)" + (f". {self.where[0].upper()}{self.where[1:]}." if self.where
+                                                          else "")
 
     def __str__(self) -> str:
         return self.text()

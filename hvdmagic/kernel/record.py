@@ -216,6 +216,8 @@ class RunRecord:
                 return
             if kind == Event.STACKS:
                 self.where[rank] = self.cell_frames.named(stacks.user_stacks(str(event.get("text", "")).splitlines()))
+                if self._hangs.notices and self._hangs.notices[-1].first_seen <= (self.where_asked or 0):
+                    self._hangs.notices[-1].where = stacks.summary(self.where)
                 return
             if kind == Event.FLIGHT_RECORD:
                 self.flight_records[rank] = event.get("digest") or {}
@@ -244,7 +246,11 @@ class RunRecord:
                 record.logs.extend((stream, line) for line in lines)
                 record.quiet.extend(line for line in lines if is_startup_noise(line))
                 if stream == "stderr":  # Horovod's stall reports: a notice says them, the live lines need not
+                    notices = len(self._hangs.notices)
                     lines = self._hangs.read(rank, lines, size=self.world_size, now=time.time())
+                    if len(self._hangs.notices) > notices:  # a new stall: its notice says where the ranks are
+                        self.where, self.where_asked = {}, time.time()
+                        self.requests.put(Event.STACKS)
                 lines = [line for line in lines if not is_startup_noise(line)]
                 self.all_logs.extend((rank, stream, line) for line in lines)
                 shown = event.get("transient") or (lines[-1] if lines else None)

@@ -718,7 +718,7 @@ class Dashboard:
 
     def _draw_hangs(self) -> None:
         notices = self.record.hang_notices
-        drawn = tuple((notice.text(), notice.reports) for notice in notices)
+        drawn = tuple((notice.line(), notice.reports) for notice in notices)
         if drawn == self._drawn_hangs:
             return
         self._drawn_hangs = drawn

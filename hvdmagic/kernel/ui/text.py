@@ -138,7 +138,7 @@ class TextView:
         with self._lock:
             self._hang_timer = None
             for index, notice in enumerate(self.record.hang_notices):
-                text = notice.text()
+                text = notice.line()
                 if index < len(self._hangs_said) and self._hangs_said[index] == text:
                     continue
                 self._hangs_said[index:index + 1] = [text]
