@@ -470,3 +470,46 @@ def checked_cell(ip, source: str):
         raise RuntimeError(f"{source.splitlines()[0]} failed: {outcome.error_in_exec or outcome.error_before_exec!r}\n"
                            f"{output[-3000:]}")
     return outcome.result, started, ended
+
+
+class Kernel:
+    """A python3 Jupyter kernel of this virtualenv (jupyter_client), as a front end runs one: the benchmarks
+    that time what a user waits for use it. ``env`` goes over this process's environment (None removes a
+    variable; widgets are on unless it sets HVDMAGIC_NONINTERACTIVE), with Spark on loopback."""
+
+    def __init__(self, env: dict[str, str | None] | None = None, cwd: Path = ROOT, name: str = "kernel"):
+        from jupyter_client.manager import start_new_kernel
+
+        merged = {**os.environ, "SPARK_LOCAL_IP": "127.0.0.1"}
+        for key, value in {"JPY_SESSION_NAME": None, **(env or {})}.items():
+            if value is None:
+                merged.pop(key, None)
+            else:
+                merged[key] = value
+        self.name = name
+        self.manager, self.client = start_new_kernel(kernel_name="python3", env=merged, cwd=str(cwd))
+
+    def execute(self, code: str, timeout: float = 300, on_message=None, must_fail: bool = False):
+        """Run a cell: (seconds from the execute request to the kernel's idle, the reply's content, what
+        it printed). Raises RuntimeError when the cell failed, or with ``must_fail`` when it did not.
+        ``on_message`` sees every iopub message of the cell."""
+        printed: list[str] = []
+
+        def hook(message: dict) -> None:
+            if message["msg_type"] == "stream":
+                printed.append(message["content"]["text"])
+            if on_message is not None:
+                on_message(message)
+
+        started = time.perf_counter()
+        reply = self.client.execute_interactive(code, timeout=timeout, output_hook=hook)
+        seconds = time.perf_counter() - started
+        content = reply["content"]
+        if (content["status"] == "ok") == must_fail:
+            said = "did not fail" if must_fail else f"failed: {content.get('ename')}: {content.get('evalue')}"
+            raise RuntimeError(f"{self.name}: {code.splitlines()[0]!r} {said}\n{''.join(printed)[-3000:]}")
+        return seconds, content, "".join(printed)
+
+    def stop(self) -> None:
+        self.client.stop_channels()
+        self.manager.shutdown_kernel(now=True)

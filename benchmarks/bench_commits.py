@@ -24,11 +24,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -40,40 +38,19 @@ SETUP = "import horovod.torch as hvd\nhvd.init()\n"
 CELLS = {"fresh": "%%horovod --np {np}\n" + SETUP + "hvd.rank()\n", "session": "%%horovod\nhvd.rank()\n"}
 
 
-class Kernel:
-    """One Jupyter kernel whose hvdmagic comes from ``source``."""
+class Kernel(_common.Kernel):
+    """One Jupyter kernel whose hvdmagic comes from ``source``, widgets on as in any Jupyter front end."""
 
     def __init__(self, name: str, source: Path):
-        from jupyter_client.manager import start_new_kernel
-
-        env = {**os.environ, "PYTHONPATH": str(source), "SPARK_LOCAL_IP": "127.0.0.1"}
-        env.pop("HVDMAGIC_NONINTERACTIVE", None)  # widgets, as in any Jupyter front end
-        self.name = name
-        self.manager, self.client = start_new_kernel(kernel_name="python3", env=env, cwd=str(source))
+        super().__init__({"PYTHONPATH": str(source), "HVDMAGIC_NONINTERACTIVE": None}, cwd=source, name=name)
 
     def run(self, code: str, timeout: float = 300) -> float:
         """Seconds from the execute request to the kernel's idle; raises if the cell failed."""
-        start = time.perf_counter()
-        reply = self.client.execute_interactive(code, timeout=timeout, output_hook=lambda message: None)
-        elapsed = time.perf_counter() - start
-        if reply["content"]["status"] != "ok":
-            raise RuntimeError(f"{self.name}: {code!r} failed: {reply['content'].get('evalue')}")
-        return elapsed
+        return self.execute(code, timeout)[0]
 
     def where_from(self) -> str:
         """The file its hvdmagic was imported from: the comparison means nothing if both are the same."""
-        printed: list[str] = []
-
-        def keep(message: dict) -> None:
-            if message["msg_type"] == "stream":
-                printed.append(message["content"]["text"])
-
-        self.client.execute_interactive("import hvdmagic; print(hvdmagic.__file__)", timeout=60, output_hook=keep)
-        return "".join(printed).strip()
-
-    def close(self) -> None:
-        self.client.stop_channels()
-        self.manager.shutdown_kernel(now=True)
+        return self.execute("import hvdmagic; print(hvdmagic.__file__)", timeout=60)[2].strip()
 
 
 def main() -> None:
@@ -111,7 +88,7 @@ def main() -> None:
                 print(f"round {r + 1}/{args.rounds}", file=sys.stderr, flush=True)
         finally:
             for kernel in kernels.values():
-                kernel.close()
+                kernel.stop()
 
     figures = {"base": base_rev, "np": args.np, "origins": origins, "environment": _common.environment(),
                "cells": {cell: {"base": _common.describe(s["base"]), "this": _common.describe(s["this"]),

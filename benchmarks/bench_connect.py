@@ -60,40 +60,21 @@ PHASES = ("import hvdmagic\nr = hvdmagic.last_run()\n"
           "{str(s): t - r.started for s, t in r.stage_reached.items()})))")
 
 
-class Kernel:
-    """A python3 kernel from this virtualenv (jupyter_client), text view, with a session of one kind."""
+class Kernel(_common.Kernel):
+    """A python3 kernel from this virtualenv, text view, with a session of one kind."""
 
     def __init__(self, session_code: str):
-        from jupyter_client.manager import start_new_kernel
-
-        env = {key: value for key, value in os.environ.items() if key not in ("JPY_SESSION_NAME",)}
-        env.update(HVDMAGIC_NONINTERACTIVE="1", SPARK_LOCAL_IP="127.0.0.1", PYSPARK_PYTHON=sys.executable)
-        self.manager, self.client = start_new_kernel(kernel_name="python3", env=env, cwd=str(ROOT))
+        super().__init__({"HVDMAGIC_NONINTERACTIVE": "1", "PYSPARK_PYTHON": sys.executable})
         self.run("%load_ext hvdmagic\nfrom pyspark.sql import SparkSession\n" + session_code
                  + "\nspark.range(1).count()", timeout=300)
 
     def run(self, code: str, timeout: float = 300) -> tuple[float, str]:
         """Run a cell: (seconds from the execute request to the kernel's idle, what it printed)."""
-        texts: list[str] = []
-
-        def keep(message: dict) -> None:
-            if message["msg_type"] == "stream":
-                texts.append(message["content"]["text"])
-
-        started = time.perf_counter()
-        reply = self.client.execute_interactive(code, timeout=timeout, output_hook=keep)
-        seconds = time.perf_counter() - started
-        if reply["content"]["status"] != "ok":
-            raise RuntimeError(f"{code.splitlines()[0]!r} failed: {reply['content'].get('ename')}: "
-                               f"{reply['content'].get('evalue')}\n{''.join(texts)[-3000:]}")
-        return seconds, "".join(texts)
+        seconds, _, printed = self.execute(code, timeout)
+        return seconds, printed
 
     def value(self, code: str):
         return ast.literal_eval(self.run(code)[1].strip().splitlines()[-1])
-
-    def stop(self) -> None:
-        self.client.stop_channels()
-        self.manager.shutdown_kernel(now=True)
 
 
 def timed_cell(kernel: Kernel, kind: str) -> dict:

@@ -1235,32 +1235,17 @@ STAGES_CELL = "import json, hvdmagic\nprint(json.dumps(hvdmagic.last_run().timin
 START_STAGES = ("rank processes starting", "importing into the template", "forking from the template", "importing")
 
 
-class TimedKernel:
+class TimedKernel(_common.Kernel):
     """A python3 kernel of this virtualenv, widgets on, its own embedded Spark: cells timed from the
     execute request to the kernel's idle, as a user waits for them."""
 
     def __init__(self, template: bool):
-        from jupyter_client.manager import start_new_kernel
-
-        env = {key: value for key, value in os.environ.items()
-               if key not in ("HVDMAGIC_NONINTERACTIVE", "JPY_SESSION_NAME")}
-        env["HVDMAGIC_TEMPLATE"] = "1" if template else "0"
-        self.manager, self.client = start_new_kernel(kernel_name="python3", env=env, cwd=str(ROOT))
+        super().__init__({"HVDMAGIC_NONINTERACTIVE": None, "HVDMAGIC_TEMPLATE": "1" if template else "0"})
         self.run("%load_ext hvdmagic")
 
     def run(self, code: str, timeout: float = 600) -> tuple[float, str]:
-        texts: list[str] = []
-
-        def keep(message: dict) -> None:
-            if message["msg_type"] == "stream":
-                texts.append(message["content"]["text"])
-
-        start = time.perf_counter()
-        reply = self.client.execute_interactive(code, timeout=timeout, output_hook=keep)
-        seconds = time.perf_counter() - start
-        if reply["content"]["status"] != "ok":
-            raise RuntimeError(f"{code.splitlines()[0]!r} failed: {reply['content'].get('evalue')}")
-        return seconds, "".join(texts)
+        seconds, _, printed = self.execute(code, timeout)
+        return seconds, printed
 
     def cell(self, code: str) -> dict:
         seconds, _ = self.run(code)
@@ -1269,10 +1254,6 @@ class TimedKernel:
         return {"wall": seconds, "stages": stages,
                 "before_code": sum(v for k, v in stages.items() if k in START_STAGES),
                 "before_training": sum(v for k, v in stages.items() if k != "training")}
-
-    def stop(self) -> None:
-        self.client.stop_channels()
-        self.manager.shutdown_kernel(now=True)
 
 
 def bench_template(rounds: int, fresh: int, keras: bool) -> dict:

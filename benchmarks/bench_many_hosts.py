@@ -109,7 +109,7 @@ def _printed(kernel, code: str) -> dict:
 
 
 class _Kernel:
-    """bench_quick_cells' Kernel, plus what a cell printed."""
+    """bench_quick_cells' Kernel, plus what a cell printed, or the error of a cell that must fail."""
 
     def __init__(self):
         from benchmarks.bench_quick_cells import Kernel
@@ -120,32 +120,19 @@ class _Kernel:
         return self.kernel.run(code, timeout=timeout)
 
     def run_capturing(self, code: str, timeout: float = 120) -> str:
-        out: list[str] = []
-
-        def keep(message: dict) -> None:
-            if message["msg_type"] == "stream":
-                out.append(message["content"]["text"])
-
-        reply = self.kernel.client.execute_interactive(code, timeout=timeout, output_hook=keep)
-        if reply["content"]["status"] != "ok":
-            raise RuntimeError(f"{code.splitlines()[0]!r} failed: {reply['content'].get('evalue')}")
-        return "".join(out)
+        return self.kernel.execute(code, timeout)[2]
 
     def failing(self, code: str, timeout: float = 900) -> str:
         """Run a cell that must fail: the error's text as the notebook shows it."""
-        out: list[str] = []
+        errors: list[str] = []
 
         def keep(message: dict) -> None:
-            content = message["content"]
             if message["msg_type"] == "error":
-                out.append("\n".join(content.get("traceback", [])) or content.get("evalue", ""))
-            elif message["msg_type"] == "stream":
-                out.append(content["text"])
+                content = message["content"]
+                errors.append("\n".join(content.get("traceback", [])) or content.get("evalue", ""))
 
-        reply = self.kernel.client.execute_interactive(code, timeout=timeout, output_hook=keep)
-        if reply["content"]["status"] == "ok":
-            raise RuntimeError(f"{code.splitlines()[0]!r} should have failed")
-        return "".join(out)
+        _, _, printed = self.kernel.execute(code, timeout, on_message=keep, must_fail=True)
+        return printed + "".join(errors)
 
     def stats(self) -> dict:
         return json.loads(ast.literal_eval(self.run("_bench_read()")["result"]))

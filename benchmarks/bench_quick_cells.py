@@ -30,7 +30,6 @@ that X did not change, since nothing is sent. It prints a table and writes every
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import time
@@ -57,16 +56,11 @@ LABELS = {"widgets_delay_0": "widgets, delay 0 (before)", "widgets_default_delay
 GOAL_MS = 20.0  # median of a trivial session cell, widgets on
 
 
-class Kernel:
+class Kernel(_common.Kernel):
     """A python3 kernel from this virtualenv, widgets on."""
 
     def __init__(self):
-        from jupyter_client.manager import start_new_kernel
-
-        env = {**os.environ, "SPARK_LOCAL_IP": "127.0.0.1"}
-        for name in ("HVDMAGIC_NONINTERACTIVE", "HVDMAGIC_DASHBOARD_DELAY", "JPY_SESSION_NAME"):
-            env.pop(name, None)
-        self.manager, self.client = start_new_kernel(kernel_name="python3", env=env, cwd=str(ROOT))
+        super().__init__({"HVDMAGIC_NONINTERACTIVE": None, "HVDMAGIC_DASHBOARD_DELAY": None})
 
     def run(self, code: str, timeout: float = 300) -> dict:
         """Run a cell: seconds from the execute request to the kernel's idle, and what it sent on iopub."""
@@ -88,21 +82,13 @@ class Kernel:
             elif kind == "execute_result":
                 counts["result"] = content["data"].get("text/plain")
 
-        start = time.perf_counter()
-        reply = self.client.execute_interactive(code, timeout=timeout, output_hook=count)
-        seconds = time.perf_counter() - start
-        if reply["content"]["status"] != "ok":
-            raise RuntimeError(f"{code.splitlines()[0]!r} failed: {reply['content'].get('evalue')}")
+        seconds, _, _ = self.execute(code, timeout, on_message=count)
         return {"seconds": seconds, **counts}
 
     def use(self, kind: str) -> None:
         lines = ["import os"] + [f"os.environ[{name!r}] = {value!r}" if value is not None
                                  else f"os.environ.pop({name!r}, None)" for name, value in KINDS[kind].items()]
         self.run("\n".join(lines))
-
-    def stop(self) -> None:
-        self.client.stop_channels()
-        self.manager.shutdown_kernel(now=True)
 
 
 def measure(kernel: Kernel, kinds: list[str], source: str, rounds: int) -> dict:

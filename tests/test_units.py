@@ -458,3 +458,13 @@ def test_the_stall_clock_holds_while_any_rank_imports_a_framework():
     assert clock.stalled([0, 1], 36.0, 4) == [0, 1]
     clock.saw({"type": "stage", "rank": 0, "stage": "importing into the template"}, 36.0)
     assert clock.stalled([0, 1], 50.0, 4) == []  # a template's imports hold them too
+
+
+@pytest.mark.unit
+def test_the_benchmarks_start_their_kernels_in_one_place():
+    """benchmarks/_common.Kernel starts a Jupyter kernel for every benchmark that times one (issue 46)."""
+    from pathlib import Path
+
+    benchmarks = Path(__file__).resolve().parents[1] / "benchmarks"
+    starting = sorted(path.name for path in benchmarks.glob("*.py") if "start_new_kernel" in path.read_text())
+    assert starting == ["_common.py"], starting
