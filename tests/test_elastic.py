@@ -14,6 +14,7 @@ import re
 import signal
 import socket
 import sys
+import time
 import urllib.error
 import urllib.request
 
@@ -208,6 +209,7 @@ def loop(state):
 
 loop(state)
 """)
+    wait_until(lambda: probes, 60, "the driver never probed task 1")  # on a thread of its own
     assert probes == ["unreachable"], probes
     assert isinstance(error, JobFailed), error
     assert "ValueError: bad shard on task 1" in str(error) and "NoValidAddressesFound" not in str(error), error
@@ -233,6 +235,18 @@ def test_a_running_rank_the_driver_cannot_reach_fails_the_run_naming_the_network
     assert f"unable to connect to worker notification service on any of the following addresses: " \
            f"{{'lo': [('127.0.0.1', {port})]}}" in text, text
     wait_until_gone([p.pid for p in rank_processes()], within=10)
+
+
+def test_a_slow_probe_of_a_rank_holds_back_no_event(monkeypatch):
+    """Registering a rank probes its notification service, which takes up to 3 × 20 s where packets
+    are dropped (here: 20 s before the probe). The probe runs on a thread of its own: the job reads
+    every rank's output and results meanwhile, and the run ends long before the probe (issue 46)."""
+    probes = _driver_probing_task_1(monkeypatch, lambda addresses: (time.sleep(20), addresses)[1])
+    started = time.monotonic()
+    results = hvdmagic.run(train, -2, 10, min_np=1)
+    took = time.monotonic() - started
+    assert len(results) == 2 and took < 20, (took, results)
+    assert probes == [], "the run waited for the probe"
 
 
 # Bad elastic arguments (--min-np, --max-np, ...): test_magic_local.py::test_bad_arguments_are_usage_errors.

@@ -101,6 +101,7 @@ class ElasticJob(Job):
         # By row: Horovod's error from probing the rank's notification service, and until when the
         # rank's end may still explain it (ENDED_RANK_NEWS_WAIT).
         self._unreachable: dict[int, tuple[str, float]] = {}
+        self._ended_news: set[int] = set()  # rows whose rank's result, error or exit came since it registered
 
     # -- the driver Horovod talks to --------------------------------------------
     def _make_rendezvous(self):
@@ -193,6 +194,25 @@ class ElasticJob(Job):
         if why:
             raise self._failed(f"Horovod's elastic driver stopped the run: {str(why).strip()}")
 
+    def _register(self, rank: int, event: dict) -> None:
+        """Register a rank's notification service with Horovod's driver, which probes it first."""
+        from horovod.runner.common.util.network import NoValidAddressesFound
+
+        host, _, local_rank = str(event.get("key", "")).rpartition(":")
+        addresses = {nic: [tuple(address) for address in listed]
+                     for nic, listed in (event.get("addresses") or {}).items()}
+        try:
+            self._driver.register_worker_server(host, int(local_rank), addresses, base64.b64decode(event["secret"]))
+        except NoValidAddressesFound as unreachable:
+            # The notification service ends with the rank's process: a rank whose cell raised (or
+            # returned) at once can be gone before the probe. Then its result, error or exit is the
+            # news, not Horovod's: the failure waits for it, and only a rank that goes on running
+            # fails the run as unreachable (_unreachable_running_rank).
+            with self._lock:
+                if rank not in self._ended_news:
+                    self._unreachable[rank] = (" ".join(str(unreachable).split()),
+                                               time.monotonic() + ENDED_RANK_NEWS_WAIT)
+
     def _unreachable_running_rank(self) -> str | None:
         """Why the run cannot go on, when a rank whose notification service the driver could not
         reach still runs ENDED_RANK_NEWS_WAIT later: the driver could never tell it that hosts
@@ -200,7 +220,9 @@ class ElasticJob(Job):
         if self._errors:
             return None  # an exception in a cell fails the run: the rank's own error is the news
         now = time.monotonic()
-        for row, (horovod_says, news_by) in self._unreachable.items():
+        with self._lock:
+            unreachable = list(self._unreachable.items())
+        for row, (horovod_says, news_by) in unreachable:
             if now > news_by:
                 return (f"Horovod's elastic driver cannot reach the notification service of task {row}'s rank, "
                         f"which still runs, to tell it when hosts come or go: {horovod_says}")
@@ -243,7 +265,8 @@ class ElasticJob(Job):
                 with self._lock:
                     task.gone = True
                 task.ended.set()
-                self._unreachable.pop(task.row, None)  # its rank went with it
+                with self._lock:
+                    self._unreachable.pop(task.row, None)  # its rank went with it
                 if not self._done.is_set() and task.exit_code is None:
                     self._lose(task.row, "its Spark task or executor was lost")
             return
@@ -252,24 +275,16 @@ class ElasticJob(Job):
             return
         if kind in (Event.RESULT, Event.ERROR, Event.EXIT):
             # The rank's cell or process ended: the notification service that went with it is no news.
-            self._unreachable.pop(rank, None)
+            with self._lock:
+                self._unreachable.pop(rank, None)
+                self._ended_news.add(rank)
         if kind == Event.WORKER:
-            host, _, local_rank = str(event.get("key", "")).rpartition(":")
-            addresses = {nic: [tuple(address) for address in listed]
-                         for nic, listed in (event.get("addresses") or {}).items()}
-            from horovod.runner.common.util.network import NoValidAddressesFound
-
-            try:
-                self._driver.register_worker_server(host, int(local_rank), addresses,
-                                                    base64.b64decode(event["secret"]))
-            except NoValidAddressesFound as unreachable:
-                # Registering probes the rank's notification service, which ends with the rank's
-                # process: a rank whose cell raised (or returned) at once can be gone before this
-                # event is read. Then its result, error or exit, queued behind this event, is the news,
-                # not Horovod's: the failure waits for it, and only a rank that goes on running
-                # fails the run as unreachable (_unreachable_running_rank).
-                self._unreachable[rank] = (" ".join(str(unreachable).split()),
-                                           time.monotonic() + ENDED_RANK_NEWS_WAIT)
+            with self._lock:
+                self._ended_news.discard(rank)  # a new rank of this task registers
+            # Registering probes the rank's notification service, up to 3 × 20 s where packets are
+            # dropped: on a thread of its own, so that this loop goes on reading every rank's events.
+            threading.Thread(target=self._register, args=(rank, event), name="hvdmagic-elastic-register",
+                             daemon=True).start()
             self._set_world(rank, event)
             return
         if kind == Event.RESET:
