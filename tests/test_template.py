@@ -4,6 +4,7 @@ case where a fork would not give what a spawn gives falls back to the spawn, wit
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -285,3 +286,28 @@ def test_the_frameworks_a_function_or_cell_imports_are_what_its_template_imports
                                       "tensorflow.keras"]
     assert pack((train, (), {}), imports=modules_imported(tree)).imports == (
         "torch", "horovod.torch", "torch.utils.data", "tensorflow.keras")
+
+
+@pytest.mark.unit
+def test_the_file_watch_names_what_changed_and_says_when_it_cannot_know(tmp_path):
+    from hvdmagic.rank.file_watch import FileWatch
+
+    package = tmp_path / "package"
+    package.mkdir()
+    files = [package / "a.py", package / "b.py"]
+    for path in files:
+        path.write_text("x = 1\n")
+    watch = FileWatch(str(path) for path in files)
+    assert watch.changed() == set()
+    files[0].write_text("x = 2\n")
+    os.utime(files[1])
+    (package / "unrelated.txt").write_text("")  # not one of the files: no news
+    assert watch.changed() == {str(files[0]), str(files[1])}
+    assert watch.changed() == set(), "each event once"
+    replacement = package / "a.py.new"
+    replacement.write_text("x = 3\n")
+    os.replace(replacement, files[0])  # pip replaces a file so
+    assert watch.changed() == {str(files[0])}
+    shutil.rmtree(package)
+    assert watch.changed() is None, "its directory gone: any file may have changed"
+    watch.close()

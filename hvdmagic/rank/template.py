@@ -42,6 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hvdmagic.protocol import EVENT_FD_ENV, read_message, send_message
+from hvdmagic.rank.file_watch import FileWatch
 
 FDS = 4  # the rank's stdin, stdout, stderr and event pipe
 OWNER_POLL = 1.0  # seconds between checks that the owner lives, where no pidfd can tell at once
@@ -82,7 +83,8 @@ class Template:
         self.import_threads: set[str] = set()
         self.stamps: dict[str, tuple[int, int]] = {}
         self.env = dict(os.environ)
-        self.stale = False  # a module changed on disk: refuse every fork, and end once the ranks have
+        self.stale = ""  # which module changed on disk: refuse every fork, and end once the ranks have
+        self.watch: FileWatch | None = None  # which of the stamped files may have changed (rank.file_watch)
 
     def load(self) -> None:
         """Import the modules, noting the threads their imports started and the files they came from."""
@@ -93,15 +95,17 @@ class Template:
             except Exception:  # the rank meets the same error when it imports, with its own traceback
                 continue
         self.import_threads = _threads() - before
-        for module in list(sys.modules.values()):
-            path = getattr(module, "__file__", None)
-            # A few modules name a relative file (torch's ``_ops.py``): not one to stat from any directory.
-            if path and os.path.isabs(path) and _heavy(module.__name__, self.orders.modules):
-                try:
-                    stat = os.stat(path)
-                except OSError:
-                    continue
-                self.stamps[path] = (stat.st_size, stat.st_mtime_ns)
+        # A few modules name a relative file (torch's ``_ops.py``): not one to stat from any directory.
+        paths = [path for module in list(sys.modules.values())
+                 if (path := getattr(module, "__file__", None)) and os.path.isabs(path)
+                 and _heavy(module.__name__, self.orders.modules)]
+        self.watch = FileWatch(paths)  # first: a change after it is an event, one before it a stamp
+        for path in paths:
+            try:
+                stat = os.stat(path)
+            except OSError:
+                continue
+            self.stamps[path] = (stat.st_size, stat.st_mtime_ns)
 
     def unsafe(self, env: dict[str, str]) -> str:
         """Why a fork now would not give the rank a spawned rank would be; "" when it is safe."""
@@ -109,15 +113,19 @@ class Template:
         if extra > 0:
             return (f"the template runs {extra} thread(s) besides the libraries' own pools, and a fork could "
                     f"deadlock on a lock one of them holds")
-        for path, stamp in self.stamps.items():
+        if self.stale:
+            return self.stale
+        changed = self.watch.changed() if self.watch is not None else None
+        for path in self.stamps if changed is None else changed & self.stamps.keys():
+            stamp = self.stamps[path]
             try:
                 stat = os.stat(path)
                 now = (stat.st_size, stat.st_mtime_ns)
             except OSError:
                 now = None
             if now != stamp:
-                self.stale = True
-                return f"{path} changed on disk since the template imported it"
+                self.stale = f"{path} changed on disk since the template imported it"
+                return self.stale
         return self.environment_differs(env) or initialised()
 
     def environment_differs(self, env: dict[str, str]) -> str:
@@ -257,6 +265,8 @@ def _answer(template: Template, conn: socket.socket, children: dict[int, socket.
     pid = os.fork()
     if pid == 0:
         conn.close()
+        if template.watch is not None:
+            template.watch.close()
         for other in children.values():
             other.close()
         return RankOrders(fds, env, cwd, peer_pid)
