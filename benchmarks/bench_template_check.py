@@ -22,7 +22,7 @@ def main() -> None:
     parser.add_argument("--modules", default="torch,horovod.torch", help="what the template imports")
     args = parser.parse_args()
     template = Template(Orders(socket="", log="", lock="", token="", modules=args.modules.split(","),
-                               owner=os.getpid(), idle=1.0, own_keys=[], own_prefixes=[]))
+                               owner=os.getpid(), idle=1.0, idle_cap=3, own_keys=[], own_prefixes=[]))
     template.load()
     watch = template.watch
     env = dict(os.environ)

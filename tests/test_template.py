@@ -169,7 +169,7 @@ def test_the_template_refuses_a_rank_whose_environment_differs():
 def rank_template_orders():
     from hvdmagic.rank.template import Orders
 
-    return Orders(socket="", log="", lock="", token="", modules=[], owner=os.getpid(), idle=1.0,
+    return Orders(socket="", log="", lock="", token="", modules=[], owner=os.getpid(), idle=1.0, idle_cap=3,
                   own_keys=list(rank_template.OWN_KEYS), own_prefixes=list(rank_template.OWN_PREFIXES))
 
 
@@ -232,6 +232,18 @@ def test_an_idle_template_ends_and_leaves_no_file(monkeypatch):
     assert _gone_within(template, DEADLINE), "the idle template did not end"
     left = set(rank_template.directory().iterdir()) - before
     assert not left, f"the ended template left {sorted(p.name for p in left)}"
+
+
+def test_idle_templates_beyond_the_cap_end_oldest_first(monkeypatch):
+    """Two environments, two templates; with a cap of one idle template, the older one ends (issue 46)."""
+    monkeypatch.setenv(rank_template.IDLE_CAP_ENV, "1")
+    monkeypatch.setenv("TEMPLATE_TEST_TAG", "capped-older")
+    older = _template_pid()
+    monkeypatch.setenv("TEMPLATE_TEST_TAG", "capped-newer")
+    newer = _template_pid()
+    assert older != newer
+    assert _gone_within(older, DEADLINE), "the older idle template outlived the cap"
+    assert _alive(newer), "the newest idle template ended too"
 
 
 def test_a_request_without_the_kernels_token_forks_nothing(monkeypatch):

@@ -62,6 +62,7 @@ class Orders:
     modules: list[str]
     owner: int
     idle: float
+    idle_cap: int  # idle templates of this user on this host that may stay: the oldest idle one beyond them ends
     # Variables a rank sets for itself after the fork: the rest of its environment must be the template's.
     own_keys: list[str]
     own_prefixes: list[str]
@@ -201,11 +202,17 @@ def serve(orders: Orders) -> RankOrders | None:
         owner_fd = None
     children: dict[int, socket.socket] = {}
     idle_since = time.monotonic()
+    was_busy = None
     while True:
+        if bool(children) != was_busy:  # what the other templates read: since when this one is idle
+            was_busy = bool(children)
+            _say_idle_since(orders.socket, None if was_busy else time.time())
         if template.stale:
             # New tasks find no template here and start a new one; requests already made are refused.
             _unlink_own(orders.socket, ours)
         elif not children and time.monotonic() - idle_since > orders.idle:
+            break
+        elif not children and _newer_idle_ones(orders.socket) >= orders.idle_cap:
             break
         if owner_fd is None and not _alive(orders.owner):
             break
@@ -287,6 +294,47 @@ def _tell(conn: socket.socket, message: dict) -> None:
         send_message(conn, message)
     except OSError:
         pass
+
+
+# An idle template's socket has the time it went idle as its mtime; a busy one's, this (2100-01-01):
+# never the oldest idle one.
+_BUSY = 4102444800.0
+
+
+def _say_idle_since(socket_path: str, since: float | None) -> None:
+    try:
+        os.utime(socket_path, (time.time(), _BUSY if since is None else since))
+    except OSError:
+        pass
+
+
+def _newer_idle_ones(own: str) -> int:
+    """How many templates of this user on this host have been idle for less time than this one: each
+    idle template ends once the cap's number of them are newer, so the newest ``idle_cap`` stay."""
+    try:
+        mine = os.stat(own).st_mtime
+    except OSError:
+        return 0
+    newer = []
+    for path in Path(own).parent.glob("*.sock"):
+        try:
+            since = path.stat().st_mtime
+        except OSError:
+            continue
+        if str(path) != own and mine < since < _BUSY:
+            newer.append(str(path))
+    if not newer:
+        return 0
+    return len(set(newer) & _listening())  # a killed template's socket file is no template
+
+
+def _listening() -> set[str]:
+    """The paths of the Unix sockets bound on this host (/proc/net/unix's last column)."""
+    try:
+        with open("/proc/net/unix") as table:
+            return {parts[-1] for line in table if len(parts := line.split()) >= 8}
+    except OSError:
+        return set()
 
 
 def _remove_start_lock(path: str) -> None:

@@ -31,6 +31,10 @@ TEMPLATE_ENV = "HVDMAGIC_TEMPLATE"  # "0": every rank is spawned, as before temp
 IMPORTS_ENV = "HVDMAGIC_TEMPLATE_IMPORTS"  # more modules for templates to import ahead, comma-separated
 IDLE_ENV = "HVDMAGIC_TEMPLATE_IDLE"  # seconds a template with no rank and no request lives on
 IDLE = 1800.0
+# Idle templates this many stay per user and host (each holds its imports: about 230 MB with torch); the
+# oldest idle one beyond them ends, so a kernel that tried several environments keeps the newest ones.
+IDLE_CAP_ENV = "HVDMAGIC_TEMPLATE_IDLE_CAP"
+IDLE_CAP = 3
 START_WAIT = 300.0  # seconds a template may take to import (TensorFlow from a cold disk)
 ASK_WAIT = 30.0  # seconds a ready template may take to answer one request
 
@@ -190,6 +194,7 @@ class HostTemplate:
         orders = {"socket": str(self.socket), "log": str(self.log), "lock": str(self.lock), "token": self._token,
                   "modules": list(self.modules),
                   "owner": self.owner, "idle": float(os.environ.get(IDLE_ENV, IDLE)),
+                  "idle_cap": int(os.environ.get(IDLE_CAP_ENV, IDLE_CAP)),
                   "own_keys": list(OWN_KEYS), "own_prefixes": list(OWN_PREFIXES)}
         with open(self.log, "wb") as log:
             # The owner in the command line too, for ps and tools: a rank's ancestry may not show it.
