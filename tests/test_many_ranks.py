@@ -281,7 +281,8 @@ def test_a_group_rows_step_range_is_whole_and_its_last_line_ends_in_an_ellipsis_
     # Issue 37: the range went before the last line, and the row cut it ("steps 5–6/20 ·"). It is in the
     # steps column now, where the rank's own "5/20" would be, and nothing cuts it.
     board, right, cell = drawn(_paced(24, lambda r: 5 if r % 3 == 0 else 6))
-    assert "  5–6/20      3.33 it/s" in right and "hvdmagic-steps" not in cell and "steps" not in cell
+    shown_right = re.sub(r"<[^>]+>", "", right)  # the columns' spans (kernel/ui/row_fit.py) read as one line
+    assert "  5–6/20      3.33 it/s" in shown_right and "hvdmagic-steps" not in cell and "steps" not in cell
     # The last line shrinks with the row, cut with an ellipsis where the row ends and whole in its title;
     # the column's box takes the room the row leaves it (width 0, growing to it), not its text's width.
     shown = re.search(r'<span style="([^"]*)" title="([^"]*)">', cell)
@@ -405,6 +406,7 @@ def test_a_failing_rank_among_sixteen_keeps_its_own_row_and_its_log(ip, capfd, t
     # The others, stopped at step 20 (or a report before it), share one row; the failed rank has its own.
     # (Step 20's report may not have left a rank before the stop: under load its flusher runs late.)
     assert len(rows) == 2 and re.fullmatch(r"ranks 0–4, 6–15: train (\d+–)?\d+/30 \[stopped\]", rows[0]), out
-    assert rows[1] == "rank 5: train 10/30 [failed]", out
+    # Its row says where in the cell it failed (issue 48): the raise's line.
+    assert re.fullmatch(r"rank 5: train 10/30 \[failed in the cell \(Cell In\[\d+\], line \d+\)\]", rows[1]), out
     assert "[rank 5] rank 5 is about to fail" in out, out
     assert "rank 5 is about to fail" in hvdmagic.last_run().logs[5]

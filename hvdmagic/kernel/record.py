@@ -382,8 +382,8 @@ class RunRecord:
 
     def _say_where_each_ended(self, error: BaseException) -> None:
         """Each failed rank's line of the cell its exception came from; each stopped rank's place
-        in its stacks, taken before the stop, or else "while training" once past hvd.init (its stage
-        may lag: a rank reports it every FLUSH_INTERVAL, and a stop does not wait for the report)."""
+        in its stacks, taken before the stop, or else "while training" once past hvd.init and before its
+        first report (a row that reported shows its bar or its last line instead)."""
         failures = {failure.rank: failure for failure in getattr(error, "failures", ())}
         taken = getattr(error, "stacks", None) or {}
         for record in self.ranks:
@@ -392,8 +392,8 @@ class RunRecord:
                 record.ended_in = f"in the cell ({line})"
             elif record.state == "stopped" and (place := stacks.place(taken.get(record.rank, ""))):
                 record.ended_in = place
-            elif record.state == "stopped" and record.stage in (Stage.FIRST_STEP, Stage.TRAINING):
-                record.ended_in = "while training"
+            elif record.state == "stopped" and record.stage is Stage.FIRST_STEP:
+                record.ended_in = "while training"  # past hvd.init, before a report (a row that trained says so)
 
     # -- read by views and users --------------------------------------------
     @property

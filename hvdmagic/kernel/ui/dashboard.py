@@ -229,7 +229,7 @@ class _RankRow:
             self.left.value = _mono(left, grey[7:])
         self.bar.layout.visibility = "hidden" if stage is not None else None
         timed = inner is not None and len(right) >= progress_text.right_width(True)
-        self.right.value = (_columns_html(zip(("steps", "rate", "times"), progress_text.right_columns(right)),
+        self.right.value = (_columns_html(zip(("count", "rate", "times"), progress_text.right_columns(right)),
                                           grey[7:]) if timed else _mono(right, grey[7:]))
         for part, text in ((self.left, left), (self.right, right)):
             part.layout.display = "none" if not counted and not text.strip() else ""
