@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 
 import pytest
 from conftest import run
@@ -446,3 +447,16 @@ import os, sys
     pid, _argv0, cmdline = result
     assert pid != os.getpid()
     assert cmdline[1:3] == [b"-m", b"hvdmagic.rank"], cmdline
+
+
+def test_a_spark_cell_without_pyspark_fails_in_one_paragraph_and_local_mode_still_runs(ip, monkeypatch):
+    """A Python with no pyspark (a new virtualenv, before issue 46 makes it an extra): --np N says what to do."""
+    monkeypatch.setitem(sys.modules, "pyspark", None)  # `import pyspark` raises ImportError from here on
+    _, error = run(ip, "%%horovod --np 2\n1")
+    assert isinstance(error, LaunchError), error
+    text = error._render_traceback_()
+    assert len(text) == 1 and "pyspark, which --np 2 runs the ranks on, is not importable" in text[0], text
+    assert "pip install pyspark" in text[0], text
+    assert "--np -2, which runs the ranks on this machine without Spark" in text[0], text
+    result, error = run(ip, "%%horovod --np -2\nimport os\nint(os.environ['HOROVOD_RANK']) + 41")
+    assert error is None and result == 41, error
