@@ -222,7 +222,7 @@ class _RankRow:
         stage = progress_text.starting_stage(record) if inner is None else None
         if stage is not None:
             self.left.value = _stage_html(stage, len(left), grey[7:])
-        elif inner is not None:  # in columns, that give way in a narrow output area (_FitColumns)
+        elif inner is not None:  # in columns, that give way in a narrow output area (kernel/ui/row_fit.py)
             self.left.value = _columns_html(zip(("epoch", "desc", "percent"),
                                                 progress_text.left_columns(left, epochs)), grey[7:])
         else:
