@@ -925,19 +925,23 @@ for step in range({TIE_STEPS}):
     time.sleep(0.3)
     hvdmagic.progress(step + 1, total={TIE_STEPS}, desc="train")
 """
-# The live rows, and any text cut by its box without an ellipsis (wider than the box that clips it).
-ROWS_NOW = f"""() => {{
-    const board = document.querySelector({json.dumps(DASHBOARD)});
-    if (!board) return null;
+# The texts in a row that their box cuts without an ellipsis (wider than the box that clips them): a
+# JavaScript function, ``cutTexts(row)``, for the functions below that read the live rows.
+CUT_TEXTS = """
     const clipped = e => ["hidden", "clip"].includes(getComputedStyle(e).overflowX)
                          && e.scrollWidth > e.clientWidth + 1;
     const marked = e => getComputedStyle(e).textOverflow === "ellipsis";
+    const cutTexts = row => [row, ...row.querySelectorAll("*")]
+        .filter(e => e.innerText && clipped(e) && !marked(e)
+                     && ![...e.querySelectorAll("*")].some(d => marked(d) && clipped(d)))
+        .map(e => e.innerText);"""
+# The live rows, and any text cut by its box without an ellipsis.
+ROWS_NOW = f"""() => {{
+    const board = document.querySelector({json.dumps(DASHBOARD)});
+    if (!board) return null;{CUT_TEXTS}
     return Array.from(board.querySelectorAll(".hvdmagic-rank"), row => ({{
         text: row.innerText.replace(/\\s+/g, " ").trim(),
-        cut: [row, ...row.querySelectorAll("*")]
-            .filter(e => e.innerText && clipped(e) && !marked(e)
-                         && ![...e.querySelectorAll("*")].some(d => marked(d) && clipped(d)))
-            .map(e => e.innerText),
+        cut: cutTexts(row),
     }}));
 }}"""
 
@@ -1034,10 +1038,7 @@ for epoch in hvdmagic.track(range(3), desc="epoch"):
 # the columns that must stay whole, and any element whose text its box cuts without an ellipsis.
 ROWS_FIT = f"""() => {{
     const board = document.querySelector({json.dumps(DASHBOARD)});
-    if (!board) return null;
-    const clipped = e => ["hidden", "clip"].includes(getComputedStyle(e).overflowX)
-                         && e.scrollWidth > e.clientWidth + 1;
-    const marked = e => getComputedStyle(e).textOverflow === "ellipsis";
+    if (!board) return null;{CUT_TEXTS}
     return Array.from(board.querySelectorAll(".hvdmagic-rank"), row => {{
         const parts = row.children;  // the label, the numbers, the bar, the steps, the state, the figures, the line
         const hidden = [...row.querySelectorAll("[class^='hvdmagic-']")]
@@ -1049,10 +1050,7 @@ ROWS_FIT = f"""() => {{
             label: parts[0].innerText.trim(),
             state: parts[4].innerText.trim(),
             figures: parts[5].innerText.trim(),
-            cut: [row, ...row.querySelectorAll("*")]
-                .filter(e => e.innerText && clipped(e) && !marked(e)
-                             && ![...e.querySelectorAll("*")].some(d => marked(d) && clipped(d)))
-                .map(e => e.innerText),
+            cut: cutTexts(row),
         }};
     }});
 }}"""

@@ -57,14 +57,12 @@ class RankRecord:
     exit_code: int | None = None
     stage: Stage | None = None  # the furthest start-up stage this rank reached
     quiet: list[str] = field(default_factory=list)  # start-up chatter kept out of the views (kernel.noise)
-    # How many of its logs, and of its quiet lines, came before the run's first failure, and before
-    # its own error: what came after (its own error's, or else the run's) is the stop's fallout
-    # (Gloo's "Connection reset by peer"). None while nothing failed. Its own error's count wins: a
-    # rank's lines and the others' errors reach the kernel in any order, its own error after its lines.
+    # How many of its logs came before the run's first failure, and before its own error: what came
+    # after (its own error's, or else the run's) is the stop's fallout (Gloo's "Connection reset by
+    # peer"). None while nothing failed. Its own error's count wins: a rank's lines and the others'
+    # errors reach the kernel in any order, its own error after its lines.
     logs_at_failure: int | None = None
-    quiet_at_failure: int | None = None
     logs_at_error: int | None = None
-    quiet_at_error: int | None = None
     # Where it was when the run failed or was stopped, if known: "in the cell (Cell In[15], line 6)",
     # "in `allreduce` (Cell In[4], line 9)" (its stacks), "while training" (its stage).
     ended_in: str = ""
@@ -95,7 +93,8 @@ class RankRecord:
 
     @property
     def quiet_before_failure(self) -> list[str]:
-        return self.quiet[:self.quiet_at_error if self.quiet_at_error is not None else self.quiet_at_failure]
+        """Its start-up chatter (``quiet``) from before its failure."""
+        return [line for _, line in self.logs[:self.logs_cut] if is_startup_noise(line)]
 
     @property
     def after_failure(self) -> list[str]:
@@ -139,8 +138,8 @@ class RunRecord:
         self.error: BaseException | None = None
         self.timeline: str | None = None  # where rank 0 wrote a Horovod Timeline (--timeline)
         self.notes: list[str] = []  # sentences from the ranks, e.g. a scaled learning rate
-        self._ranked_notes: dict[str, list[int]] = {}  # a ranked note's text: the ranks that sent it
-        self._note_places: dict[str, int] = {}  # and where its sentence is in notes
+        # A ranked note's text: where its sentence is in notes, and the ranks that sent it.
+        self._ranked_notes: dict[str, tuple[int, list[int]]] = {}
         # The payload's large values on their way to the hosts (a SHIPPING event: text, bytes by
         # host), or None when every host had them already.
         self.shipping: dict | None = None
@@ -280,12 +279,12 @@ class RunRecord:
 
     def _ranked_note(self, text: str, rank: int) -> None:
         """One note for every rank that sent ``text``, naming them: "ranks 0, 2 on vm were spawned"."""
-        ranks = self._ranked_notes.setdefault(text, [])
-        if not ranks:
+        if text not in self._ranked_notes:
+            self._ranked_notes[text] = (len(self.notes), [])
             self.notes.append("")
+        place, ranks = self._ranked_notes[text]
         ranks.append(rank)
-        said = text.replace("{ranks}", rank_ranges.label(ranks))
-        self.notes[self._note_places.setdefault(text, len(self.notes) - 1)] = said
+        self.notes[place] = text.replace("{ranks}", rank_ranges.label(ranks))
 
     def _mark_failure(self, rank: int) -> None:
         """A rank's error: what it prints from now on follows it; and at the run's first, what the others
@@ -295,11 +294,11 @@ class RunRecord:
             return
         failed = self.ranks[rank]
         if failed.logs_at_error is None:
-            failed.logs_at_error, failed.quiet_at_error = len(failed.logs), len(failed.quiet)
+            failed.logs_at_error = len(failed.logs)
         if self.all_logs_at_failure is None:
             self.all_logs_at_failure = len(self.all_logs)
             for record in self.ranks:
-                record.logs_at_failure, record.quiet_at_failure = len(record.logs), len(record.quiet)
+                record.logs_at_failure = len(record.logs)
 
     def _reach(self, stage: Stage) -> None:
         self.stage = stage

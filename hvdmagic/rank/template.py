@@ -347,8 +347,7 @@ def _remove_start_lock(path: str) -> None:
         return
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        if os.fstat(fd).st_ino == os.stat(path).st_ino:
-            os.unlink(path)
+        _unlink_own(path, os.fstat(fd).st_ino)
     except OSError:
         pass  # held, or gone already
     finally:
@@ -356,7 +355,8 @@ def _remove_start_lock(path: str) -> None:
 
 
 def _unlink_own(path: str, inode: int) -> None:
-    """Remove our socket's name, unless a new template (same name: same kernel and environment) has it now."""
+    """Remove our file's name (our socket's, our start lock's), unless a new one of the same name (a new
+    template of the same kernel and environment) has it now."""
     try:
         if os.stat(path).st_ino == inode:
             os.unlink(path)
