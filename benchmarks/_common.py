@@ -439,9 +439,9 @@ def command_line() -> str:
 def start_spark(slots: int = 4):
     """The warm session every Spark-based system shares: hvdmagic's own embedded one, which
     hvdmagic then treats as the user's session (it is not resized)."""
-    from hvdmagic.launch.spark_session import _start_embedded
+    from hvdmagic.launch.spark_session import start_embedded
 
-    return _start_embedded(slots)
+    return start_embedded(slots)
 
 
 def ipython_shell():

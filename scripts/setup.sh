@@ -4,7 +4,8 @@
 # `make test` call it. docs/frameworks.md says which versions and why.
 #
 #   HVDMAGIC_VENV        the virtualenv (default: .venv beside this repository)
-#   HVDMAGIC_CACHE       where the horovod wheel is cached (default: ~/.cache)
+#   HVDMAGIC_CACHE       where the horovod wheel and the JVM's class-data archive are cached
+#                        (default: ~/.cache)
 #   HVDMAGIC_TORCH       torch requirement (default torch==2.13.0, the CPU wheel here)
 #   HVDMAGIC_TENSORFLOW  TensorFlow requirement (default tensorflow-cpu==2.21.0), or "none":
 #                        no TensorFlow, and horovod is built for PyTorch only
@@ -333,5 +334,8 @@ install_project
 install_oldest_cloudpickle
 install_oldest_cloudpickle_venv
 report_latest
+# The embedded Spark's class-data archive, once per Java and pyspark: the first Spark cell of each
+# kernel then starts in about 60% of the time (hvdmagic/launch/jvm_archive.py says why).
+"$venv/bin/python" -m hvdmagic.build_jvm_archive || say "continuing without the class-data archive: Spark starts slower"
 bash "$here/scripts/install_browser.sh" || say "continuing without chromium: tests/test_browser.py will fail until scripts/install_browser.sh succeeds"
 say "ready: $venv"

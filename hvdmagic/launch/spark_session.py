@@ -175,14 +175,19 @@ def _java_check() -> None:
         )
 
 
-def _start_embedded(slots: int):
+def start_embedded(slots: int, archive_option: str | None = None):
+    """A new embedded ``local[slots]`` session; its JVM maps the class-data archive (``jvm_archive``)
+    when one has been made, or ``archive_option`` says otherwise."""
     from pyspark.sql import SparkSession
+
+    from hvdmagic.launch import jvm_archive
 
     _java_check()
     # Spark binds to the machine's external-looking address unless told otherwise;
     # an embedded session serves only this kernel, so loopback is the right place.
     os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    archive_option = jvm_archive.options() if archive_option is None else archive_option
     _starting.set()
     try:
         with _jvm_output_to_log():
@@ -192,10 +197,13 @@ def _start_embedded(slots: int):
                 .config("spark.driver.host", "127.0.0.1")
                 .config("spark.driver.bindAddress", "127.0.0.1")
                 .config("spark.ui.showConsoleProgress", "false")
-                .config("spark.driver.extraJavaOptions", f"-Dlog4j2.configurationFile={_LOG4J}")
+                .config("spark.driver.extraJavaOptions", f"-Dlog4j2.configurationFile={_LOG4J} {archive_option}")
                 .getOrCreate()
             )
     except Exception as exc:
+        if archive_option.startswith("-XX:SharedArchiveFile="):  # a damaged archive kills the JVM at start
+            jvm_archive.forget(archive_option)
+            return start_embedded(slots, "")
         raise LaunchError(f"could not start an embedded local Spark session: {first_line(exc)} "
                           f"(the JVM's own output is in {jvm_log()})", details=str(exc)) from None
     finally:
@@ -266,7 +274,7 @@ def find_or_start(slots: int, on_stage: Callable[[Stage], None] = lambda stage: 
                 "and no Spark Connect session is active now: create one again, e.g. spark = SparkSession.builder"
                 ".remote('sc://host:15002').getOrCreate(), and run the cell; or use local mode (--np -N).")
         on_stage(Stage.SPARK_STARTING)
-        _embedded = _start_embedded(max(slots, os.cpu_count() or 1))
+        _embedded = start_embedded(max(slots, os.cpu_count() or 1))
         return _embedded, True
     return session, False
 
@@ -324,7 +332,7 @@ def restart_embedded(slots: int, on_stage: Callable[[Stage], None] = lambda stag
     global _embedded
     on_stage(Stage.SPARK_STARTING)
     _embedded.stop()
-    _embedded = _start_embedded(slots)
+    _embedded = start_embedded(slots)
     return _embedded
 
 
