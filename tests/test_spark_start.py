@@ -30,8 +30,8 @@ print(json.dumps(files))
 """
 
 
-def _start_and_say_mapped(env: dict) -> list[str]:
-    done = subprocess.run([sys.executable, "-c", START_AND_SAY_MAPPED], env=env, capture_output=True,
+def _start_and_say_mapped(env: dict, cwd=None) -> list[str]:
+    done = subprocess.run([sys.executable, "-c", START_AND_SAY_MAPPED], env=env, cwd=cwd, capture_output=True,
                           text=True, timeout=300)
     assert done.returncode == 0, f"the embedded Spark did not start:\n{done.stderr[-3000:]}"
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -56,7 +56,10 @@ def test_a_damaged_archive_is_deleted_and_the_session_starts_without_it(tmp_path
     assert subprocess.run([sys.executable, "-c", "from hvdmagic.launch import jvm_archive; "
                            "print(jvm_archive.archive_path())"], env=env, capture_output=True, text=True,
                           check=True).stdout.strip() == str(damaged), "the test put the damaged archive elsewhere"
-    assert str(damaged) not in _start_and_say_mapped(env)
+    notebook_folder = tmp_path / "notebooks"
+    notebook_folder.mkdir()
+    assert str(damaged) not in _start_and_say_mapped(env, cwd=notebook_folder)
+    assert not list(notebook_folder.iterdir()), "the JVM that died left its crash report in the kernel's folder"
     # Deleted only where a start with it failed: so the start tried it, failed, and started again without.
     assert not damaged.exists(), "the damaged archive was kept: every later start would fail once first"
 

@@ -197,7 +197,8 @@ def start_embedded(slots: int, archive_option: str | None = None):
                 .config("spark.driver.host", "127.0.0.1")
                 .config("spark.driver.bindAddress", "127.0.0.1")
                 .config("spark.ui.showConsoleProgress", "false")
-                .config("spark.driver.extraJavaOptions", f"-Dlog4j2.configurationFile={_LOG4J} {archive_option}")
+                .config("spark.driver.extraJavaOptions", f"-Dlog4j2.configurationFile={_LOG4J} {archive_option} "
+                        f"-XX:ErrorFile={jvm_log().with_suffix('')}-crash-%p.log")  # not the notebook's folder
                 .getOrCreate()
             )
     except Exception as exc:
