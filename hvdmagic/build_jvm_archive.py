@@ -53,12 +53,22 @@ def _locked(lock: Path) -> bool:
         return _locked(lock)
 
 
+def _forget_orphans(directory: Path) -> None:
+    """Delete the archives made for Spark jars that are gone (a removed virtualenv or clone): 155 MB each."""
+    for source in directory.glob("*.jars"):
+        if not Path(source.read_text().strip()).is_dir():
+            source.with_suffix(".jsa").unlink(missing_ok=True)
+            source.unlink(missing_ok=True)
+
+
 def build(log=print) -> Path | None:
     """Make this Java's and pyspark's archive unless it is there; its path, or None where none was made."""
     path = jvm_archive.archive_path()
     if path is None:
         log("no java or no pyspark here: no archive to make")
         return None
+    if path.parent.is_dir():
+        _forget_orphans(path.parent)
     if path.is_file():
         log(f"the embedded Spark's class-data archive is there: {path}")
         return path
@@ -72,6 +82,7 @@ def build(log=print) -> Path | None:
         started = time.monotonic()
         subprocess.run([sys.executable, "-m", "hvdmagic.build_jvm_archive", "--dump", str(partial)], check=True,
                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=BUILD_DEADLINE)
+        path.with_suffix(".jars").write_text(f"{jvm_archive.spark_jars()}\n")  # for _forget_orphans
         os.replace(partial, path)
         log(f"made the embedded Spark's class-data archive in {time.monotonic() - started:.0f} s: {path}")
         return path

@@ -48,6 +48,8 @@ class ConnectServer:
     def __init__(self, workdir: Path, master: str, conf: dict[str, str] | None = None):
         import pyspark
 
+        from hvdmagic.launch import jvm_archive
+
         self.spark_home = Path(pyspark.__file__).parent
         self.port = free_port()
         self.url = f"sc://127.0.0.1:{self.port}"
@@ -63,6 +65,7 @@ class ConnectServer:
                  "--conf", f"spark.connect.grpc.binding.port={self.port}",
                  "--conf", "spark.connect.grpc.binding.address=127.0.0.1",
                  "--conf", "spark.driver.host=127.0.0.1", "--conf", "spark.ui.enabled=false",
+                 "--conf", f"spark.driver.extraJavaOptions={jvm_archive.options()}",  # as the embedded JVM's start
                  *[arg for key, value in (conf or {}).items() for arg in ("--conf", f"{key}={value}")]],
                 env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 

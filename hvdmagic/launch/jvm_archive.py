@@ -28,7 +28,7 @@ def _java() -> Path | None:
     return Path(found).resolve() if found and Path(found).exists() else None
 
 
-def _jars() -> Path | None:
+def spark_jars() -> Path | None:
     """The directory of Spark's jars on the JVM's class path: $SPARK_HOME's, else pyspark's own."""
     if home := os.environ.get("SPARK_HOME"):
         jars = Path(home) / "jars"
@@ -42,7 +42,7 @@ def _jars() -> Path | None:
 def archive_path() -> Path | None:
     """Where the archive for this JVM and these jars lives (whether or not it exists yet), or None
     when there is no java or no pyspark to make one for."""
-    java, jars = _java(), _jars()
+    java, jars = _java(), spark_jars()
     if java is None or jars is None:
         return None
     digest = hashlib.sha256()
