@@ -43,7 +43,7 @@ LOCK_FIND_LINKS ?= $(or $(PIP_FIND_LINKS),$(shell python3 -m pip config get glob
 lock:
 	@HVDMAGIC_VENV="$(abspath $(VENV))" HVDMAGIC_LOCK=$(if $(wildcard requirements/lock.txt),,none) \
 		bash scripts/setup.sh tools
-	$(VENV)/bin/uv pip compile pyproject.toml requirements/lock.in --extra dev \
+	$(VENV)/bin/uv pip compile pyproject.toml requirements/lock.in --extra dev --extra spark \
 		--excludes requirements/excludes.txt $(foreach link,$(LOCK_FIND_LINKS),--find-links $(link)) \
 		--python-version $(LOCK_PYTHON) --python-platform x86_64-manylinux_2_28 $(LOCK_UPGRADE) \
 		--custom-compile-command "make lock" --quiet -o requirements/lock.txt

@@ -9,7 +9,9 @@ users install hvdmagic with (``# install: pip install ...``). For each profile t
 standard library only (and uv, which ``make setup`` installs):
 
 1. builds ``.venv-<name>`` with that Python and installs the runtime's pins with uv: the runtime as a
-   user finds it (once per pin set; a stamp in the virtualenv says which);
+   user finds it (once per pin set; a stamp in the virtualenv says which). Where the file says
+   ``# pyspark: built in`` (Databricks), pyspark is then made importable as the runtime has it, with
+   no distribution pip can see (``build_in_pyspark``);
 2. runs the install line with pip, ``hvdmagic`` standing for this repository, and compares the
    package versions before and after: a runtime package that changed, or a requirement of
    hvdmagic's that the runtime does not meet (``pip check``), fails the profile;
@@ -72,9 +74,12 @@ def profile_file(name: str) -> Path:
     return path
 
 
-def header(path: Path, key: str, rest: bool = False) -> str:
-    """The value of the profile's ``# key: value`` comment: its first word, or (``rest``) the whole line."""
+def header(path: Path, key: str, rest: bool = False, default: str | None = None) -> str:
+    """The value of the profile's ``# key: value`` comment: its first word, or (``rest``) the whole line;
+    ``default`` where there is none, if given."""
     match = re.search(rf"^# {key}: (.+)$", path.read_text(), re.M)
+    if not match and default is not None:
+        return default
     if not match:
         sys.exit(f"[profiles] {path.name} has no '# {key}: ...' line")
     return match.group(1).strip() if rest else match.group(1).split()[0]
@@ -160,9 +165,30 @@ def set_up_runtime(name: str, venv: Venv, pins: Path) -> bool:
     say(f"{name}: installing the runtime's pins ({pins.relative_to(HERE)}; the first time downloads gigabytes)")
     run_checked([uv(), "pip", "install", "--quiet", "--python", venv.python, "-r", str(pins), "-c", str(pins)],
                 f"{name}: uv pip install of the runtime's pins")
+    if header(pins, "pyspark", rest=True, default="") == "built in":
+        build_in_pyspark(name, venv)
     (venv.path / "runtime-freeze.json").write_text(json.dumps(venv.freeze(), indent=1, sort_keys=True))
     stamp.write_text(want)
     return True
+
+
+def build_in_pyspark(name: str, venv: Venv) -> None:
+    """pyspark as a Databricks runtime has it: importable, but no distribution pip can see. The
+    runtime keeps Spark's Python in /databricks/spark/python, on sys.path, with py4j beside it;
+    here the pinned pyspark and py4j move to ``<venv>/databricks/spark/python``, lose their
+    metadata, and a .pth file puts that folder on sys.path."""
+    site = Path(venv.run("import sysconfig; print(sysconfig.get_paths()['purelib'])").stdout.strip())
+    built_in = venv.path / "databricks" / "spark" / "python"
+    built_in.mkdir(parents=True)
+    for package in ("pyspark", "py4j"):
+        shutil.move(str(site / package), str(built_in / package))
+        for metadata in site.glob(f"{package}-*.dist-info"):
+            shutil.rmtree(metadata)
+    (site / "databricks-spark.pth").write_text(f"{built_in}\n")
+    seen = venv.run("import pyspark; print(pyspark.__file__)").stdout.strip()
+    if not seen.startswith(str(built_in)) or "pyspark" in venv.freeze():
+        raise ProfileFailed(f"{name}: pyspark is not built in as on the runtime (imported from {seen or 'nowhere'})")
+    say(f"{name}: pyspark built in, as on the runtime: {built_in.relative_to(HERE)} on sys.path, no distribution")
 
 
 def install_hvdmagic(name: str, venv: Venv, pins: Path) -> tuple[list[str], list[str]]:
@@ -171,11 +197,12 @@ def install_hvdmagic(name: str, venv: Venv, pins: Path) -> tuple[list[str], list
     requirements the environment then lacks (``pip check``)."""
     before = json.loads((venv.path / "runtime-freeze.json").read_text())
     line = header(pins, "install", rest=True)
-    words = line.split()
-    if words[:2] != ["pip", "install"] or "hvdmagic" not in words:
+    words = [word.strip("\"'") for word in line.split()]
+    ours = [word for word in words if re.fullmatch(r"hvdmagic(\[[\w,]+\])?", word)]
+    if words[:2] != ["pip", "install"] or len(ours) != 1:
         sys.exit(f"[profiles] {pins.name}: '# install:' must be a 'pip install ... hvdmagic ...' line, not {line!r}")
     say(f"{name}: {line}   (hvdmagic: this repository)")
-    venv.pip("install", "-q", *[str(HERE) if word == "hvdmagic" else word for word in words[2:]])
+    venv.pip("install", "-q", *[str(HERE) + word[len("hvdmagic"):] if word in ours else word for word in words[2:]])
     after = venv.freeze()
     replaced = [f"{pkg} {version} -> {after.get(pkg, 'removed')}" for pkg, version in sorted(before.items())
                 if after.get(pkg) != version]
@@ -281,6 +308,9 @@ def run_profile(name: str, setup_only: bool = False) -> dict:
         versions = venv.freeze()
         result["python"] = venv.run("import platform; print(platform.python_version())").stdout.strip()
         result["versions"] = {pkg: versions.get(pkg) for pkg in SHOWN}
+        if result["versions"]["pyspark"] is None:  # built in, as on Databricks: no distribution to list
+            built_in = venv.run("import pyspark; print(pyspark.__version__)").stdout.strip()
+            result["versions"]["pyspark"] = f"{built_in} (built in)" if built_in else None
         if setup_only:
             return result
         tests_started = time.monotonic()

@@ -12,7 +12,7 @@
 #   HVDMAGIC_TF_KERAS    tf-keras requirement (default: the one matching TensorFlow, for
 #                        TF >= 2.16), or "none"
 #   HVDMAGIC_NUMPY, HVDMAGIC_PYARROW   their requirements (defaults below resolve together)
-#   HVDMAGIC_EXTRAS      hvdmagic's extras (default dev)
+#   HVDMAGIC_EXTRAS      hvdmagic's extras (default dev,spark)
 #   HVDMAGIC_LOCK        the constraints every pip install here obeys (docs/dependencies.md):
 #                        requirements/lock.txt (default; `make lock` writes it), another file,
 #                        "none" (only the specs above and pyproject.toml's ranges), or "latest": no
@@ -35,7 +35,7 @@ tf_keras_spec="${HVDMAGIC_TF_KERAS:-}"
 numpy_spec="${HVDMAGIC_NUMPY:-numpy==2.4.6}"
 pyarrow_spec="${HVDMAGIC_PYARROW:-pyarrow==26.0.1}"
 horovod_version="0.28.1"
-extras="${HVDMAGIC_EXTRAS:-dev}"
+extras="${HVDMAGIC_EXTRAS:-dev,spark}"
 
 say() { printf '[setup] %s\n' "$*"; }
 

@@ -104,8 +104,9 @@ def make_backend(placement: Placement, on_event: Callable[[dict], None] | None, 
                 backend = LocalBackend(placement.tasks, data, gpus=placement.gpus)
             else:
                 _require("pyspark", f"pyspark, which --np {placement.np} runs the ranks on,",
-                         f"In a new virtualenv, pip install pyspark (3.5 or 4.x; the embedded Spark also needs Java "
-                         f"17); on Databricks or another Spark runtime the runtime's own pyspark is there; or use "
+                         f"In a new virtualenv, pip install 'hvdmagic[spark]' (pyspark 3.5 or 4.x; the embedded Spark "
+                         f"also needs Java 17); on Databricks or another Spark runtime the runtime's own pyspark is "
+                         f"there; or use "
                          f"local mode, --np -{abs(placement.np)}, which runs the ranks on this machine without Spark")
                 from hvdmagic.launch.spark import SparkBackend
 
