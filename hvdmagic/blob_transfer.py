@@ -14,7 +14,9 @@ from any holder, as Ray does, copes better with uneven links but needs per-chunk
 bookkeeping on every host. On one cluster's even links the chain is the shortest.)
 A host whose source breaks, stalls for ``PEER_STALL`` seconds or sends a chunk that
 does not match asks again, naming it: the kernel gives it the nearest live host before
-it in the chain, or itself, and it resumes from its last good chunk.
+it in the chain, or itself, and it resumes from its last good chunk. A host whose link is
+slow would hold back every host behind it; for a large blob the kernel keeps the chain in
+step with the hosts' pace and moves such a host to the chain's end (``RelayOrder``).
 
 Every request is one channel frame (``channel.Link``: HMAC under the job's secret, with
 a nonce per connection), so only the job's tasks are served, by the kernel or by a host.
@@ -27,8 +29,10 @@ unpickled.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
+import select
 import socket
 import threading
 import time
@@ -47,6 +51,12 @@ RELAY_ENV = "HVDMAGIC_BLOB_RELAY"
 # is not: it is the last source there is, and ``fetch``'s ``timeout`` bounds it).
 PEER_STALL = 5.0
 _REPORT_EVERY = 0.25
+# The chain follows the hosts' pace (RelayOrder) for blobs this large: a slow host then costs only
+# itself. A smaller blob is through before a pace can be measured.
+PACE_MIN = 256 << 20
+PACE_WINDOW = 3.0  # seconds of a host's bytes that its rate is taken over
+SLOW = 0.5  # a host receiving at under this many times its source's rate holds back the hosts behind it
+MAX_KERNEL_CLOSES = 4  # early ends of the kernel's stream a host asks again after, before it gives up
 
 
 class BlobError(OSError):
@@ -63,6 +73,7 @@ class Progress:
     hosts: dict[str, int] = field(default_factory=dict)  # received, by the address a host asked from
     labels: list[str] = field(default_factory=list)
     started: float | None = None  # monotonic: the first request
+    slow: list[str] = field(default_factory=list)  # hosts moved to the chain's end for their pace
 
     def describe(self, now: float) -> str:
         """"sending X (400 MiB) to 2 hosts: 61 %, 380 MB/s", or "sent ..." once done."""
@@ -70,11 +81,13 @@ class Progress:
         hosts = f"{len(self.hosts)} host{'s' if len(self.hosts) != 1 else ''}"
         elapsed = max(now - (self.started or now), 1e-6)
         rate = f"{self.sent / elapsed / 1e6:.0f} MB/s"
+        slow = (f"; {', '.join(self.slow)} received slowly, so {'they' if len(self.slow) > 1 else 'it'} "
+                f"read last, behind the others" if self.slow else "")
         if self.sent < self.requested:
-            return f"sending {what} to {hosts}: {100 * self.sent / self.requested:.0f} %, {rate}"
+            return f"sending {what} to {hosts}: {100 * self.sent / self.requested:.0f} %, {rate}{slow}"
         relayed = (f" ({_megabytes(self.from_kernel)} from the kernel, the rest host to host)"
                    if self.from_kernel < self.sent else "")
-        return f"sent {what} to {hosts}: {_megabytes(self.sent)} in {elapsed:.1f} s, {rate}{relayed}"
+        return f"sent {what} to {hosts}: {_megabytes(self.sent)} in {elapsed:.1f} s, {rate}{relayed}{slow}"
 
 
 def format_size(size: float) -> str:
@@ -98,20 +111,36 @@ def chunk_digests(view: memoryview) -> list[str]:
 
 
 class RelayOrder:
-    """Which host a host reads a blob from: the hosts of each blob in the order they asked.
+    """Which host a host reads a blob from: the hosts of each blob in the order they asked, kept in
+    step with how fast each receives.
 
     A host reads from the nearest host before it that is not known to be down, or from the
     kernel when there is none. Only earlier hosts are ever a source, so no host waits on
     one that waits on it. A host is down once another host names it as failed, and up
     again once it asks for something itself.
+
+    A slow host holds back every host behind it in the chain, so for a blob of ``PACE_MIN``
+    bytes or more the order follows the hosts' pace (``note``, ``moves``):
+
+    - a host that receives at under ``SLOW`` times its source's rate, over ``PACE_WINDOW``
+      seconds, is moved to the end of the chain. The host behind it then reads from its
+      source, and it reads from the last host, whose uplink nobody else uses;
+    - the kernel's own rate is known only where it sends to two hosts. So the second host to
+      ask reads from the kernel too, for one window: if the first host's rate is under ``SLOW``
+      times the second's, the first moves to the end, and the second leads the chain;
+      otherwise the second reads from the first. It costs the kernel one window of a second
+      copy, a few per cent of a large blob.
+
+    Each host moves at most once per blob, so the chain settles.
     """
 
     def __init__(self):
         self._order: dict[str, list[tuple[str, int]]] = {}
         self._down: set[tuple[str, int]] = set()
+        self._paced: dict[str, _Pace] = {}  # the blobs large enough to follow the hosts' pace
 
     def source(self, digest: str, relay: tuple[str, int] | None,
-               failed: list[tuple[str, int]]) -> tuple[str, int] | None:
+               failed: list[tuple[str, int]], size: int = 0) -> tuple[str, int] | None:
         self._down.update(failed)
         order = self._order.setdefault(digest, [])
         before = order
@@ -120,7 +149,95 @@ class RelayOrder:
             if relay not in order:
                 order.append(relay)
             before = order[:order.index(relay)]
+            if size >= PACE_MIN:
+                pace = self._paced.setdefault(digest, _Pace())
+                pace.forget(relay)  # a new source: its rate so far was another link's
+                if len(order) > 1 and relay == order[1] and not pace.tried:
+                    pace.trial, pace.tried = (order[0], relay), True  # the second host reads from the kernel
+                if pace.trial is not None and relay == pace.trial[1]:
+                    return None
         return next((host for host in reversed(before) if host not in self._down), None)
+
+    def note(self, digest: str, host: tuple[str, int], received: int, now: float) -> None:
+        """``host`` has ``received`` bytes of ``digest`` (a large one's): its pace."""
+        if (pace := self._paced.get(digest)) is not None:
+            pace.note(host, received, now)
+
+    def moves(self, digest: str, size: int, now: float) -> list[tuple[str, int]]:
+        """The hosts that must ask for a source again, after the order changed by pace; usually none."""
+        pace = self._paced.get(digest)
+        if pace is None:
+            return []
+        order = [host for host in self._order[digest] if host not in self._down]
+        if pace.trial is not None:
+            first, second = pace.trial
+            ahead, behind = pace.rate(first, now), pace.rate(second, now)
+            if first not in order or second not in order or pace.done(first, size) or pace.done(second, size):
+                pace.trial = None
+                return [second] if second in order else []
+            if ahead is None or behind is None:
+                return []
+            pace.trial = None
+            if ahead < SLOW * behind:  # the first host's link is the slow one: the second leads on
+                return self._to_end(digest, first, pace, follower=False)
+            return [second]  # the kernel was the limit: the second reads from the first again
+        for i, host in enumerate(order[1:-1], start=1):
+            source = order[i - 1]
+            if host in pace.moved or pace.done(host, size) or pace.done(source, size):
+                continue
+            mine, theirs = pace.rate(host, now), pace.rate(source, now)
+            if mine is not None and theirs is not None and mine < SLOW * theirs:
+                return self._to_end(digest, host, pace)
+        return []
+
+    def slow(self, digest: str) -> list[tuple[str, int]]:
+        """The hosts moved to the end of ``digest``'s chain for their pace."""
+        pace = self._paced.get(digest)
+        return sorted(pace.moved) if pace else []
+
+    def _to_end(self, digest: str, host: tuple[str, int], pace: _Pace, follower: bool = True
+                ) -> list[tuple[str, int]]:
+        """Move ``host`` to the end of the chain; it asks again, and so does the host that read from it."""
+        order = self._order[digest]
+        live = [h for h in order if h not in self._down]
+        behind = live[live.index(host) + 1:live.index(host) + 2] if follower else []
+        order.remove(host)
+        order.append(host)
+        pace.moved.add(host)
+        for moved in (host, *behind):
+            pace.forget(moved)
+        return [host, *behind]
+
+
+class _Pace:
+    """How fast each host of one large blob receives it: its bytes over the last PACE_WINDOW."""
+
+    def __init__(self):
+        self.seen: dict[tuple[str, int], list[tuple[float, int]]] = {}  # host: (time, bytes), oldest first
+        # (first host, second host) while both read from the kernel, for the first window
+        self.trial: tuple[tuple[str, int], tuple[str, int]] | None = None
+        self.moved: set[tuple[str, int]] = set()
+        self.tried = False  # the first window's trial has been made
+
+    def note(self, host: tuple[str, int], received: int, now: float) -> None:
+        seen = self.seen.setdefault(host, [])
+        seen.append((now, received))
+        while len(seen) > 2 and seen[1][0] <= now - PACE_WINDOW:
+            seen.pop(0)
+
+    def forget(self, host: tuple[str, int]) -> None:
+        self.seen.pop(host, None)
+
+    def rate(self, host: tuple[str, int], now: float) -> float | None:
+        """Bytes a second over the last PACE_WINDOW; None until the host has been seen that long."""
+        seen = self.seen.get(host)
+        if not seen or now - seen[0][0] < PACE_WINDOW:
+            return None
+        return (seen[-1][1] - seen[0][1]) / max(seen[-1][0] - seen[0][0], 1e-6)
+
+    def done(self, host: tuple[str, int], size: int) -> bool:
+        seen = self.seen.get(host)
+        return bool(seen) and seen[-1][1] >= size
 
 
 def serve_each_connection(listener: socket.socket, closed: threading.Event,
@@ -167,6 +284,8 @@ class BlobServer:
         self._closed = threading.Event()
         self._progress = Progress()
         self._received: dict[tuple[str, str], int] = {}  # (host, digest) -> bytes it has, this progress
+        # (digest, relay) -> how to make that host ask for a source again (RelayOrder.moves)
+        self._movers: dict[tuple[str, tuple[str, int]], Callable[[], None]] = {}
         self._sock = socket.create_server((host, 0))
         self.address = (host, self._sock.getsockname()[1])
         self._thread = threading.Thread(target=serve_each_connection, name="hvdmagic-blobs", daemon=True,
@@ -182,7 +301,8 @@ class BlobServer:
     def progress(self) -> Progress:
         with self._lock:
             p = self._progress
-            return Progress(p.requested, p.sent, p.from_kernel, dict(p.hosts), list(p.labels), p.started)
+            return Progress(p.requested, p.sent, p.from_kernel, dict(p.hosts), list(p.labels), p.started,
+                            list(p.slow))
 
     def reset_progress(self) -> None:
         with self._lock:
@@ -206,13 +326,19 @@ class BlobServer:
                 view = self._buffers.get(digest)
                 if view is not None:
                     self._asked(peer, digest, view.nbytes)
-                    source = self._relays.source(digest, relay, failed) if self._use_relays else None
+                    source = self._relays.source(digest, relay, failed, view.nbytes) if self._use_relays else None
             if view is None:
                 link.send({"size": None})
                 return
+            paced = (digest, relay) if relay is not None and self._use_relays else None
             if source is None:
                 link.send({"size": view.nbytes, "source": None})
-                self._send_bytes(sock, view, offset, peer, digest)
+                moved = threading.Event()
+                self._track(paced, moved.set)
+                try:
+                    self._send_bytes(sock, view, offset, peer, digest, paced, moved)
+                finally:
+                    self._untrack(paced, moved.set)
                 return
             with self._chunking:  # hosts asking at once wait for one computation, not one each
                 chunks = self._chunks.get(digest)
@@ -220,14 +346,50 @@ class BlobServer:
                     chunks = self._chunks[digest] = chunk_digests(view)  # about 0.25 s a GB
             link.send({"size": view.nbytes, "source": list(source)})
             link.send({"chunks": chunks})  # a frame of its own: a first frame may hold 64 KiB only
-            while not self._closed.is_set():  # the host's reports, until it has the blob or goes
-                received = int(link.recv().get("received", 0))
-                with self._lock:
-                    self._credit(peer, digest, received)
+
+            def move() -> None:
+                with contextlib.suppress(OSError):
+                    link.send({"move": True})
+
+            self._track(paced, move)
+            try:
+                while not self._closed.is_set():  # the host's reports, until it has the blob or goes
+                    received = int(link.recv().get("received", 0))
+                    with self._lock:
+                        self._credit(peer, digest, received)
+                    self._pace(paced, received, view.nbytes)
+            finally:
+                self._untrack(paced, move)
         except (channel.ChannelError, OSError, ValueError, TypeError):
             pass  # the client sees the short read or the closed link, and says so
         finally:
             sock.close()
+
+    def _track(self, paced: tuple[str, tuple[str, int]] | None, mover: Callable[[], None]) -> None:
+        if paced is not None:
+            with self._lock:
+                self._movers[paced] = mover
+
+    def _untrack(self, paced: tuple[str, tuple[str, int]] | None, mover: Callable[[], None]) -> None:
+        with self._lock:
+            if paced is not None and self._movers.get(paced) == mover:  # not a later request's
+                del self._movers[paced]
+
+    def _pace(self, paced: tuple[str, tuple[str, int]] | None, received: int, size: int) -> None:
+        """Note a host's bytes in the relay order's pace, and make the hosts it moves ask again."""
+        if paced is None:
+            return
+        digest, relay = paced
+        with self._lock:
+            now = time.monotonic()
+            self._relays.note(digest, relay, received, now)
+            movers = [self._movers.get((digest, host)) for host in self._relays.moves(digest, size, now)]
+            for host, _ in self._relays.slow(digest):
+                if host not in self._progress.slow:
+                    self._progress.slow.append(host)
+        for mover in movers:
+            if mover is not None:  # a host between two requests asks again anyway
+                mover()
 
     def _asked(self, peer: str, digest: str, size: int) -> None:
         progress = self._progress
@@ -248,15 +410,19 @@ class BlobServer:
             self._progress.sent += gained
             self._progress.hosts[peer] = self._progress.hosts.get(peer, 0) + gained
 
-    def _send_bytes(self, sock: socket.socket, view: memoryview, offset: int, peer: str, digest: str) -> None:
+    def _send_bytes(self, sock: socket.socket, view: memoryview, offset: int, peer: str, digest: str,
+                    paced: tuple[str, tuple[str, int]] | None, moved: threading.Event) -> None:
+        """The blob from ``offset``, until it is all sent or the host is ``moved`` (it then finds the
+        connection closed at a chunk's end, and asks again)."""
         for start in range(offset, view.nbytes, CHUNK):
-            if self._closed.is_set():
+            if self._closed.is_set() or moved.is_set():
                 return
             chunk = view[start:start + CHUNK]
             sock.sendall(chunk)
             with self._lock:
                 self._progress.from_kernel += chunk.nbytes
                 self._credit(peer, digest, start + chunk.nbytes)
+            self._pace(paced, start + chunk.nbytes, view.nbytes)
 
     def close(self) -> None:
         self._closed.set()
@@ -279,6 +445,10 @@ def _address(value) -> tuple[str, int] | None:
 
 class _SourceFailed(Exception):
     """A host we read from broke, stalled or sent a bad chunk: ask the kernel for another source."""
+
+
+class _Moved(Exception):
+    """The kernel moved this host in the chain (RelayOrder.moves): ask it for the new source."""
 
 
 @dataclass
@@ -342,6 +512,16 @@ class _Receiver:
                                     "match)")
             self.good = end
 
+    def check_from_start(self) -> None:
+        """Check the bytes that came from the kernel against the chunk digests, now that a host is the
+        source: they were to be checked whole at the end, which a blob from two sources cannot be."""
+        checked, self.good = self.received, 0
+        while (end := min(self.good + CHUNK, self.blob.size)) <= checked and self.good < checked:
+            if self._hash(self.into[self.good:end]).hexdigest() != self.chunks[self.good // CHUNK]:
+                raise BlobError(f"{self.name} arrived altered from the kernel (a chunk's BLAKE3 digest does not "
+                                "match): dropped unread")
+            self.good = end
+
     def resume_from_good(self) -> None:
         self.received = self.good
         if self.relay is not None:
@@ -360,6 +540,7 @@ def fetch(address: tuple[str, int], secret: bytes, blob: Blob, into: memoryview,
     """
     receiver = _Receiver(blob, into, on_progress, relay)
     failed: list[list] = []
+    kernel_closes = 0  # the kernel closes a stream early to move this host in the chain, or as it goes
     while receiver.received < blob.size or receiver.good < blob.size:
         receiver.resume_from_good()
         link = None
@@ -379,11 +560,20 @@ def fetch(address: tuple[str, int], secret: bytes, blob: Blob, into: memoryview,
                 try:
                     receiver.read(link.sock, "the kernel")
                 except _SourceFailed as exc:
-                    raise BlobError(str(exc)) from None
+                    kernel_closes += 1
+                    if kernel_closes > MAX_KERNEL_CLOSES:
+                        raise BlobError(str(exc)) from None
                 continue
-            receiver.chunks = list(link.recv()["chunks"])
+            if receiver.chunks is None:
+                receiver.chunks = list(link.recv()["chunks"])
+                receiver.check_from_start()
+                receiver.resume_from_good()
+            else:
+                link.recv()  # the same chunk digests again
             try:
                 _read_from_host(source, secret, receiver, link)
+            except _Moved:
+                pass
             except (_SourceFailed, OSError):  # a ChannelError and a timeout are OSErrors too
                 failed.append(list(source))
         except TimeoutError as exc:
@@ -406,8 +596,10 @@ def _read_from_host(source: tuple[str, int], secret: bytes, receiver: _Receiver,
     def report() -> None:
         try:
             kernel.send({"received": receiver.good})
+            if select.select([kernel.sock], [], [], 0)[0] and kernel.recv().get("move"):
+                raise _Moved
         except OSError:
-            pass  # the kernel's count is for the dashboard: the bytes matter more
+            pass  # the kernel's count is for the dashboard and the order's pace: the bytes matter more
 
     link = channel.connect(*source, secret, timeout=PEER_STALL)
     try:

@@ -70,11 +70,15 @@ def _tc(rate: str, device: str, namespace: str | None = None) -> None:
 
 
 class Hosts:
-    def __init__(self, hosts: int = 2, rate: str | None = None):
+    """``rates``: a host's own cap on both its links, by its index, where it differs from ``rate``
+    (a host on a busy rack)."""
+
+    def __init__(self, hosts: int = 2, rate: str | None = None, rates: dict[int, str] | None = None):
         if not 1 <= hosts <= 200:
             raise ValueError(f"1 to 200 simulated hosts, not {hosts}")
         self._count = hosts
         self.rate = rate
+        self.rates = rates or {}
         self.driver = ""
         self.hosts: list[tuple[str, str]] = []  # (address, namespace), once entered
 
@@ -98,9 +102,9 @@ class Hosts:
                 _ip("-n", ns, "addr", "add", f"{address}/24", "dev", inside)
                 _ip("-n", ns, "link", "set", inside, "up")
                 _ip("-n", ns, "link", "set", "lo", "up")
-                if self.rate:
-                    _tc(self.rate, outside)  # into the host
-                    _tc(self.rate, inside, ns)  # out of the host
+                if rate := self.rates.get(i, self.rate):
+                    _tc(rate, outside)  # into the host
+                    _tc(rate, inside, ns)  # out of the host
         except subprocess.CalledProcessError as exc:
             self.__exit__(None, None, None)
             raise RuntimeError(f"could not build the test network: {' '.join(exc.cmd)}: {exc.stderr.strip()}") from None

@@ -69,6 +69,59 @@ def test_each_host_reads_from_the_one_that_asked_before_it():
     assert order.source("x", a, [b, c, d]) is None
 
 
+def _run_at(order: blob_transfer.RelayOrder, rates: dict, since: float, until: float, size: int,
+            got: dict) -> list:
+    """Each host in ``rates`` receiving at its rate (bytes a second) from ``since`` to ``until``, on
+    from the bytes in ``got``, noted ten times a second; the moves the order asked for on the way."""
+    moves = []
+    for tick in range(1, round((until - since) * 10) + 1):
+        now = since + tick / 10
+        for host, rate in rates.items():
+            got[host] = min(size, got.get(host, 0) + int(rate / 10))
+            order.note("x", host, got[host], now)
+        moves += order.moves("x", size, now)
+    return moves
+
+
+@pytest.mark.unit
+def test_a_slow_host_moves_to_the_end_of_a_large_blob_s_chain_and_the_one_behind_it_takes_its_source():
+    order = blob_transfer.RelayOrder()
+    size, window = blob_transfer.PACE_MIN, blob_transfer.PACE_WINDOW
+    a, b, c, d = ("10.0.0.2", 1), ("10.0.0.3", 1), ("10.0.0.4", 1), ("10.0.0.5", 1)
+    assert order.source("x", a, [], size) is None
+    assert order.source("x", b, [], size) is None, "the second host's first window is from the kernel"
+    assert order.source("x", c, [], size) == b and order.source("x", d, [], size) == c
+    # Even links: the kernel's uplink was the limit, so the second host reads from the first again.
+    fast, got = 25e6, {}
+    assert _run_at(order, {a: fast, b: fast, c: fast, d: fast}, 0, window + 1, size, got) == [b]
+    assert order.source("x", b, [], size) == a and order.slow("x") == []
+    # Then c's link slows to a quarter: the hosts behind it would wait on it.
+    assert _run_at(order, {a: fast, b: fast, c: fast / 4, d: fast / 4}, 10, 11 + window, size, got) == [c, d]
+    assert order.source("x", d, [], size) == b, "the host behind the slow one reads from the slow one's source"
+    assert order.source("x", c, [], size) == d, "the slow host reads from the last host, whose uplink is idle"
+    assert order.slow("x") == [c]
+    # It stays there: a host moves once per blob, so the chain settles.
+    assert _run_at(order, {a: fast, b: fast, d: fast, c: fast / 4}, 20, 20 + 2 * window, size, got) == []
+
+
+@pytest.mark.unit
+def test_a_slow_first_host_is_found_by_the_second_host_s_window_from_the_kernel():
+    order = blob_transfer.RelayOrder()
+    size, window = blob_transfer.PACE_MIN, blob_transfer.PACE_WINDOW
+    a, b, c = ("10.0.0.2", 1), ("10.0.0.3", 1), ("10.0.0.4", 1)
+    for host in (a, b, c):
+        order.source("x", host, [], size)
+    # The first host receives from the kernel at a quarter of what the second does: it moves to the
+    # end; the second, already on the kernel's stream, is not asked to move.
+    assert _run_at(order, {a: 5e6, b: 20e6, c: 20e6}, 0, window + 1, size, {}) == [a]
+    assert order.source("x", b, [], size) is None, "the second host now leads the chain"
+    assert order.source("x", a, [], size) == c and order.slow("x") == [a]
+    # A blob under PACE_MIN keeps the order the hosts asked in: it is through before a pace is known.
+    small = blob_transfer.RelayOrder()
+    assert small.source("y", a, [], 1 << 20) is None and small.source("y", b, [], 1 << 20) == a
+    assert small.moves("y", 1 << 20, 100.0) == []
+
+
 # -- on loopback: every host a thread with its own cache and relay ---------------------------------
 @pytest.mark.unit
 @pytest.mark.parametrize("chunk", [blob_transfer.CHUNK, 4096], ids=["4-MiB-chunks", "6144-chunks"])
@@ -206,6 +259,40 @@ def test_a_host_that_dies_mid_transfer_does_not_stall_the_one_reading_from_it(tm
     # At 100 Mbit/s the 24 MB take about 2 s on a link; the stall adds PEER_STALL when frozen.
     assert recovered < blob_transfer.PEER_STALL + 10, f"the others took {recovered:.1f} s after the host died"
     assert progress.from_kernel < 3 * len(data), "every host read from the kernel: nothing was relayed"
+
+
+@pytest.mark.cluster
+@pytest.mark.skipif(_why_not is not None, reason=f"no simulated hosts: {_why_not}")
+def test_a_host_on_a_slow_link_that_asks_first_holds_back_nobody(tmp_path, monkeypatch):
+    """Four hosts on 100 Mbit/s links, the first to ask on 25 Mbit/s, 48 MB (PACE_MIN lowered to 16 MiB
+    and the window to 1 s, as for a large blob). The second host's window from the kernel shows the
+    first's link slow: the first moves to the chain's end, and the three others finish in about the
+    time of their own links, not the slow one's; every host holds the kernel's bytes."""
+    monkeypatch.setattr(blob_transfer, "PACE_MIN", 16 * MiB)
+    monkeypatch.setattr(blob_transfer, "PACE_WINDOW", 1.0)
+    data, blob = _blob(48 * MiB)
+    secret = channel.new_secret()
+    with netns.Hosts(4, rate="100mbit", rates={0: "25mbit"}) as network, \
+            _kernel(network.driver, data, blob, secret) as server:
+        hosts: list[_Host] = []
+        try:
+            slow = _Host(network, 0, server.address, secret, blob, tmp_path)
+            hosts.append(slow)
+            wait_until(lambda: slow.received() >= MiB, 30, "the slow host received nothing from the kernel")
+            hosts += [_Host(network, i, server.address, secret, blob, tmp_path) for i in (1, 2, 3)]
+            took = [host.fetched_in(timeout=120) for host in hosts]
+            for i, host in enumerate(hosts):
+                assert host.holds(data), f"host {i} holds other bytes than the kernel's"
+            progress = server.progress()
+        finally:
+            for host in hosts:
+                host.close()
+    assert progress.slow == [network.hosts[0][0]], f"the slow host was not moved: {progress.slow}"
+    assert "received slowly, so it read last" in progress.describe(time.monotonic())
+    # At 25 Mbit/s the 48 MB take the slow host about 16 s; the others' links, about 4 s. In the order
+    # they asked, every host would have waited on the slow one.
+    assert max(took[1:]) < 0.6 * took[0], f"the others waited on the slow host: {took}"
+    assert progress.from_kernel <= 1.5 * len(data), f"the kernel sent {progress.from_kernel / len(data):.2f} copies"
 
 
 # -- through a cell, on four hosts -----------------------------------------------------------------
