@@ -178,7 +178,9 @@ class RelayOrder:
             if ahead is None or behind is None:
                 return []
             pace.trial = None
-            if ahead < SLOW * behind:  # the first host's link is the slow one: the second leads on
+            # The first host's link is the slow one, or the second overtook it (reading from the first,
+            # it would wait for bytes it has): the second leads on.
+            if ahead < SLOW * behind or pace.received(second) > pace.received(first):
                 return self._to_end(digest, first, pace, follower=False)
             return [second]  # the kernel was the limit: the second reads from the first again
         for i, host in enumerate(order[1:-1], start=1):
@@ -235,9 +237,12 @@ class _Pace:
             return None
         return (seen[-1][1] - seen[0][1]) / max(seen[-1][0] - seen[0][0], 1e-6)
 
-    def done(self, host: tuple[str, int], size: int) -> bool:
+    def received(self, host: tuple[str, int]) -> int:
         seen = self.seen.get(host)
-        return bool(seen) and seen[-1][1] >= size
+        return seen[-1][1] if seen else 0
+
+    def done(self, host: tuple[str, int], size: int) -> bool:
+        return self.received(host) >= size
 
 
 def serve_each_connection(listener: socket.socket, closed: threading.Event,

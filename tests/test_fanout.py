@@ -116,6 +116,11 @@ def test_a_slow_first_host_is_found_by_the_second_host_s_window_from_the_kernel(
     assert _run_at(order, {a: 5e6, b: 20e6, c: 20e6}, 0, window + 1, size, {}) == [a]
     assert order.source("x", b, [], size) is None, "the second host now leads the chain"
     assert order.source("x", a, [], size) == c and order.slow("x") == [a]
+    # Not slow, but overtaken by the second host in its window: the second would wait on it, so it leads.
+    overtaken = blob_transfer.RelayOrder()
+    for host in (a, b):
+        overtaken.source("x", host, [], size)
+    assert _run_at(overtaken, {a: 12e6, b: 20e6}, 0, window + 1, size, {a: 10 * MiB, b: 10 * MiB}) == [a]
     # A blob under PACE_MIN keeps the order the hosts asked in: it is through before a pace is known.
     small = blob_transfer.RelayOrder()
     assert small.source("y", a, [], 1 << 20) is None and small.source("y", b, [], 1 << 20) == a
