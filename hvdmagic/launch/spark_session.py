@@ -203,8 +203,9 @@ def start_embedded(slots: int, archive_option: str | None = None):
             )
     except Exception as exc:
         if archive_option.startswith("-XX:SharedArchiveFile="):  # a damaged archive kills the JVM at start
-            jvm_archive.forget(archive_option)
-            return start_embedded(slots, "")
+            session = start_embedded(slots, "")
+            jvm_archive.forget(archive_option)  # it was the archive: the JVM starts without it
+            return session
         raise LaunchError(f"could not start an embedded local Spark session: {first_line(exc)} "
                           f"(the JVM's own output is in {jvm_log()})", details=str(exc)) from None
     finally:
