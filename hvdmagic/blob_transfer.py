@@ -140,7 +140,7 @@ class RelayOrder:
         self._paced: dict[str, _Pace] = {}  # the blobs large enough to follow the hosts' pace
 
     def source(self, digest: str, relay: tuple[str, int] | None,
-               failed: list[tuple[str, int]], size: int = 0) -> tuple[str, int] | None:
+               failed: list[tuple[str, int]], size: int = 0, offset: int = 0) -> tuple[str, int] | None:
         self._down.update(failed)
         order = self._order.setdefault(digest, [])
         before = order
@@ -156,6 +156,10 @@ class RelayOrder:
                     pace.trial, pace.tried = (order[0], relay), True  # the second host reads from the kernel
                 if pace.trial is not None and relay == pace.trial[1]:
                     return None
+                if relay in pace.moved:  # it may be ahead of the hosts now before it: one that has its offset
+                    ahead = [host for host in before if host not in self._down and pace.received(host) >= offset]
+                    if ahead:
+                        return ahead[-1]
         return next((host for host in reversed(before) if host not in self._down), None)
 
     def note(self, digest: str, host: tuple[str, int], received: int, now: float) -> None:
@@ -199,16 +203,21 @@ class RelayOrder:
 
     def _to_end(self, digest: str, host: tuple[str, int], pace: _Pace, follower: bool = True
                 ) -> list[tuple[str, int]]:
-        """Move ``host`` to the end of the chain; it asks again, and so does the host that read from it."""
+        """Move ``host`` to the end of the chain, but before the hosts moved there earlier (a host on a
+        slow link serves nobody); it asks again, and so do the host that read from it and the one that
+        now reads from it."""
         order = self._order[digest]
         live = [h for h in order if h not in self._down]
         behind = live[live.index(host) + 1:live.index(host) + 2] if follower else []
         order.remove(host)
-        order.append(host)
+        tail = next((i for i, h in enumerate(order) if h in pace.moved), len(order))
+        order.insert(tail, host)
+        after = [h for h in order[tail + 1:] if h not in self._down][:1]
         pace.moved.add(host)
-        for moved in (host, *behind):
+        asked = list(dict.fromkeys([host, *behind, *after]))
+        for moved in asked:
             pace.forget(moved)
-        return [host, *behind]
+        return asked
 
 
 class _Pace:
@@ -331,7 +340,8 @@ class BlobServer:
                 view = self._buffers.get(digest)
                 if view is not None:
                     self._asked(peer, digest, view.nbytes)
-                    source = self._relays.source(digest, relay, failed, view.nbytes) if self._use_relays else None
+                    source = (self._relays.source(digest, relay, failed, view.nbytes, offset)
+                              if self._use_relays else None)
             if view is None:
                 link.send({"size": None})
                 return

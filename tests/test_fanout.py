@@ -115,7 +115,11 @@ def test_a_slow_first_host_is_found_by_the_second_host_s_window_from_the_kernel(
     # end; the second, already on the kernel's stream, is not asked to move.
     assert _run_at(order, {a: 5e6, b: 20e6, c: 20e6}, 0, window + 1, size, {}) == [a]
     assert order.source("x", b, [], size) is None, "the second host now leads the chain"
-    assert order.source("x", a, [], size) == c and order.slow("x") == [a]
+    assert order.source("x", a, [], size, offset=1) == c and order.slow("x") == [a]
+    # Moved, it may be ahead of the host now before it (it led for a window): it reads from the nearest
+    # host that has its offset, not from one it would wait on past PEER_STALL.
+    order.note("x", c, 1 * MiB, window + 2)  # c, now before a, has less than a's 5 MiB
+    assert order.source("x", a, [], size, offset=5 * MiB) == b
     # Not slow, but overtaken by the second host in its window: the second would wait on it, so it leads.
     overtaken = blob_transfer.RelayOrder()
     for host in (a, b):
