@@ -118,6 +118,7 @@ def test_a_slow_first_host_is_found_by_the_second_host_s_window_from_the_kernel(
     assert order.source("x", a, [], size, offset=1) == c and order.slow("x") == [a]
     # Moved, it may be ahead of the host now before it (it led for a window): it reads from the nearest
     # host that has its offset, not from one it would wait on past PEER_STALL.
+    order.note("x", b, 80 * MiB, window + 2)
     order.note("x", c, 1 * MiB, window + 2)  # c, now before a, has less than a's 5 MiB
     assert order.source("x", a, [], size, offset=5 * MiB) == b
     # Not slow, but overtaken by the second host in its window: the second would wait on it, so it leads.
