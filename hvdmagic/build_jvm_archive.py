@@ -54,9 +54,11 @@ def _locked(lock: Path) -> bool:
 
 
 def _forget_orphans(directory: Path) -> None:
-    """Delete the archives made for Spark jars that are gone (a removed virtualenv or clone): 155 MB each."""
+    """Delete the archives made for Spark jars that are gone or changed (a removed virtualenv, a clone
+    made again in the same place): 155 MB each, and no JVM would use them."""
     for source in directory.glob("*.jars"):
-        if not Path(source.read_text().strip()).is_dir():
+        jars = Path(source.read_text().strip())
+        if not jars.is_dir() or jvm_archive.archive_path(jars) != source.with_suffix(".jsa"):
             source.with_suffix(".jsa").unlink(missing_ok=True)
             source.unlink(missing_ok=True)
 

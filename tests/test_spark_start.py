@@ -87,13 +87,16 @@ def test_a_build_waits_for_nobody_and_makes_nothing_without_java_or_pyspark(tmp_
     jvm_archive.forget(jvm_archive.options())
     assert not archive.exists()
 
-    # An archive made for Spark jars that are gone (a removed virtualenv) goes at the next build.
+    # An archive made for Spark jars that are gone (a removed virtualenv), or that have changed since
+    # (a clone made again in the same place: another name now), goes at the next build.
     orphan = archive.with_name("spark-0123456789abcdef.jsa")
     orphan.write_bytes(b"made for a removed virtualenv")
     orphan.with_suffix(".jars").write_text(f"{tmp_path / 'removed-venv' / 'jars'}\n")
-    kept = archive.with_name("spark-fedcba9876543210.jsa")
-    kept.write_bytes(b"made for another virtualenv")
-    kept.with_suffix(".jars").write_text(f"{tmp_path}\n")
+    stale = archive.with_name("spark-fedcba9876543210.jsa")
+    stale.write_bytes(b"made for these jars' earlier files")
+    stale.with_suffix(".jars").write_text(f"{jvm_archive.spark_jars()}\n")
     archive.write_bytes(b"made before")
+    archive.with_suffix(".jars").write_text(f"{jvm_archive.spark_jars()}\n")
     build_jvm_archive.build(said.append)
-    assert not orphan.exists() and not orphan.with_suffix(".jars").exists() and kept.exists()
+    assert not orphan.exists() and not orphan.with_suffix(".jars").exists() and not stale.exists()
+    assert archive.exists(), "the archive of these jars was deleted"

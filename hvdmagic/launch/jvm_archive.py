@@ -39,10 +39,10 @@ def spark_jars() -> Path | None:
     return jars if jars.is_dir() else None
 
 
-def archive_path() -> Path | None:
-    """Where the archive for this JVM and these jars lives (whether or not it exists yet), or None
-    when there is no java or no pyspark to make one for."""
-    java, jars = _java(), spark_jars()
+def archive_path(jars: Path | None = None) -> Path | None:
+    """Where the archive for this JVM and these jars (by default this pyspark's) lives, whether or not
+    it exists yet; None when there is no java or no pyspark to make one for."""
+    java, jars = _java(), jars or spark_jars()
     if java is None or jars is None:
         return None
     digest = hashlib.sha256()
