@@ -174,9 +174,9 @@ def set_up_runtime(name: str, venv: Venv, pins: Path) -> bool:
 
 def build_in_pyspark(name: str, venv: Venv) -> None:
     """pyspark as a Databricks runtime has it: importable, but no distribution pip can see. The
-    runtime keeps Spark's Python in /databricks/spark/python, on sys.path, with py4j beside it;
-    here the pinned pyspark and py4j move to ``<venv>/databricks/spark/python``, lose their
-    metadata, and a .pth file puts that folder on sys.path."""
+    runtime keeps Spark's Python in a folder of its Spark on sys.path, with py4j beside it; here
+    the pinned pyspark and py4j move to ``<venv>/databricks/spark/python``, lose their metadata,
+    and a .pth file puts that folder on sys.path."""
     site = Path(venv.run("import sysconfig; print(sysconfig.get_paths()['purelib'])").stdout.strip())
     built_in = venv.path / "databricks" / "spark" / "python"
     built_in.mkdir(parents=True)
