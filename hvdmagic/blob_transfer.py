@@ -123,8 +123,9 @@ class RelayOrder:
     bytes or more the order follows the hosts' pace (``note``, ``moves``):
 
     - a host that receives at under ``SLOW`` times its source's rate, over ``PACE_WINDOW``
-      seconds, is moved to the end of the chain. The host behind it then reads from its
-      source, and it reads from the last host, whose uplink nobody else uses;
+      seconds, is moved to the end of the chain, before the hosts moved there earlier. The host
+      behind it then reads from its source, and it reads from the nearest host before it that
+      has its offset: the last host, whose uplink nobody else uses, unless it is behind;
     - the kernel's own rate is known only where it sends to two hosts. So the second host to
       ask reads from the kernel too, for one window: if the first host's rate is under ``SLOW``
       times the second's, the first moves to the end, and the second leads the chain;
@@ -398,10 +399,12 @@ class BlobServer:
         with self._lock:
             now = time.monotonic()
             self._relays.note(digest, relay, received, now)
-            movers = [self._movers.get((digest, host)) for host in self._relays.moves(digest, size, now)]
-            for host, _ in self._relays.slow(digest):
-                if host not in self._progress.slow:
-                    self._progress.slow.append(host)
+            moved = self._relays.moves(digest, size, now)
+            movers = [self._movers.get((digest, host)) for host in moved]
+            if moved:  # the slow hosts change only with a move
+                for host, _ in self._relays.slow(digest):
+                    if host not in self._progress.slow:
+                        self._progress.slow.append(host)
         for mover in movers:
             if mover is not None:  # a host between two requests asks again anyway
                 mover()
