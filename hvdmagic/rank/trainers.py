@@ -1,0 +1,115 @@
+"""Lightning's and Hugging Face's trainers, adopted in a rank: their progress drives the rank's row
+and what they log becomes the rank's metrics, with no hvdmagic callback in the cell.
+
+- **Lightning** (``lightning.pytorch`` or ``pytorch_lightning``). A ``Trainer`` built in a rank
+  gets ``HvdmagicCallback`` (a ``fit`` bar on every rank, and ``self.log``'s values as metrics
+  through ``HvdmagicLogger``), unless the cell gave it one. Lightning's own bar is taken out
+  either way:
+  with ``rich`` installed Lightning picks ``RichProgressBar``, whose redrawn text the row cannot
+  follow (it left "Epoch 2/2 ━━━ 8/8" lines in rank 0's log), and its tqdm bar exists on rank 0
+  only. A progress bar of the cell's own class stays.
+- **Hugging Face's ``Trainer``.** Its default progress callback (a tqdm bar on rank 0 that also
+  prints each ``logs`` dict) becomes one that reports on every rank: an ``epoch`` counter and a
+  ``step`` bar (``global_step`` of ``max_steps``). A callback added to every Trainer's defaults
+  logs the numbers of ``on_log`` (``loss``, ``learning_rate``, ``grad_norm``, ``eval_*``, ...) as
+  metrics at ``global_step``, whatever bar the arguments chose (``disable_tqdm`` keeps
+  Hugging Face's printer). Its notebook callback is never chosen in a rank: a rank runs no
+  IPython kernel, which is what ``is_in_notebook`` looks for.
+
+Each is adopted when the module that defines the trainer is imported (``framework_bars``'s hook).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import math
+
+from hvdmagic.rank import telemetry
+
+_ADOPTED = "_hvdmagic_adopted"
+
+# -- Lightning ------------------------------------------------------------------------
+
+
+def adopt_lightning(module) -> None:
+    """Wrap ``module.Trainer`` (``<package>.trainer.trainer``) so that each Trainer joins the dashboard."""
+    cls = module.Trainer
+    if cls.__dict__.get(_ADOPTED):
+        return
+    package = module.__name__.rsplit(".trainer.trainer", 1)[0]  # "lightning.pytorch" or "pytorch_lightning"
+    original = cls.__init__
+
+    @functools.wraps(original)
+    def __init__(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        _join_dashboard(self, package)
+
+    cls.__init__ = __init__
+    setattr(cls, _ADOPTED, True)
+
+
+def _join_dashboard(trainer, package: str) -> None:
+    # Imported here, when a Trainer is built: while the hook runs, the package is half imported.
+    public = "lightning" if package.startswith("lightning") else "pytorch_lightning"
+    callback = importlib.import_module(f"hvdmagic.callbacks.{public}").HvdmagicCallback
+    bars = importlib.import_module(f"{package}.callbacks.progress")
+    lightnings = tuple(getattr(bars, name) for name in ("TQDMProgressBar", "RichProgressBar") if hasattr(bars, name))
+    trainer.callbacks[:] = [given for given in trainer.callbacks if type(given) not in lightnings]
+    if not any(isinstance(given, callback) for given in trainer.callbacks):  # the cell's own: not a second one
+        trainer.callbacks.append(callback())
+
+
+# -- Hugging Face ---------------------------------------------------------------------
+
+
+def logged_numbers(logs) -> dict[str, float]:
+    """The finite numbers of a trainer's ``logs`` (strings and schedules left out)."""
+    numbers = {}
+    for name, value in (logs or {}).items():
+        if isinstance(value, bool):
+            continue
+        try:
+            number = float(value)
+        except (TypeError, ValueError):
+            continue
+        if math.isfinite(number):
+            numbers[name] = number
+    return numbers
+
+
+def adopt_transformers(module) -> None:
+    """Swap ``transformers.trainer``'s default progress callback for the dashboard's, and add its metrics."""
+    if getattr(module, _ADOPTED, False):
+        return
+    from transformers.trainer_callback import TrainerCallback
+
+    class DashboardProgress(TrainerCallback):
+        """Every rank's ``epoch`` counter and ``step`` bar (Hugging Face draws rank 0's only)."""
+
+        def on_epoch_begin(self, args, state, control, **kwargs):
+            telemetry.progress(int(state.epoch or 0), math.ceil(state.num_train_epochs), "epoch")
+
+        def on_step_end(self, args, state, control, **kwargs):
+            telemetry.progress(state.global_step, state.max_steps, "step")
+
+        def on_train_end(self, args, state, control, **kwargs):
+            telemetry.progress(math.ceil(state.epoch or 0), math.ceil(state.num_train_epochs), "epoch")
+
+    class DashboardMetrics(TrainerCallback):
+        """``logs``' numbers as this rank's metrics, at the trainer's global step."""
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if numbers := logged_numbers(logs):
+                telemetry.log_metrics(step=state.global_step, **numbers)
+
+    module.DEFAULT_PROGRESS_CALLBACK = DashboardProgress
+    module.DEFAULT_CALLBACKS = [*module.DEFAULT_CALLBACKS, DashboardMetrics]
+    setattr(module, _ADOPTED, True)
+
+
+HOOKS = {
+    "lightning.pytorch.trainer.trainer": adopt_lightning,
+    "pytorch_lightning.trainer.trainer": adopt_lightning,
+    "transformers.trainer": adopt_transformers,
+}

@@ -1,0 +1,135 @@
+"""Today's trainers run unchanged in a ``%%torchrun`` cell, and their own bars and logged values
+reach the dashboard with no hvdmagic callback in the cell (``hvdmagic/rank/trainers.py``)."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import run
+from test_framework_bars import TQDM_TEXT, run_as_rank
+
+import hvdmagic
+
+LIGHTNING_CELL = """%%torchrun --np -2
+import torch
+import lightning.pytorch as pl
+
+class Regression(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.layer = torch.nn.Linear(4, 1)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = torch.nn.functional.mse_loss(self.layer(x), y)
+        self.log("train_loss", loss)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", torch.nn.functional.mse_loss(self.layer(x), y))
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+torch.manual_seed(0)
+x = torch.rand(256, 4)
+data = torch.utils.data.TensorDataset(x, x.sum(dim=1, keepdim=True))
+loader = torch.utils.data.DataLoader(data, batch_size=16)
+# As pyspark's TorchDistributor docs write it; the progress bar and logger left at their defaults.
+trainer = pl.Trainer(strategy="ddp", accelerator="cpu", devices=2, num_nodes=1, max_epochs=3, log_every_n_steps=2,
+                     enable_model_summary=False, enable_checkpointing=False, default_root_dir=".")
+trainer.fit(Regression(), loader, loader)
+"""
+
+
+def test_lightning_ddp_drives_the_rows_and_its_self_log_values_are_metrics_with_no_callback(ip, tmp_path):
+    ip.run_line_magic("cd", str(tmp_path))
+    _, error = run(ip, LIGHTNING_CELL)
+    assert error is None, error
+    record = hvdmagic.last_run()
+    steps = 256 // 2 // 16 * 3  # a DistributedSampler's half of the rows, 16 a batch, 3 epochs
+    for rank in record.ranks:
+        bars = {desc: (bar.step, bar.total) for desc, bar in rank.bars.items()}
+        assert bars == {"fit": (steps, steps)}, f"rank {rank.rank}: {bars}"
+        logs = record.logs[rank.rank]
+        assert "━" not in logs and not TQDM_TEXT.search(logs), f"Lightning's bar in rank {rank.rank}'s log:\n{logs}"
+    rows = record.metrics[record.metrics["rank"] == 0]
+    train_loss, val_loss = rows["train_loss"].dropna(), rows["val_loss"].dropna()
+    assert len(train_loss) == steps // 2, f"every second step's self.log('train_loss'): {list(train_loss)}"
+    assert len(val_loss) == 3, f"one val_loss an epoch: {list(val_loss)}"
+    assert train_loss.iloc[-1] < train_loss.iloc[0] / 4, f"the loss should fall: {list(train_loss)}"
+
+
+HF_CELL = """%%torchrun --np -2
+import tempfile
+import torch
+from datasets import Dataset
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+
+torch.manual_seed(0)
+config = GPT2Config(vocab_size=32, n_positions=16, n_embd=32, n_layer=2, n_head=2, bos_token_id=0, eos_token_id=0)
+model = GPT2LMHeadModel(config)  # built from a config: nothing downloaded
+# Sequences that count up modulo the vocabulary: learnable, so the losses fall.
+ids = ((torch.randint(0, 32, (256, 1)) + torch.arange(16)) % 32).tolist()
+train = Dataset.from_dict({"input_ids": ids, "labels": ids})
+
+class Held(torch.utils.data.Dataset):  # a plain torch Dataset for the evaluation
+    def __len__(self):
+        return 32
+
+    def __getitem__(self, i):
+        return {"input_ids": torch.tensor(ids[i]), "labels": torch.tensor(ids[i])}
+
+args = TrainingArguments(output_dir=tempfile.mkdtemp(), per_device_train_batch_size=16, num_train_epochs=2,
+                         learning_rate=5e-3, logging_steps=2, eval_strategy="steps", eval_steps=4,
+                         save_strategy="no", report_to=[], use_cpu=True, seed=0)
+trainer = Trainer(model=model, args=args, train_dataset=train, eval_dataset=Held())
+trainer.train().training_loss
+"""
+
+
+def test_hugging_face_trainer_drives_the_rows_and_its_logs_are_metrics_with_no_callback(ip):
+    pytest.importorskip("transformers", reason="the README's set-up installs transformers")
+    result, error = run(ip, HF_CELL)
+    assert error is None, error
+    record = hvdmagic.last_run()
+    steps = 256 // 2 // 16 * 2
+    for rank in record.ranks:
+        bars = {desc: (bar.step, bar.total) for desc, bar in rank.bars.items()}
+        assert bars == {"epoch": (2, 2), "step": (steps, steps)}, f"rank {rank.rank}: {bars}"
+        logs = record.logs[rank.rank]
+        assert "{'loss'" not in logs and not TQDM_TEXT.search(logs), f"the Trainer's text:\n{logs}"
+    rows = record.metrics[record.metrics["rank"] == 0]
+    loss, eval_loss = rows["loss"].dropna(), rows["eval_loss"].dropna()
+    assert len(loss) == steps // 2 and len(eval_loss) == steps // 4, rows.to_string()
+    assert rows["learning_rate"].notna().sum() == len(loss) and rows["grad_norm"].notna().sum() == len(loss)
+    assert list(rows.dropna(subset=["loss"])["step"]) == list(range(2, steps + 1, 2)), "the Trainer's global steps"
+    assert eval_loss.iloc[-1] < eval_loss.iloc[0], f"the evaluation loss should fall: {list(eval_loss)}"
+    assert isinstance(result, float) and result == pytest.approx(rows["train_loss"].dropna().iloc[-1])
+
+
+LIGHTNING_TRAINERS = """
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import TQDMProgressBar
+from hvdmagic.callbacks.lightning import HvdmagicCallback
+
+class MyBar(TQDMProgressBar):
+    pass
+
+def kinds(trainer):
+    return sorted(type(callback).__name__ for callback in trainer.callbacks
+                  if isinstance(callback, (HvdmagicCallback, pl.callbacks.ProgressBar)))
+
+print(kinds(pl.Trainer(logger=False)))
+print(kinds(pl.Trainer(logger=False, callbacks=[HvdmagicCallback(progress=False)])))
+print(kinds(pl.Trainer(logger=False, callbacks=[MyBar()])))
+print(kinds(pl.Trainer(logger=False, enable_progress_bar=False)))
+"""
+
+
+def test_a_lightning_trainer_in_a_rank_gets_one_dashboard_callback_and_keeps_a_bar_of_its_own():
+    out, _, _ = run_as_rank(LIGHTNING_TRAINERS, timeout=120)
+    assert out.splitlines() == ["['HvdmagicCallback']",  # Lightning's own bar (Rich's here) taken out
+                                "['HvdmagicCallback']",  # the cell's callback: not a second one
+                                "['HvdmagicCallback', 'MyBar']",
+                                "['HvdmagicCallback']"], out
