@@ -133,3 +133,56 @@ def test_a_lightning_trainer_in_a_rank_gets_one_dashboard_callback_and_keeps_a_b
                                 "['HvdmagicCallback']",  # the cell's callback: not a second one
                                 "['HvdmagicCallback', 'MyBar']",
                                 "['HvdmagicCallback']"], out
+
+
+ACCELERATE_CELL = """%%torchrun --np -2
+import torch
+from accelerate import Accelerator, notebook_launcher
+
+def training_function():
+    accelerator = Accelerator(cpu=True)
+    torch.manual_seed(0)
+    x = torch.rand(128, 4)
+    data = torch.utils.data.TensorDataset(x, x.sum(dim=1, keepdim=True))
+    model = torch.nn.Linear(4, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    loader = torch.utils.data.DataLoader(data, batch_size=16)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    for epoch in range(4):
+        for step, (inputs, targets) in enumerate(loader):
+            loss = torch.nn.functional.mse_loss(model(inputs), targets)
+            accelerator.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+        losses = accelerator.gather(loss.detach().reshape(1))
+        accelerator.log({"loss": losses.mean().item()}, step=epoch)
+        accelerator.print(f"epoch {epoch}: {len(losses)} losses gathered")
+    return accelerator.num_processes
+
+# Pasted from a notebook that used accelerate's own launcher: the cell's ranks are its processes.
+notebook_launcher(training_function, num_processes=2)
+"""
+
+
+def test_an_accelerate_loop_through_notebook_launcher_runs_in_the_ranks_and_logs_metrics(ip):
+    pytest.importorskip("accelerate", reason="the README's set-up installs accelerate")
+    result, error = run(ip, ACCELERATE_CELL)
+    assert error is None, error
+    assert result == 2, "every rank is one of accelerate's processes"
+    record = hvdmagic.last_run()
+    assert record.logs[0].count("losses gathered") == 4 and "2 losses gathered" in record.logs[0], record.logs[0]
+    assert "losses gathered" not in record.logs[1], "accelerator.print prints on the main process only"
+    assert any("notebook_launcher ran training_function in each of the cell's 2 rank(s)" in note
+               for note in record.notes), record.notes
+    for rank in (0, 1):
+        loss = record.metrics[record.metrics["rank"] == rank].dropna(subset=["loss"])
+        assert list(loss["step"]) == [0, 1, 2, 3], loss.to_string()
+        assert loss["loss"].iloc[-1] < loss["loss"].iloc[0], f"the loss should fall: {list(loss['loss'])}"
+
+
+def test_notebook_launcher_asking_for_other_processes_than_the_cells_fails_in_one_paragraph(ip):
+    pytest.importorskip("accelerate", reason="the README's set-up installs accelerate")
+    _, error = run(ip, "%%torchrun --np -2\nfrom accelerate import notebook_launcher\n"
+                       "notebook_launcher(print, num_processes=4)")
+    assert error is not None
+    assert "num_processes=4) in a cell of 2 rank(s)" in str(error) and "--np 4" in str(error), str(error)

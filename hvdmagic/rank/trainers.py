@@ -1,5 +1,5 @@
-"""Lightning's and Hugging Face's trainers, adopted in a rank: their progress drives the rank's row
-and what they log becomes the rank's metrics, with no hvdmagic callback in the cell.
+"""Lightning's, Hugging Face's and accelerate's trainers, adopted in a rank: their progress drives
+the rank's row and what they log becomes the rank's metrics, with no hvdmagic callback in the cell.
 
 - **Lightning** (``lightning.pytorch`` or ``pytorch_lightning``). A ``Trainer`` built in a rank
   gets ``HvdmagicCallback`` (a ``fit`` bar on every rank, and ``self.log``'s values as metrics
@@ -15,6 +15,9 @@ and what they log becomes the rank's metrics, with no hvdmagic callback in the c
   metrics at ``global_step``, whatever bar the arguments chose (``disable_tqdm`` keeps
   Hugging Face's printer). Its notebook callback is never chosen in a rank: a rank runs no
   IPython kernel, which is what ``is_in_notebook`` looks for.
+- **accelerate.** ``Accelerator.log``'s numbers are metrics as well as the trackers' (on every
+  rank; accelerate's trackers log the main process's). ``notebook_launcher`` in a rank runs its
+  function in place: the cell's ranks are the processes it would have started.
 
 Each is adopted when the module that defines the trainer is imported (``framework_bars``'s hook).
 """
@@ -24,7 +27,9 @@ from __future__ import annotations
 import functools
 import importlib
 import math
+import os
 
+from hvdmagic import protocol
 from hvdmagic.rank import telemetry
 
 _ADOPTED = "_hvdmagic_adopted"
@@ -108,8 +113,58 @@ def adopt_transformers(module) -> None:
     setattr(module, _ADOPTED, True)
 
 
+# -- accelerate -----------------------------------------------------------------------
+
+
+def adopt_accelerator(module) -> None:
+    """``Accelerator.log(values, step)`` also logs ``values``' numbers as this rank's metrics."""
+    cls = module.Accelerator
+    if cls.__dict__.get(_ADOPTED):
+        return
+    original = cls.log  # accelerate runs it on the main process only: the trackers' half
+
+    @functools.wraps(original)
+    def log(self, values, step=None, *args, **kwargs):
+        if numbers := logged_numbers(values):
+            telemetry.log_metrics(step=step, **numbers)
+        return original(self, values, step, *args, **kwargs)
+
+    cls.log = log
+    setattr(cls, _ADOPTED, True)
+
+
+def adopt_notebook_launcher(module) -> None:
+    """``notebook_launcher(function, args, num_processes)`` in a rank runs ``function`` in place.
+
+    It would fork the rank into more processes; the cell's ranks already are the processes it
+    means, with ``torch.distributed``'s variables set. A different ``num_processes`` is a mistake
+    said in one paragraph, not a silent change of the job's size.
+    """
+    original = module.notebook_launcher
+    if getattr(original, _ADOPTED, False):
+        return
+
+    @functools.wraps(original)
+    def notebook_launcher(function, args=(), num_processes=None, *more, **kwargs):
+        ranks = int(os.environ.get("WORLD_SIZE", "1"))
+        if num_processes not in (None, ranks):
+            raise RuntimeError(
+                f"notebook_launcher(..., num_processes={num_processes}) in a cell of {ranks} rank(s): the cell's "
+                f"ranks are the processes notebook_launcher would start, so it runs the function in each of them. "
+                f"Give the cell --np {num_processes} (or num_processes={ranks}), or call the function directly.")
+        telemetry.emit(protocol.note(  # once a run, whichever rank says it first
+            f"notebook_launcher ran {getattr(function, '__name__', 'the function')} in each of the cell's "
+            f"{ranks} rank(s) instead of starting processes of its own", once="notebook_launcher"))
+        return function(*args)
+
+    setattr(notebook_launcher, _ADOPTED, True)
+    module.notebook_launcher = notebook_launcher
+
+
 HOOKS = {
     "lightning.pytorch.trainer.trainer": adopt_lightning,
     "pytorch_lightning.trainer.trainer": adopt_lightning,
     "transformers.trainer": adopt_transformers,
+    "accelerate.accelerator": adopt_accelerator,
+    "accelerate.launchers": adopt_notebook_launcher,
 }
