@@ -186,3 +186,62 @@ def test_notebook_launcher_asking_for_other_processes_than_the_cells_fails_in_on
                        "notebook_launcher(print, num_processes=4)")
     assert error is not None
     assert "num_processes=4) in a cell of 2 rank(s)" in str(error) and "--np 4" in str(error), str(error)
+
+
+FSDP2_TRAIN = """%%torchrun --np -2
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.fsdp import fully_shard
+
+dist.init_process_group("gloo")
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
+for layer in (model[0], model[2]):
+    fully_shard(layer)
+fully_shard(model)
+optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+torch.manual_seed(1 + dist.get_rank())  # each rank its own batches
+for step in range(60):
+    x = torch.rand(32, 8)
+    loss = torch.nn.functional.mse_loss(model(x), x.sum(dim=1, keepdim=True))
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+dcp.save({"model": model.state_dict()}, checkpoint_id=checkpoint)  # each rank writes its shards
+shard = model[0].weight.to_local()
+(type(model[0].weight).__name__, tuple(shard.shape), loss.item())
+"""
+
+FSDP2_LOAD = """%%torchrun --np -2
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.fsdp import fully_shard
+
+dist.init_process_group("gloo")
+torch.manual_seed(5)  # other initial weights: only the checkpoint can make them right
+model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
+for layer in (model[0], model[2]):
+    fully_shard(layer)
+fully_shard(model)
+state = {"model": model.state_dict()}
+dcp.load(state, checkpoint_id=checkpoint)
+model.load_state_dict(state["model"])
+torch.manual_seed(99)
+x = torch.rand(256, 8)
+torch.nn.functional.mse_loss(model(x), x.sum(dim=1, keepdim=True)).item()
+"""
+
+
+def test_fsdp2_trains_sharded_and_a_later_cell_loads_its_distributed_checkpoint(ip, tmp_path):
+    ip.user_ns["checkpoint"] = str(tmp_path / "fsdp2-checkpoint")
+    trained, error = run(ip, FSDP2_TRAIN)
+    assert error is None, error
+    kind, shard, last_loss = trained
+    assert kind == "DTensor" and shard == (16, 8), f"each rank holds half of the first layer: {kind} {shard}"
+    assert last_loss < 0.5, f"the sharded model should learn the sum: {last_loss}"
+    assert len(list((tmp_path / "fsdp2-checkpoint").glob("*.distcp"))) == 2, "a shard file per rank"
+    loaded, error = run(ip, FSDP2_LOAD)
+    assert error is None, error
+    assert loaded < 0.5, f"the loaded weights should predict as the trained ones did, not from scratch: {loaded}"
