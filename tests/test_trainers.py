@@ -245,3 +245,9 @@ def test_fsdp2_trains_sharded_and_a_later_cell_loads_its_distributed_checkpoint(
     loaded, error = run(ip, FSDP2_LOAD)
     assert error is None, error
     assert loaded < 0.5, f"the loaded weights should predict as the trained ones did, not from scratch: {loaded}"
+
+
+def test_notebook_launcher_in_a_horovod_cell_says_to_use_torchrun(ip):
+    pytest.importorskip("accelerate", reason="the README's set-up installs accelerate")
+    _, error = run(ip, "%%horovod --np -2\nfrom accelerate import notebook_launcher\nnotebook_launcher(print)")
+    assert error is not None and "run the cell with %%torchrun --np N" in str(error), str(error)

@@ -25,7 +25,7 @@ column, with its bar empty. So in a rank:
   ``epoch_*``/``val_*`` per epoch), unless that callback reports the same ``fit``.
   ``verbose=2`` is left alone: it prints one log line per epoch and no bar.
 
-Lightning's and Hugging Face's trainers are adopted by the same hook (``rank/trainers.py``).
+Lightning's, Hugging Face's and accelerate's trainers are adopted by the same hook (``rank/trainers.py``).
 
 Nothing here imports tqdm, TensorFlow or Keras: ``install`` puts a finder on
 ``sys.meta_path`` that adopts each of them as it is imported (see ``_Finder``). The same
@@ -284,7 +284,7 @@ _HOOKS = {
     "keras.src.callbacks.progbar_logger": adopt_keras,
     # Not a bar, but the same hook serves it: the straggler check's view of ranks in step.
     "horovod.torch": collective_wait.adopt_horovod_torch,
-    **trainers.HOOKS,  # Lightning's and Hugging Face's trainers: their bars and logged values
+    **trainers.HOOKS,  # Lightning's, Hugging Face's and accelerate's trainers: their bars and logged values
 }
 _REPLACED = {"tqdm.notebook": _PlainNotebook}
 

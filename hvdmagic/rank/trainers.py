@@ -3,11 +3,10 @@ the rank's row and what they log becomes the rank's metrics, with no hvdmagic ca
 
 - **Lightning** (``lightning.pytorch`` or ``pytorch_lightning``). A ``Trainer`` built in a rank
   gets ``HvdmagicCallback`` (a ``fit`` bar on every rank, and ``self.log``'s values as metrics
-  through ``HvdmagicLogger``), unless the cell gave it one. Lightning's own bar is taken out
-  either way:
-  with ``rich`` installed Lightning picks ``RichProgressBar``, whose redrawn text the row cannot
-  follow (it left "Epoch 2/2 ━━━ 8/8" lines in rank 0's log), and its tqdm bar exists on rank 0
-  only. A progress bar of the cell's own class stays.
+  through ``HvdmagicLogger``), unless the cell gave it one. Lightning's own bar is taken out either
+  way: with ``rich`` installed Lightning picks ``RichProgressBar``, whose redrawn text the row
+  cannot follow (it left "Epoch 2/2 ━━━ 8/8" lines in rank 0's log), and its tqdm bar exists on
+  rank 0 only. A progress bar of the cell's own class stays.
 - **Hugging Face's ``Trainer``.** Its default progress callback (a tqdm bar on rank 0 that also
   prints each ``logs`` dict) becomes one that reports on every rank: an ``epoch`` counter and a
   ``step`` bar (``global_step`` of ``max_steps``). A callback added to every Trainer's defaults
@@ -146,7 +145,12 @@ def adopt_notebook_launcher(module) -> None:
 
     @functools.wraps(original)
     def notebook_launcher(function, args=(), num_processes=None, *more, **kwargs):
-        ranks = int(os.environ.get("WORLD_SIZE", "1"))
+        if "WORLD_SIZE" not in os.environ:
+            raise RuntimeError(
+                "notebook_launcher needs torch.distributed's environment (RANK, WORLD_SIZE, MASTER_ADDR), which "
+                "%%torchrun gives its ranks and %%horovod does not: run the cell with %%torchrun --np N, N being "
+                "the num_processes you meant.")
+        ranks = int(os.environ["WORLD_SIZE"])
         if num_processes not in (None, ranks):
             raise RuntimeError(
                 f"notebook_launcher(..., num_processes={num_processes}) in a cell of {ranks} rank(s): the cell's "
