@@ -251,3 +251,37 @@ def test_notebook_launcher_in_a_horovod_cell_says_to_use_torchrun(ip):
     pytest.importorskip("accelerate", reason="the README's set-up installs accelerate")
     _, error = run(ip, "%%horovod --np -2\nfrom accelerate import notebook_launcher\nnotebook_launcher(print)")
     assert error is not None and "run the cell with %%torchrun --np N" in str(error), str(error)
+
+
+MISTAKES_CELL = """%%torchrun --np -2
+import torch.multiprocessing as mp
+import lightning.pytorch as pl
+
+said = []
+for attempt in (lambda: pl.Trainer(strategy="ddp_spawn", accelerator="cpu", devices=2),
+                lambda: pl.Trainer(strategy="ddp_notebook", accelerator="cpu", devices=2),
+                lambda: pl.Trainer(strategy="ddp", accelerator="cpu", devices=4),
+                lambda: mp.spawn(print, nprocs=2)):
+    try:
+        attempt()
+        said.append(None)
+    except RuntimeError as error:
+        said.append(str(error))
+fine = [pl.Trainer(strategy="ddp", accelerator="cpu", **given).world_size
+        for given in ({}, {"devices": 2}, {"devices": 1, "num_nodes": 2})]
+said, fine
+"""
+
+
+def test_other_launchers_habits_fail_in_one_paragraph_in_a_rank(ip):
+    result, error = run(ip, MISTAKES_CELL)
+    assert error is None, error
+    said, fine = result
+    spawn, notebook, devices, mp_spawn = said
+    assert spawn and "'spawn'" in spawn and 'use strategy="ddp"' in spawn, spawn
+    assert notebook and "'fork'" in notebook, notebook
+    assert devices and "Trainer(devices=4, num_nodes=1) asks for 4 processes" in devices, devices
+    assert "--np 4" in devices, devices
+    assert mp_spawn and "torch.multiprocessing.spawn(print, nprocs=2)" in mp_spawn and "--np 2" in mp_spawn, mp_spawn
+    assert all("\n" not in text for text in said), "each is one paragraph"
+    assert fine == [2, 2, 2], "the defaults, devices=2, and devices=1 with num_nodes=2 all count the cell's 2 ranks"

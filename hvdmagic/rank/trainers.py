@@ -17,6 +17,10 @@ the rank's row and what they log becomes the rank's metrics, with no hvdmagic ca
 - **accelerate.** ``Accelerator.log``'s numbers are metrics as well as the trackers' (on every
   rank; accelerate's trackers log the main process's). ``notebook_launcher`` in a rank runs its
   function in place: the cell's ranks are the processes it would have started.
+- **Other launchers' habits.** A Lightning ``Trainer`` whose strategy would spawn or fork
+  (``ddp_spawn``, ``ddp_fork``, ``ddp_notebook``), or whose ``devices`` x ``num_nodes`` is neither
+  the cell's rank count nor 1, and ``torch.multiprocessing.spawn`` / ``start_processes``, fail in
+  one paragraph that says what to write instead.
 
 Each is adopted when the module that defines the trainer is imported (``framework_bars``'s hook).
 """
@@ -27,6 +31,7 @@ import functools
 import importlib
 import math
 import os
+import sys
 
 from hvdmagic import protocol
 from hvdmagic.rank import telemetry
@@ -47,10 +52,31 @@ def adopt_lightning(module) -> None:
     @functools.wraps(original)
     def __init__(self, *args, **kwargs):
         original(self, *args, **kwargs)
+        _check_processes(self)
         _join_dashboard(self, package)
 
     cls.__init__ = __init__
     setattr(cls, _ADOPTED, True)
+
+
+def _check_processes(trainer) -> None:
+    """A Trainer that would start processes inside a rank, or count other processes than the cell's
+    ranks, fails in one paragraph here, before ``fit`` forks or waits for peers that never come."""
+    start_method = getattr(trainer.strategy, "_start_method", "popen")
+    if start_method != "popen":  # ddp_spawn, ddp_fork, ddp_notebook: Lightning's multiprocessing launcher
+        raise RuntimeError(
+            f"Trainer(strategy=...) with start method {start_method!r} (ddp_spawn, ddp_fork or ddp_notebook) starts "
+            f"processes of its own inside each rank, but the cell's ranks already are Lightning's processes: use "
+            f"strategy=\"ddp\" in a %%torchrun cell, and --np for the number of processes.")
+    if "WORLD_SIZE" not in os.environ:
+        return  # a %%horovod cell: HorovodStrategy counts Horovod's ranks
+    ranks, devices, nodes = int(os.environ["WORLD_SIZE"]), trainer.num_devices, trainer.num_nodes
+    if devices * nodes not in (ranks, 1):  # devices and num_nodes left at 1 (their defaults on CPU) count the ranks
+        raise RuntimeError(
+            f"Trainer(devices={devices}, num_nodes={nodes}) asks for {devices * nodes} processes, but this %%torchrun "
+            f"cell has {ranks} rank(s), each one of Lightning's processes. Give devices x num_nodes = {ranks} "
+            f"(devices={ranks} for ranks on one host, or devices=1, num_nodes={ranks} as pyspark's TorchDistributor "
+            f"docs write it), or run the cell with --np {devices * nodes}.")
 
 
 def _join_dashboard(trainer, package: str) -> None:
@@ -165,10 +191,46 @@ def adopt_notebook_launcher(module) -> None:
     module.notebook_launcher = notebook_launcher
 
 
+# -- torch.multiprocessing -------------------------------------------------------------
+
+
+def adopt_process_spawning(module) -> None:
+    """``torch.multiprocessing.spawn`` and ``start_processes`` in a rank fail in one paragraph.
+
+    Code written for ``mp.spawn(train, nprocs=N)`` would start N more processes inside each of the
+    cell's ranks, each waiting for a world that never forms.
+    """
+    parent = sys.modules.get("torch.multiprocessing")  # it may hold the names already (a template's torch)
+    for name in ("spawn", "start_processes"):
+        original = getattr(module, name, None)
+        if original is None or getattr(original, _ADOPTED, False):
+            continue
+        refusing = _refusing(original, f"torch.multiprocessing.{name}")
+        setattr(module, name, refusing)
+        if parent is not None and getattr(parent, name, None) is original:
+            setattr(parent, name, refusing)
+
+
+def _refusing(original, called: str):
+    @functools.wraps(original)
+    def refuse(fn, args=(), nprocs=1, *more, **kwargs):
+        ranks = os.environ.get("WORLD_SIZE")
+        cell = f"each of the cell's {ranks} rank(s)" if ranks else "each of the cell's ranks"
+        raise RuntimeError(
+            f"{called}({getattr(fn, '__name__', 'fn')}, nprocs={nprocs}) would start {nprocs} more process(es) inside "
+            f"{cell}. The cell's ranks are the processes: write the function for one rank (under %%torchrun, "
+            f"torch.distributed's RANK and WORLD_SIZE are set), call it once in the cell, and give the cell --np "
+            f"{nprocs}.")
+
+    setattr(refuse, _ADOPTED, True)
+    return refuse
+
+
 HOOKS = {
     "lightning.pytorch.trainer.trainer": adopt_lightning,
     "pytorch_lightning.trainer.trainer": adopt_lightning,
     "transformers.trainer": adopt_transformers,
     "accelerate.accelerator": adopt_accelerator,
     "accelerate.launchers": adopt_notebook_launcher,
+    "torch.multiprocessing.spawn": adopt_process_spawning,
 }
