@@ -3,14 +3,16 @@
 One script (``TRAINER``): a GPT-2 built from a config, trained by ``transformers.Trainer`` on 2 CPU
 ranks with gloo, nothing downloaded. Rank 0 stamps, with the wall clock, the end of each
 training step, and writes them with the ranks' thread counts to ``<folder>/rank0.json``. Sides,
-taken in turns (A B C D, A B C D, ...) because this machine has two cores and may be shared:
+taken in turns (A B C D, then B C D A, ...: none always first) because this machine has two cores
+and may be shared:
 
 - ``cell_local``: ``%%torchrun --np -2`` in a real Jupyter kernel with widgets on, warm (its first
   cell, which starts the kernel's template, is not counted);
 - ``cell_spark``: ``%%torchrun --np 2`` in the same kernel, on its embedded Spark (started by a
   warm-up cell, not counted);
 - ``torchrun``: ``torchrun --nproc-per-node 2 job.py``, a cold process as it always is;
-- ``accelerate``: ``accelerate launch --num_processes 2 --cpu job.py``.
+- ``accelerate``: ``accelerate launch --multi_gpu --num_processes 2 job.py`` (``--multi_gpu`` is
+  accelerate's multi-process launcher, torchrun's, GPUs or not; ``--cpu`` would run one process).
 
 Two figures per side and round:
 
@@ -79,6 +81,8 @@ SCRIPT_HEAD = "import sys\nFOLDER, STEPS = sys.argv[1], int(sys.argv[2])\n"
 
 def figures(started: float, folder: Path, warm_steps: int) -> dict:
     stamps = json.loads((folder / "rank0.json").read_text())
+    if stamps["world"] != 2:
+        raise RuntimeError(f"{folder}: the script ran on {stamps['world']} process(es), not 2")
     ends = stamps["ends"]
     samples = (len(ends) - warm_steps) * stamps["batch"] * stamps["world"]
     return {"samples_per_s": samples / (ends[-1] - ends[warm_steps - 1]), "to_first_step_s": ends[0] - started,
@@ -125,8 +129,8 @@ class Sides:
             return self.cell("2")
         if side == "torchrun":
             return self.script([str(BIN / "torchrun"), "--nproc-per-node", "2"])
-        return self.script([str(BIN / "accelerate"), "launch", "--num_processes", "2", "--num_machines", "1",
-                            "--mixed_precision", "no", "--dynamo_backend", "no", "--cpu"])
+        return self.script([str(BIN / "accelerate"), "launch", "--multi_gpu", "--num_processes", "2",
+                            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"])
 
     def stop(self) -> None:
         self.kernel.stop()
@@ -144,6 +148,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.quick:
         args.rounds, args.steps, args.warm_steps = 1, 20, 5
+    if not 0 < args.warm_steps < args.steps:
+        parser.error("--warm-steps must be at least 1 and below --steps")
     samples: dict[str, list[dict]] = {side: [] for side in SIDES}
     with _common.LoadMonitor() as load:
         sides = Sides(args.steps, args.warm_steps)

@@ -86,11 +86,12 @@ def test_callback_reports_progress_over_the_whole_fit(monkeypatch):
 
     calls = []
     monkeypatch.setattr(_lightning, "progress", lambda step, total, desc: calls.append((step, total, desc)))
-    trainer = SimpleNamespace(loggers=[], estimated_stepping_batches=12, global_step=0)
+    trainer = SimpleNamespace(loggers=[], estimated_stepping_batches=12, global_step=0, default_root_dir="root")
     callback = HvdmagicCallback()
     callback.setup(trainer, None, "fit")
     callback.setup(trainer, None, "fit")  # a second fit keeps one logger
     assert [type(logger) for logger in trainer.loggers] == [HvdmagicLogger]
+    assert trainer.loggers[0].save_dir == "root", "Lightning's folders stay under default_root_dir"
 
     callback.on_train_start(trainer, None)
     trainer.global_step = 5

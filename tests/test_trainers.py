@@ -3,6 +3,8 @@ reach the dashboard with no hvdmagic callback in the cell (``hvdmagic/rank/train
 
 from __future__ import annotations
 
+import textwrap
+
 import pytest
 from conftest import run
 from test_framework_bars import TQDM_TEXT, run_as_rank
@@ -35,17 +37,21 @@ torch.manual_seed(0)
 x = torch.rand(256, 4)
 data = torch.utils.data.TensorDataset(x, x.sum(dim=1, keepdim=True))
 loader = torch.utils.data.DataLoader(data, batch_size=16)
-# As pyspark's TorchDistributor docs write it; the progress bar and logger left at their defaults.
-trainer = pl.Trainer(strategy="ddp", accelerator="cpu", devices=2, num_nodes=1, max_epochs=3, log_every_n_steps=2,
-                     enable_model_summary=False, enable_checkpointing=False, default_root_dir=".")
+# devices and num_nodes left out: the cell's layout is given; no logger, the checkpoint callback on.
+trainer = pl.Trainer(strategy="ddp", accelerator="cpu", max_epochs=3, log_every_n_steps=2, logger=False,
+                     enable_model_summary=False, default_root_dir="lightning-root")
 trainer.fit(Regression(), loader, loader)
+import os
+(trainer.num_devices, trainer.log_dir, sorted(os.listdir("lightning-root")))
 """
 
 
 def test_lightning_ddp_drives_the_rows_and_its_self_log_values_are_metrics_with_no_callback(ip, tmp_path):
     ip.run_line_magic("cd", str(tmp_path))
-    _, error = run(ip, LIGHTNING_CELL)
+    result, error = run(ip, LIGHTNING_CELL)
     assert error is None, error
+    # The dashboard's logger moved no folder: as with no logger at all.
+    assert result == (2, "lightning-root", ["checkpoints"]), result
     record = hvdmagic.last_run()
     steps = 256 // 2 // 16 * 3  # a DistributedSampler's half of the rows, 16 a batch, 3 epochs
     for rank in record.ranks:
@@ -96,7 +102,8 @@ def test_hugging_face_trainer_drives_the_rows_and_its_logs_are_metrics_with_no_c
     steps = 256 // 2 // 16 * 2
     for rank in record.ranks:
         bars = {desc: (bar.step, bar.total) for desc, bar in rank.bars.items()}
-        assert bars == {"epoch": (2, 2), "step": (steps, steps)}, f"rank {rank.rank}: {bars}"
+        # 32 evaluation rows, 8 a batch, half on each rank: 2 batches a rank an evaluation.
+        assert bars == {"epoch": (2, 2), "step": (steps, steps), "evaluate": (2, 2)}, f"rank {rank.rank}: {bars}"
         logs = record.logs[rank.rank]
         assert "{'loss'" not in logs and not TQDM_TEXT.search(logs), f"the Trainer's text:\n{logs}"
     rows = record.metrics[record.metrics["rank"] == 0]
@@ -155,12 +162,12 @@ def training_function():
             optimizer.step()
             optimizer.zero_grad()
         losses = accelerator.gather(loss.detach().reshape(1))
-        accelerator.log({"loss": losses.mean().item()}, step=epoch)
+        accelerator.log({"loss": losses.mean().item(), "step": epoch}, step=epoch)  # "step": a common habit
         accelerator.print(f"epoch {epoch}: {len(losses)} losses gathered")
     return accelerator.num_processes
 
 # Pasted from a notebook that used accelerate's own launcher: the cell's ranks are its processes.
-notebook_launcher(training_function, num_processes=2)
+notebook_launcher(training_function, num_processes=1, num_nodes=2)
 """
 
 
@@ -185,7 +192,7 @@ def test_notebook_launcher_asking_for_other_processes_than_the_cells_fails_in_on
     _, error = run(ip, "%%torchrun --np -2\nfrom accelerate import notebook_launcher\n"
                        "notebook_launcher(print, num_processes=4)")
     assert error is not None
-    assert "num_processes=4) in a cell of 2 rank(s)" in str(error) and "--np 4" in str(error), str(error)
+    assert "num_processes=4, num_nodes=1) in a cell of 2 rank(s)" in str(error) and "--np 4" in str(error), str(error)
 
 
 FSDP2_TRAIN = """%%torchrun --np -2
@@ -261,14 +268,18 @@ said = []
 for attempt in (lambda: pl.Trainer(strategy="ddp_spawn", accelerator="cpu", devices=2),
                 lambda: pl.Trainer(strategy="ddp_notebook", accelerator="cpu", devices=2),
                 lambda: pl.Trainer(strategy="ddp", accelerator="cpu", devices=4),
+                lambda: pl.Trainer(strategy="ddp", accelerator="cpu", devices=1, num_nodes=2),
                 lambda: mp.spawn(print, nprocs=2)):
     try:
         attempt()
         said.append(None)
     except RuntimeError as error:
         said.append(str(error))
-fine = [pl.Trainer(strategy="ddp", accelerator="cpu", **given).world_size
-        for given in ({}, {"devices": 2}, {"devices": 1, "num_nodes": 2})]
+fine = [(trainer.num_devices, trainer.num_nodes, trainer.world_size)
+        for trainer in (pl.Trainer(strategy="ddp", accelerator="cpu"), pl.Trainer(accelerator="cpu", devices=2))]
+# torch's own helpers still spawn: what elastic's and the async checkpoint writer's calls look like.
+exec("import torch.multiprocessing as mp\\nhelper = mp.start_processes(print, ('from torch',), nprocs=1, "
+     "start_method='fork')", {"__name__": "torch.distributed.elastic.multiprocessing.api"})
 said, fine
 """
 
@@ -277,11 +288,36 @@ def test_other_launchers_habits_fail_in_one_paragraph_in_a_rank(ip):
     result, error = run(ip, MISTAKES_CELL)
     assert error is None, error
     said, fine = result
-    spawn, notebook, devices, mp_spawn = said
+    spawn, notebook, devices, one_a_node, mp_spawn = said
     assert spawn and "'spawn'" in spawn and 'use strategy="ddp"' in spawn, spawn
     assert notebook and "'fork'" in notebook, notebook
-    assert devices and "Trainer(devices=4, num_nodes=1) asks for 4 processes" in devices, devices
-    assert "--np 4" in devices, devices
+    assert devices and "Trainer(devices=4, num_nodes=1) lays out 4 processes" in devices, devices
+    assert "--np 4" in devices and "devices=2, num_nodes=1" in devices, devices
+    # pyspark's one-process-a-node idiom, on one host: Lightning would index a device rank 1 does not have.
+    assert one_a_node and "Trainer(devices=1, num_nodes=2) lays out 2 processes, 1 a node" in one_a_node, one_a_node
     assert mp_spawn and "torch.multiprocessing.spawn(print, nprocs=2)" in mp_spawn and "--np 2" in mp_spawn, mp_spawn
     assert all("\n" not in text for text in said), "each is one paragraph"
-    assert fine == [2, 2, 2], "the defaults, devices=2, and devices=1 with num_nodes=2 all count the cell's 2 ranks"
+    assert fine == [(2, 1, 2), (2, 1, 2)], "the defaults and devices=2 lay out the cell's 2 ranks on its one host"
+    logs = hvdmagic.last_run().logs
+    assert all("0 from torch" in logs[rank] for rank in (0, 1)), f"torch's own start_processes should run: {logs}"
+
+
+def _hugging_face_function_cell() -> str:
+    """HF_CELL's body as a notebook function, run through the TorchDistributor drop-in."""
+    body = HF_CELL.split("\n", 1)[1].strip()
+    body = body.replace("trainer.train().training_loss", "return trainer.train().training_loss")
+    return ("def hf_train():\n" + textwrap.indent(body, "    ") + "\n\n"
+            "from hvdmagic import TorchDistributor\n"
+            "TorchDistributor(num_processes=2, local_mode=False, use_gpu=False).run(hf_train)\n")
+
+
+def test_hugging_face_trainer_on_spark_in_a_cell_and_through_the_torch_distributor_drop_in(ip, spark_kind):
+    pytest.importorskip("transformers", reason="the README's set-up installs transformers")
+    for cell in (HF_CELL.replace("%%torchrun --np -2", "%%torchrun --np 2"), _hugging_face_function_cell()):
+        result, error = run(ip, cell)
+        assert error is None, error
+        record = hvdmagic.last_run()
+        assert isinstance(result, float) and result < 3.0, f"rank 0's training loss: {result!r}"
+        for rank in record.ranks:
+            assert rank.bars["step"].step == rank.bars["step"].total == 16, f"rank {rank.rank}: {rank.bars}"
+        assert record.metrics[record.metrics["rank"] == 0]["eval_loss"].notna().sum() == 4, record.metrics.to_string()

@@ -64,16 +64,27 @@ def define(pl: ModuleType) -> dict[str, type]:
         Every rank logs its own values (rank 0's are charted); log with
         ``sync_dist=True`` under ``HorovodStrategy`` to chart the mean over ranks.
         Lightning calls it every ``log_every_n_steps`` steps and at epoch ends.
+
+        ``save_dir``: where Lightning puts what it would put in a logger's folder. With the
+        callback's (the Trainer's ``default_root_dir``) and an empty name and version, a Trainer
+        whose only logger this is keeps the folders it has with no logger at all:
+        ``trainer.log_dir`` is the root, and checkpoints go to ``<root>/checkpoints``.
         """
+
+        def __init__(self, save_dir: str | None = None):
+            super().__init__()
+            self._save_dir = save_dir
+
+        @property
+        def save_dir(self) -> str | None:
+            return self._save_dir
 
         @property
         def name(self) -> str:
-            return "hvdmagic"
+            return ""
 
         @property
         def version(self) -> str:
-            # Empty, so that when this is the only logger, Lightning's checkpoints go to
-            # <default_root_dir>/hvdmagic/checkpoints rather than a version folder.
             return ""
 
         def log_hyperparams(self, params, *args, **kwargs) -> None:
@@ -100,7 +111,7 @@ def define(pl: ModuleType) -> dict[str, type]:
 
         def setup(self, trainer, pl_module, stage: str) -> None:
             if self.metrics and not any(isinstance(logger, HvdmagicLogger) for logger in trainer.loggers):
-                trainer.loggers = [*trainer.loggers, HvdmagicLogger()]
+                trainer.loggers = [*trainer.loggers, HvdmagicLogger(save_dir=trainer.default_root_dir)]
 
         def on_train_start(self, trainer, pl_module) -> None:
             total = trainer.estimated_stepping_batches  # inf when neither max_epochs nor max_steps bounds it
