@@ -95,6 +95,7 @@ class Sides:
         self.tmp = Path(tempfile.mkdtemp(prefix="bench-trainers-"))
         self.count = 0
         self.kernel = _common.Kernel(env={"OMP_NUM_THREADS": "1"}, cwd=self.tmp, name="trainer kernel")
+        self.kernel.execute("%load_ext hvdmagic")
         for np in ("-2", "2"):  # the template and the embedded Spark start here, not in a timed cell
             self.cell(np)
 
