@@ -31,8 +31,10 @@ def rank_base_environment(task_env: dict[str, str]) -> dict[str, str]:
 
 
 def rank_environment(slot: Slot, rendezvous: tuple[str, int], iface: str, controller: str = "gloo",
-                     framework: str = Framework.HOROVOD, job_id: str = "") -> dict[str, str]:
-    """The variables that tell one rank process where it sits and how to join the others.
+                     framework: str = Framework.HOROVOD, job_id: str = "",
+                     job_env: dict[str, str] | None = None) -> dict[str, str]:
+    """The variables that tell one rank process where it sits and how to join the others
+    (``job_env``: the variables the job gives every rank itself, which these do not override).
 
     Horovod: under MPI, Open MPI tells each rank where it sits; under Gloo these
     variables do. torch.distributed: the variables torchrun gives its workers.
@@ -57,7 +59,7 @@ def rank_environment(slot: Slot, rendezvous: tuple[str, int], iface: str, contro
             "HOROVOD_CPU_OPERATIONS": "gloo",
         }
     env["PYTHONUNBUFFERED"] = "1"
-    env.update(keras_environment())
+    env.update(keras_environment(job_env or {}))
     if "OMP_NUM_THREADS" not in os.environ:
         # Without this every rank's torch starts one thread per core, and ranks
         # sharing a host fight over the same cores.
@@ -93,8 +95,9 @@ def torchrun_environment(slot: Slot, store: tuple[str, int], iface: str, job_id:
     }
 
 
-def keras_environment() -> dict[str, str]:
-    """``TF_USE_LEGACY_KERAS=1`` where TensorFlow would otherwise give the ranks Keras 3.
+def keras_environment(job_env: dict[str, str]) -> dict[str, str]:
+    """``TF_USE_LEGACY_KERAS=1`` where TensorFlow would otherwise give the ranks Keras 3, unless the user
+    (this process's environment) or the job (``job_env``: a KerasEstimator, for its model's Keras) chose.
 
     horovod.tensorflow.keras's DistributedOptimizer does not average gradients under
     Keras 3 (docs/frameworks.md); with tf_keras installed, this selects Keras 2. Found
@@ -102,8 +105,8 @@ def keras_environment() -> dict[str, str]:
     """
     from importlib import metadata
 
-    if "TF_USE_LEGACY_KERAS" in os.environ:
-        return {}  # the user's choice
+    if "TF_USE_LEGACY_KERAS" in os.environ or "TF_USE_LEGACY_KERAS" in job_env:
+        return {}  # the user's or the job's choice
     try:
         metadata.version("tf_keras")
         major, minor = (int(part) for part in metadata.version("tensorflow-cpu" if _has("tensorflow-cpu")

@@ -192,7 +192,7 @@ class Supervisor:
         env.update(self.spec.env)
         rendezvous = (self.spec.driver_host, self.spec.rendezvous_port)
         env.update(rank_environment(slot, rendezvous, interface_for(self._link_address), self.spec.controller,
-                                    self.spec.framework, self.spec.job_id))
+                                    self.spec.framework, self.spec.job_id, dict(self.spec.env)))
         env[JOB_ID_ENV] = self.spec.job_id
         env[SUPERVISOR_ENV] = str(os.getpid())
         env[BLOB_DIR_ENV] = str(self._blobs.directory)

@@ -62,6 +62,18 @@ class HorovodEstimator(Estimator, EstimatorParams):
     def _check_model(self) -> None:
         """The framework's checks of model, optimizer and loss, before anything runs."""
 
+    def _copied(self, objects: dict) -> dict:
+        """Copies of the model and optimizer (``objects``) for ``copy``."""
+        return copying.deepcopy(objects)
+
+    def _rank_environment(self) -> dict[str, str]:
+        """Variables the framework's training needs in every rank (a SparkBackend's ``env`` comes on top)."""
+        return {}
+
+    def _input_shapes(self) -> list | None:
+        """Each feature's shape in the model: the ``input_shapes`` param (a framework may know a default)."""
+        return self.getOrDefault("input_shapes")
+
     # -- Spark ML -------------------------------------------------------------
     def copy(self, extra=None):
         """A copy whose model and optimizer are copies too (as one, so the optimizer keeps the copy's
@@ -70,7 +82,7 @@ class HorovodEstimator(Estimator, EstimatorParams):
         objects = {name: that.getOrDefault(name) for name in ("model", "optimizer")
                    if that.isDefined(name) and that.getOrDefault(name) is not None}
         if objects:
-            that._set(**copying.deepcopy(objects))
+            that._set(**self._copied(objects))
         that._ignored = list(self._ignored)
         return that
 
@@ -93,7 +105,7 @@ class HorovodEstimator(Estimator, EstimatorParams):
             raise FitFailed(f"the DataFrame has {rows} row(s), fewer than num_proc × batch_size = {num_proc} × "
                             f"{batch_size} = {needed}: every rank needs at least one full batch. Lower batch_size "
                             "or num_proc.")
-        columns.check_shapes(sizes, prepared.kinds, feature_cols, self.getOrDefault("input_shapes"))
+        columns.check_shapes(sizes, prepared.kinds, feature_cols, self._input_shapes())
         spec = self._spec()
         result = self._run(spec, num_proc, prepared.frame)
         fitted = self._model_from(result, df, spec, num_proc, time.monotonic() - started)
@@ -125,7 +137,7 @@ class HorovodEstimator(Estimator, EstimatorParams):
         return FitSpec(
             framework=self.framework, collectives=self._collectives(), run_id=run_id, model=get("model"),
             feature_cols=list(get("feature_cols")), label_cols=list(get("label_cols")),
-            input_shapes=get("input_shapes"), label_shapes=get("label_shapes"),
+            input_shapes=self._input_shapes(), label_shapes=get("label_shapes"),
             sample_weight_col=get("sample_weight_col"), validation=bool(get("validation")),
             optimizer=get("optimizer"), loss=get("loss"), loss_constructors=get("loss_constructors"),
             loss_weights=get("loss_weights"), metrics=get("metrics"), custom_objects=get("custom_objects"),
@@ -151,13 +163,14 @@ class HorovodEstimator(Estimator, EstimatorParams):
         framework = Framework.HOROVOD if spec.collectives == "horovod" else Framework.TORCH
         placement = Placement.of(num_proc, framework=framework, name="num_proc")
         try:
-            payload = pack_call((self._fit_function(), (spec,), {}), type(spec.model))
+            payload = pack_call((self._fit_function(), (spec,), {}), type(self.getOrDefault("model")))
         except (pickle.PicklingError, TypeError, AttributeError) as exc:
             raise FitFailed(f"the model, optimizer, loss, metrics or callbacks cannot be sent to the ranks "
                             f"(cloudpickle: {type(exc).__name__}: {exc}); a lambda or a class defined in the "
                             "notebook travels, an open file, lock or connection does not.") from None
-        env = dict(self.getOrDefault("backend").env) if self.getOrDefault("backend") is not None else None
-        return execute(payload, placement, data=frame, results=ResultPolicy.RANK0, env=env,
+        backend = self.getOrDefault("backend")
+        env = {**self._rank_environment(), **(backend.env if backend is not None else {})}
+        return execute(payload, placement, data=frame, results=ResultPolicy.RANK0, env=env or None,
                        command=f"{type(self).__name__}.fit", charts_expected=True,
                        bars_expected=True).result
 

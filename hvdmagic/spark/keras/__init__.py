@@ -1,4 +1,5 @@
-"""``KerasEstimator`` and ``KerasModel``: not built yet (docs/workflow.md, section 8)."""
+"""``KerasEstimator`` and ``KerasModel``: horovod.spark.keras's, for a Keras model (Keras 3 or tf_keras)."""
 
-raise ImportError("hvdmagic.spark.keras (KerasEstimator) is not built yet: hvdmagic.spark.torch.TorchEstimator is; "
-                  "for a Keras model, train it in a %%horovod cell with --data (docs/workflow.md).")
+from hvdmagic.spark.keras.estimator import KerasEstimator, KerasModel
+
+__all__ = ["KerasEstimator", "KerasModel"]
