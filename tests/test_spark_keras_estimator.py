@@ -46,6 +46,7 @@ def _linear_estimator(keras, **params):
     return KerasEstimator(**{**defaults, **params})
 
 
+@pytest.mark.timeout(600)  # three fits, and transforms that import TensorFlow in the executors' Python workers
 def test_a_keras_2_model_fits_resumes_transforms_saves_and_loads(tmp_path):
     """tf_keras (Keras 2): fit with validation and a store, a resumed fit, transform, and persistence."""
     import tf_keras
@@ -125,3 +126,29 @@ def test_horovods_keras_spark_mnist_example_runs_with_only_its_import_changed(tm
     assert "on cpu (keras 3." in done.stdout and "ranks run Keras 2" not in done.stdout, done.stdout[-3000:]
     logs = list((tmp_path / "work" / "runs").glob("*/logs/train/*"))
     assert logs, "the TensorBoard callback wrote nothing into the store's logs of the run"
+
+
+@pytest.mark.timeout(600)  # the transforms import TensorFlow in the Connect server's Python workers
+@pytest.mark.parametrize("spark_kind", ["connect"], indirect=True)
+def test_a_keras_3_pipeline_fits_transforms_saves_and_loads_on_spark_connect(spark_kind, tmp_path):
+    import keras
+    from pyspark.ml import Pipeline, PipelineModel
+    from pyspark.ml.evaluation import RegressionEvaluator
+    from pyspark.ml.feature import VectorAssembler
+
+    df = _regression(spark_kind.session).drop("features")
+    pipeline = Pipeline(stages=[VectorAssembler(inputCols=["x0", "x1"], outputCol="features"),
+                                _linear_estimator(keras)])
+    fitted = pipeline.fit(df)
+    assert fitted.stages[-1].fit_info["collectives"] == "horovod"
+    evaluator = RegressionEvaluator(labelCol="y", predictionCol="y__output", metricName="rmse")
+    rmse = evaluator.evaluate(fitted.transform(df))
+    assert rmse < 0.3, rmse
+    path = str(tmp_path / "pipeline")
+    fitted.write().save(path)
+    loaded = PipelineModel.load(path)
+    assert isinstance(loaded.stages[-1], KerasModel) and type(loaded.stages[-1].getModel()).__module__.startswith(
+        "keras.")
+    before = fitted.transform(df).select("y__output").toPandas()["y__output"]
+    after = loaded.transform(df).select("y__output").toPandas()["y__output"]
+    assert np.allclose(before, after), (before[:5], after[:5])

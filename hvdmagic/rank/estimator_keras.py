@@ -109,18 +109,24 @@ def fit(spec: FitSpec) -> dict | None:
 
 
 def _pin_device(tf, spec: FitSpec, local_rank: int) -> str:
-    """The GPU this rank's task was given (its only visible one), or the CPU."""
+    """The GPU this rank's task was given (CUDA_VISIBLE_DEVICES shows it alone), or the CPU.
+
+    Unpickling the model may have started TensorFlow's devices already; then the visible devices can
+    no longer change, and the task's CUDA_VISIBLE_DEVICES has chosen them (not yet run on a GPU)."""
     gpus = tf.config.list_physical_devices("GPU")
-    if spec.use_gpu is False or not gpus:
-        if spec.use_gpu:
-            raise RuntimeError("use_gpu=True, but TensorFlow sees no GPU in this rank: give the tasks GPUs "
-                               "(spark.task.resource.gpu.amount) or pass use_gpu=False")
-        tf.config.set_visible_devices([], "GPU")
-        return "cpu"
-    gpu = gpus[local_rank % len(gpus)] if len(gpus) > 1 else gpus[0]
-    tf.config.experimental.set_memory_growth(gpu, True)
-    tf.config.set_visible_devices(gpu, "GPU")
-    return "gpu"
+    if spec.use_gpu and not gpus:
+        raise RuntimeError("use_gpu=True, but TensorFlow sees no GPU in this rank: give the tasks GPUs "
+                           "(spark.task.resource.gpu.amount) or pass use_gpu=False")
+    try:
+        if spec.use_gpu is False or not gpus:
+            tf.config.set_visible_devices([], "GPU")
+        else:
+            gpu = gpus[local_rank % len(gpus)]
+            tf.config.experimental.set_memory_growth(gpu, True)
+            tf.config.set_visible_devices(gpu, "GPU")
+    except RuntimeError:
+        pass
+    return "gpu" if gpus and spec.use_gpu is not False else "cpu"
 
 
 def _scaled(learning_rate, factor: float):
