@@ -12,9 +12,12 @@ setup:
 demo: setup
 	$(PY) scripts/run_notebook.py notebooks/quickstart.ipynb
 
+# Two pytest-xdist workers, each taking whole files (a notebook's cells stay in order on one kernel):
+# most tests wait on kernels, JVMs and ranks, so two share this 2-core machine well. TEST_WORKERS=0: one process.
+TEST_WORKERS ?= 2
 test: setup
 	$(PY) -m ruff check .
-	$(PY) -m pytest -p no:cacheprovider -ra --nbval-lax tests notebooks
+	$(PY) -m pytest -p no:cacheprovider -ra -n $(TEST_WORKERS) --dist loadfile --nbval-lax tests notebooks
 
 # The unit tier only (tests/conftest.py's TIERS): no Spark, no rank process, no kernel; seconds.
 test-fast: setup

@@ -62,6 +62,16 @@ def pytest_collection_modifyitems(config, items):
         config.hook.pytest_deselected(items=gpu_tests)
         items[:] = [item for item in items if not item.get_closest_marker("gpu")]
         config._hvdmagic_gpu_left_out = len(gpu_tests)
+        if hasattr(config, "workeroutput"):  # a pytest-xdist worker: its controller writes the summary
+            config.workeroutput["hvdmagic_gpu_left_out"] = len(gpu_tests)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    """pytest-xdist's controller (make test runs two workers): every worker collects every test, so each
+    says the same number left out."""
+    left_out = getattr(node, "workeroutput", {}).get("hvdmagic_gpu_left_out", 0)
+    node.config._hvdmagic_gpu_left_out = max(getattr(node.config, "_hvdmagic_gpu_left_out", 0), left_out)
 
 
 def pytest_terminal_summary(terminalreporter, config):

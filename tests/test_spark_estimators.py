@@ -146,6 +146,7 @@ def test_without_horovod_a_fit_trains_on_torch_distributed_and_says_so(monkeypat
 
 
 # -- the example horovod ships, with only the import changed ---------------------------------------------
+@pytest.mark.timeout(600)  # its own SparkSession, two ranks and the executors: over 300 s on a loaded 2-core machine
 def test_horovods_pytorch_spark_mnist_example_runs_with_only_its_import_changed(tmp_path):
     source = (HERE / "horovod_examples" / "pytorch_spark_mnist.py").read_text()
     changed = source.replace("horovod.spark", "hvdmagic.spark")
