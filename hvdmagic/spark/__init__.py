@@ -9,7 +9,8 @@ Spark ML model. The model's ``transform`` predicts in batches inside the executo
 Where horovod.spark's users look for them:
 
 - ``hvdmagic.spark.torch``: ``TorchEstimator`` and ``TorchModel``;
-- ``hvdmagic.spark.keras`` and ``hvdmagic.spark.lightning``: not built yet; importing them says so;
+- ``hvdmagic.spark.keras``: ``KerasEstimator`` and ``KerasModel`` (Keras 3 or tf_keras);
+- ``hvdmagic.spark.lightning``: ``TorchEstimator`` for a LightningModule;
 - ``hvdmagic.spark.common.store``: ``Store`` (``Store.create(path)``): checkpoints, logs, models;
 - ``hvdmagic.spark.common.backend``: ``SparkBackend`` (``num_proc``).
 
@@ -18,8 +19,9 @@ once), ``common.estimator`` (what every framework's fit and transform share: the
 DataFrame's preparation, the run, the output columns, persistence), ``common.columns`` (the
 columns' Spark types and the checks on them).
 
-What runs elsewhere sits with its process: the training loop in ``hvdmagic.rank.estimator_fit``
-(a rank), the batch prediction in ``hvdmagic.task.batch_inference`` (an executor's Python worker).
+What runs elsewhere sits with its process: the training in ``hvdmagic.rank.estimator_torch``,
+``estimator_keras`` and ``estimator_lightning`` (a rank), the batch prediction in
+``hvdmagic.task.batch_inference`` (an executor's Python worker).
 Modules here may import pyspark, ``hvdmagic.kernel`` (the launcher's Python API), and what
 travels to the ranks and executors; nothing below imports them.
 """

@@ -206,10 +206,14 @@ class HorovodModel(Model, EstimatorParams):
 
     # -- what a framework says ----------------------------------------------------
     def _model_bytes(self) -> bytes:
-        """The model for the executors: cloudpickled, on the CPU."""
+        """The model for the executors: cloudpickled, on the CPU, its class's file included when that is the
+        user's own (an executor's Python worker cannot import a ``.py`` file from beside the notebook)."""
         import cloudpickle
 
-        return cloudpickle.dumps(self.getOrDefault("model"))
+        from hvdmagic.kernel.capture import users_module_by_value
+
+        with users_module_by_value(type(self.getOrDefault("model"))):
+            return cloudpickle.dumps(self.getOrDefault("model"))
 
     # -- transform --------------------------------------------------------------
     def output_columns(self) -> list[str]:

@@ -1,5 +1,5 @@
-"""Lightning's ``TorchEstimator``: not built yet (docs/workflow.md, section 8)."""
+"""Lightning's ``TorchEstimator`` and ``TorchModel``: horovod.spark.lightning's, for a ``LightningModule``."""
 
-raise ImportError("hvdmagic.spark.lightning (a TorchEstimator for a LightningModule) is not built yet: "
-                  "hvdmagic.spark.torch.TorchEstimator is, for a torch.nn.Module; a LightningModule trains in a "
-                  "%%torchrun cell (docs/workflow.md).")
+from hvdmagic.spark.lightning.estimator import TorchEstimator, TorchModel
+
+__all__ = ["TorchEstimator", "TorchModel"]
