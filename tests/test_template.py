@@ -229,9 +229,21 @@ def test_an_idle_template_ends_and_leaves_no_file(monkeypatch):
     monkeypatch.setenv("TEMPLATE_TEST_TAG", "idle")  # its own template, with the short idle timeout
     before = set(rank_template.directory().iterdir())
     template = _template_pid()
+    stem = _file_stem(template)
     assert _gone_within(template, DEADLINE), "the idle template did not end"
-    left = set(rank_template.directory().iterdir()) - before
+    # Only its own files: another test process's templates may start in the host's directory meanwhile.
+    left = {p for p in set(rank_template.directory().iterdir()) - before if p.name.startswith(stem)}
     assert not left, f"the ended template left {sorted(p.name for p in left)}"
+
+
+def _file_stem(template: int) -> str:
+    """The name every file of template ``template`` starts with: its log's, which it holds open."""
+    import psutil
+
+    directory = rank_template.directory()
+    names = [Path(f.path).name for f in psutil.Process(template).open_files() if Path(f.path).parent == directory]
+    assert names, f"template {template} holds no file in {directory}"
+    return names[0].split("-", 1)[0].split(".", 1)[0]
 
 
 def test_idle_templates_beyond_the_cap_end_oldest_first(monkeypatch):
