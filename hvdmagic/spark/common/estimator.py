@@ -177,6 +177,19 @@ class HorovodEstimator(Estimator, EstimatorParams):
     def _model_from(self, result: dict, df, spec: FitSpec, num_proc: int, seconds: float):
         raise NotImplementedError
 
+    def _fitted(self, model_class, result: dict, df, spec: FitSpec, num_proc: int, seconds: float, **objects):
+        """The fitted ``model_class`` from rank 0's ``result``: its history, output sizes, label types and
+        fit_info, this estimator's params, and ``objects`` (the trained model, its optimizer...)."""
+        fitted = model_class(history=result["history"], output_sizes=result["output_sizes"],
+                             label_types=self._label_types(df),
+                             fit_info={"collectives": result["collectives"], "num_proc": num_proc,
+                                       "epochs_run": result["epochs_run"], "seconds": round(seconds, 2),
+                                       "training_seconds": round(result["training_seconds"], 2),
+                                       "device": result["device"], "run_id": spec.run_id})
+        self._copyValues(fitted)
+        fitted._set(**objects, run_id=spec.run_id)
+        return fitted
+
     def _label_types(self, df) -> list:
         return [df.schema[name].dataType for name in self.getOrDefault("label_cols")]
 

@@ -169,16 +169,8 @@ class KerasEstimator(HorovodEstimator, _KerasPersistent):
         model = _copy_model(self.getOrDefault("model"), self.getOrDefault("custom_objects"))
         model.set_weights(result["weights"])
         keras = keras_package(model)
-        fitted = KerasModel(history=result["history"], output_sizes=result["output_sizes"],
-                            label_types=self._label_types(df),
-                            fit_info={"collectives": result["collectives"], "num_proc": num_proc,
-                                      "epochs_run": result["epochs_run"], "seconds": round(seconds, 2),
-                                      "training_seconds": round(result["training_seconds"], 2),
-                                      "device": result["device"], "run_id": spec.run_id})
-        self._copyValues(fitted)
-        fitted._set(model=model, optimizer=keras.optimizers.deserialize(spec.optimizer), run_id=spec.run_id,
-                    input_shapes=spec.input_shapes)
-        return fitted
+        return self._fitted(KerasModel, result, df, spec, num_proc, seconds, model=model,
+                            optimizer=keras.optimizers.deserialize(spec.optimizer), input_shapes=spec.input_shapes)
 
 
 def _copy_model(model, custom_objects=None):

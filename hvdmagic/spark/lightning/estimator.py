@@ -126,15 +126,7 @@ class TorchEstimator(HorovodEstimator, Persistent):
         model = copy.deepcopy(spec.model)
         model.load_state_dict(result["model_state"])
         model.eval()
-        fitted = TorchModel(history=result["history"], output_sizes=result["output_sizes"],
-                            label_types=self._label_types(df),
-                            fit_info={"collectives": result["collectives"], "num_proc": num_proc,
-                                      "epochs_run": result["epochs_run"], "seconds": round(seconds, 2),
-                                      "training_seconds": round(result["training_seconds"], 2),
-                                      "device": result["device"], "run_id": spec.run_id})
-        self._copyValues(fitted)
-        fitted._set(model=model, run_id=spec.run_id)
-        return fitted
+        return self._fitted(TorchModel, result, df, spec, num_proc, seconds, model=model)
 
 
 @add_accessors
