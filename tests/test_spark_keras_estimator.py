@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from digits_mnist import write_libsvm
+from test_spark_estimators import _embedded_spark, _regression
 
 import hvdmagic
 from hvdmagic.spark.common.estimator import FitFailed
@@ -19,24 +20,6 @@ from hvdmagic.spark.common.store import Store
 from hvdmagic.spark.keras import KerasEstimator, KerasModel
 
 HERE = Path(__file__).parent
-
-
-def _embedded_spark():
-    from hvdmagic.launch.spark import session_for
-    from hvdmagic.launch.spark_session import on_spark_thread
-
-    return on_spark_thread(session_for, 2)
-
-
-def _regression(spark, rows: int = 512, seed: int = 0):
-    """y = 2·x0 − 3·x1 + 0.5, the features as one vector column."""
-    from pyspark.ml.feature import VectorAssembler
-
-    rng = np.random.default_rng(seed)
-    x = rng.normal(size=(rows, 2))
-    y = 2 * x[:, 0] - 3 * x[:, 1] + 0.5
-    df = spark.createDataFrame([(float(a), float(b), float(t)) for (a, b), t in zip(x, y)], ["x0", "x1", "y"])
-    return VectorAssembler(inputCols=["x0", "x1"], outputCol="features").transform(df)
 
 
 def _linear_estimator(keras, **params):

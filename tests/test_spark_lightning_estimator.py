@@ -17,20 +17,13 @@ import pytorch_lightning
 import torch
 import torch.nn.functional as F
 from digits_mnist import write_libsvm
+from test_spark_estimators import _embedded_spark
 
 import hvdmagic
 from hvdmagic.spark.common.store import Store
 from hvdmagic.spark.lightning import TorchEstimator, TorchModel
 
 HERE = Path(__file__).parent
-
-
-def _embedded_spark():
-    """hvdmagic's embedded classic session, started if no test has started it yet."""
-    from hvdmagic.launch.spark import session_for
-    from hvdmagic.launch.spark_session import on_spark_thread
-
-    return on_spark_thread(session_for, 2)
 
 
 def _regression(spark, rows: int = 256, seed: int = 0):
