@@ -134,6 +134,14 @@ def connect_slots(session, np: int, on_stage: Callable[[Stage], None], notes: li
                         spark_connect.conf(session, "spark.task.resource.gpu.amount"), kind="Spark Connect")
 
 
+def kernel_host(session) -> str:
+    """The address the session's executors reach this kernel at: ``spark.driver.host`` on a classic
+    session, the interface toward the server on Spark Connect (``spark_connect.kernel_address``)."""
+    if spark_connect.is_connect(session):
+        return spark_connect.kernel_address(session)
+    return session.sparkContext.getConf().get("spark.driver.host", "127.0.0.1")
+
+
 class SparkBackend(Backend):
     name = "spark"
 
@@ -164,8 +172,7 @@ class SparkBackend(Backend):
                 self.notes.append(note)
         self.sc = self.session.sparkContext
         self.bind_host, self.master, task_gpus = on_spark_thread(lambda: (
-            self.sc.getConf().get("spark.driver.host", "127.0.0.1"), self.sc.master,
-            self.sc.getConf().get("spark.task.resource.gpu.amount", None)))
+            kernel_host(self.session), self.sc.master, self.sc.getConf().get("spark.task.resource.gpu.amount", None)))
         self._check_gpus(gpus, task_gpus)
         self.job_group = f"hvdmagic-{uuid.uuid4().hex[:12]}"
         self._thread = None
@@ -178,7 +185,7 @@ class SparkBackend(Backend):
         """What __init__ does on a Spark Connect session: no JVM here, and no SparkContext to ask."""
         self.sc = None
         self.bind_host, self.master, task_gpus = on_spark_thread(lambda: (
-            spark_connect.kernel_address(self.session), spark_connect.conf(self.session, "spark.master", "?"),
+            kernel_host(self.session), spark_connect.conf(self.session, "spark.master", "?"),
             spark_connect.conf(self.session, "spark.task.resource.gpu.amount")))
         self._check_gpus(gpus, task_gpus)
         self._checking_slots(connect_slots, self.session, np, self.on_stage, self.notes)

@@ -4,40 +4,77 @@ The kernel wraps ``predict`` in a scalar-iterator pandas UDF over a struct of th
 (``hvdmagic.spark.common.estimator``). Each Arrow batch Spark hands the worker is cut into
 ``batch_size`` rows, and each of those is one forward pass, not one per row as horovod.spark does.
 
-The model is unpickled once per Python worker and kept while the worker lives (Spark reuses its
+The model's bytes come as its ``ModelSource`` says (``spark.common.model_delivery``): inside
+the UDF when small; else the host's first task fetches them from the kernel's blob server into
+the host's blob cache (``task.blob_cache``), once per host, and passes them on to the hosts
+that ask after it (``task.blob_relay``, which this worker keeps serving while it lives). The
+model is unpickled once per Python worker and kept while the worker lives (Spark reuses its
 workers, ``spark.python.worker.reuse``), under the digest of its bytes: the tasks of a transform
 and of the next one with the same model find it loaded. Each task runs on the GPU its Spark
-resources give it (``TaskContext.resources()["gpu"]``), on the CPU otherwise.
+resources give it (``TaskContext.resources()["gpu"]``), on the CPU otherwise. Each task reports
+its rows to the kernel as it goes (``task.transform_reports``).
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from hvdmagic.protocol import Blob
+from hvdmagic.task.transform_reports import ReportTo, TaskReport
+
 _loaded: dict[str, Any] = {}  # by model digest: (model, device), for this worker's life
 _KEEP = 3  # models a worker keeps (a CrossValidator's folds each bring one)
+_relays: dict[tuple, Any] = {}  # by (kernel's blob server, secret): this worker's BlobRelay toward the other hosts
+_relays_lock = threading.Lock()
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where a worker finds the model's pickled bytes: ``inline`` (a small model, in the UDF itself), or
+    the kernel's blob server at ``address`` (``secret``: its own), as the blob ``blob``."""
+
+    digest: str  # BLAKE3 of the bytes: the worker's cache key, and the blob's name
+    inline: bytes | None = None
+    blob: Blob | None = None
+    address: tuple[str, int] | None = None
+    secret: bytes = b""
 
 
 @dataclass(frozen=True)
 class PredictSpec:
     framework: str  # "torch", "keras" or "lightning"
-    digest: str  # of ``model``'s bytes: the worker's cache key
+    model: ModelSource
     feature_cols: tuple[str, ...]
     input_shapes: tuple | None
     output_sizes: tuple[int, ...]  # values per row of each output; 1 and a scalar label: a scalar column
     batch_size: int
     use_gpu: bool | None
+    reports: ReportTo | None = None  # the kernel's progress server; None: no reports
 
 
-def predict(spec: PredictSpec, model_bytes: bytes, batches: Iterator) -> Iterator:
+def predict(spec: PredictSpec, batches: Iterator) -> Iterator:
     """The UDF's body: for each pandas batch of features (a DataFrame), the outputs (a Series, or a
     DataFrame with one column per output when the model has several)."""
+    report = TaskReport(spec.reports)
+    try:
+        yield from _predicted(spec, batches, report)
+    except GeneratorExit:
+        report.end(failed=False)  # Spark read what it needed (a limit) and closed the rest
+        raise
+    except BaseException:
+        report.end(failed=True)
+        raise
+    report.end(failed=False)
+
+
+def _predicted(spec: PredictSpec, batches: Iterator, report: TaskReport) -> Iterator:
     import numpy as np
     import pandas as pd
 
-    model, device = _model(spec, model_bytes)
+    model, device = _model(spec)
     shapes = spec.input_shapes or [None] * len(spec.feature_cols)
     for frame in batches:
         # Each feature as one array for the whole Arrow batch; the forward passes take slices of it.
@@ -50,6 +87,7 @@ def predict(spec: PredictSpec, model_bytes: bytes, batches: Iterator) -> Iterato
             for out, values in zip(outputs, _forward(spec.framework, model, device, inputs)):
                 out[start:end] = values.reshape(end - start, -1)
         columns = [pd.Series(out[:, 0]) if out.shape[1] == 1 else pd.Series(list(out)) for out in outputs]
+        report.add(rows)
         yield columns[0] if len(columns) == 1 else pd.DataFrame({f"_{i}": c for i, c in enumerate(columns)})
 
 
@@ -66,18 +104,54 @@ def _shaped(values, shape):
     return values.reshape(shape) if shape else values
 
 
-def _model(spec: PredictSpec, model_bytes: bytes):
-    if spec.digest not in _loaded:
+def _model(spec: PredictSpec):
+    digest = spec.model.digest
+    if digest not in _loaded:
         import cloudpickle
 
         while len(_loaded) >= _KEEP:
             _loaded.pop(next(iter(_loaded)))
-        model = cloudpickle.loads(model_bytes)
+        model = cloudpickle.loads(_model_bytes(spec.model))
         device = _device(spec)
         if spec.framework in ("torch", "lightning"):
             model = model.to(device).eval()
-        _loaded[spec.digest] = (model, device)
-    return _loaded[spec.digest]
+        _loaded[digest] = (model, device)
+    return _loaded[digest]
+
+
+def _model_bytes(source: ModelSource) -> bytes:
+    """The pickled model: inline, or from this host's blob cache, fetched there first if no task has."""
+    if source.inline is not None:
+        return source.inline
+    from hvdmagic.blob_transfer import BlobError
+    from hvdmagic.task.blob_cache import BlobCache
+
+    cache = BlobCache()
+    try:
+        cache.ensure([source.blob], source.address, source.secret, relay=_relay(source, cache))
+    except BlobError as exc:
+        raise RuntimeError(
+            f"this transform's model ({source.blob.label}) could not be fetched from the notebook's kernel at "
+            f"{source.address[0]}:{source.address[1]}: {exc}. The kernel keeps the bytes of the models its "
+            "latest transforms named; call transform on the model again, and run the action on that "
+            "DataFrame.") from None
+    return cache.path(source.blob).read_bytes()
+
+
+def _relay(source: ModelSource, cache):
+    """This worker's relay toward the other hosts, on the interface it reaches the kernel through."""
+    import socket
+
+    from hvdmagic.task.blob_relay import BlobRelay
+
+    key = (source.address, source.secret)
+    with _relays_lock:
+        if key not in _relays:
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:  # connect() sends nothing
+                probe.connect(source.address)
+                host = probe.getsockname()[0]
+            _relays[key] = BlobRelay(host, source.secret, cache.directory)
+        return _relays[key]
 
 
 def _device(spec: PredictSpec) -> str:

@@ -12,13 +12,14 @@
 4. makes the model from rank 0's weights.
 
 ``transform`` adds the prediction columns with one scalar-iterator pandas UDF
-(``hvdmagic.task.batch_inference``), lazily, with their types known without a probing job.
+(``hvdmagic.task.batch_inference``), lazily, with their types known without a probing job. A
+large model reaches each host once through the blob cache (``model_delivery``), and the action
+that runs the predictions shows their progress under its cell (``transform_progress``).
 """
 
 from __future__ import annotations
 
 import copy as copying
-import hashlib
 import importlib.util
 import pickle
 import time
@@ -26,8 +27,9 @@ import time
 from pyspark.ml import Estimator, Model
 from pyspark.sql import functions as F
 
+from hvdmagic.launch.spark import kernel_host
 from hvdmagic.rank.estimator_data import FitSpec
-from hvdmagic.spark.common import columns, tracking
+from hvdmagic.spark.common import columns, model_delivery, tracking, transform_progress
 from hvdmagic.spark.common.params import EstimatorParams
 from hvdmagic.spark.common.store import new_run_id
 from hvdmagic.task.batch_inference import PredictSpec
@@ -249,20 +251,21 @@ class HorovodModel(Model, EstimatorParams):
             raise columns.ColumnError(f"output_cols names {len(outputs)} column(s) {outputs} for a model with "
                                       f"{len(self.output_sizes)} output(s).")
         kinds = {name: columns.kind(df, name, "feature") for name in feature_cols}
-        model_bytes = self._model_bytes()
+        host = kernel_host(df.sparkSession)
         spec = PredictSpec(
-            framework=self.framework, digest=hashlib.blake2b(model_bytes, digest_size=16).hexdigest(),
+            framework=self.framework,
+            model=model_delivery.source_for(self._model_bytes(), host, f"{type(self).__name__}'s model"),
             feature_cols=tuple(feature_cols),
             input_shapes=tuple(tuple(s) for s in self.getOrDefault("input_shapes") or []) or None,
             output_sizes=tuple(self.output_sizes),
             batch_size=self.getOrDefault("transform_batch_size") or self.getOrDefault("batch_size"),
-            use_gpu=self.getOrDefault("use_gpu"),
+            use_gpu=self.getOrDefault("use_gpu"), reports=transform_progress.report_to(host),
         )
         one = [T.DoubleType() if size == 1 else T.ArrayType(T.DoubleType()) for size in self.output_sizes]
         returns = one[0] if len(one) == 1 else T.StructType([T.StructField(f"_{i}", t) for i, t in enumerate(one)])
 
         def batches(iterator):
-            return predict(spec, model_bytes, iterator)
+            return predict(spec, iterator)
 
         # A scalar-iterator UDF, told by its hints (set here: this module's annotations are strings).
         batches.__annotations__ = {"iterator": Iterator[pd.DataFrame],
