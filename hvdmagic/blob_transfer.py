@@ -16,7 +16,8 @@ A host whose source breaks, stalls for ``PEER_STALL`` seconds or sends a chunk t
 does not match asks again, naming it: the kernel gives it the nearest live host before
 it in the chain, or itself, and it resumes from its last good chunk. A host whose link is
 slow would hold back every host behind it; for a large blob the kernel keeps the chain in
-step with the hosts' pace and moves such a host to the chain's end (``RelayOrder``).
+step with the hosts' pace and moves such a host to the chain's end (``RelayOrder``), and the
+host before it goes on serving it after its own rank has ended (``task.supervisor``).
 
 Every request is one channel frame (``channel.Link``: HMAC under the job's secret, with
 a nonce per connection), so only the job's tasks are served, by the kernel or by a host.

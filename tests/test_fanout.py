@@ -180,6 +180,51 @@ def test_a_host_that_passes_on_altered_bytes_is_dropped_for_the_kernel(tmp_path)
     assert (honest / blob.digest).read_bytes() == data
 
 
+def _read_slowly(address: tuple[str, int], secret: bytes, blob: Blob, got: bytearray, reading: threading.Event):
+    """A host on a slow link reading ``blob`` from a relay: a small receive window, 256 KiB per 20 ms."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 * 1024)
+        sock.connect(address)
+        link = channel.Link(sock, secret, sock.recv(channel.NONCE_SIZE, socket.MSG_WAITALL), is_server=False)
+        link.send({"digest": blob.digest, "offset": 0})
+        assert link.recv()["size"] == blob.size
+        while len(got) < blob.size:
+            chunk = sock.recv(256 * 1024)
+            if not chunk:
+                return
+            got += chunk
+            reading.set()
+            time.sleep(0.02)  # the slow link's pace, not a wait for anything
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("job", ["runs on", "ends"])
+def test_a_relay_whose_task_ends_serves_the_host_reading_from_it_to_the_end_while_the_job_runs(tmp_path, job):
+    """A task whose rank has ended closes its relay with a linger (task.supervisor): a host still reading
+    from it gets every byte from it, not the rest from the kernel; once the job ends, the relay stops."""
+    data, blob = _blob(24 * MiB)
+    secret = channel.new_secret()
+    cache = _private(tmp_path / "cache")
+    (cache / blob.digest).write_bytes(data)
+    relay = BlobRelay("127.0.0.1", secret, cache)
+    got, reading, job_ended = bytearray(), threading.Event(), threading.Event()
+    reader = threading.Thread(target=_read_slowly, args=(relay.address, secret, blob, got, reading))
+    reader.start()
+    assert reading.wait(30), "the reader received nothing from the relay"
+    if job == "ends":
+        threading.Timer(0.3, job_ended.set).start()
+    started = time.monotonic()
+    relay.close(linger=60, stop=job_ended)
+    closed_after = time.monotonic() - started
+    reader.join(timeout=60)
+    if job == "runs on":
+        assert bytes(got) == data, f"the reader got {len(got)} of {len(data)} bytes"
+    else:
+        assert closed_after < 5 and len(got) < len(data), (closed_after, len(got))
+
+
 def _private(directory: Path) -> Path:
     directory.mkdir(mode=0o700, parents=True)
     return directory

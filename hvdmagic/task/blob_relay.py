@@ -18,6 +18,7 @@ import contextlib
 import os
 import socket
 import threading
+import time
 from pathlib import Path
 
 from hvdmagic import channel
@@ -61,6 +62,7 @@ class BlobRelay:
         self._directory = directory
         self._arriving: dict[str, _Arriving] = {}
         self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)  # notified as each reader ends
         self._closed = threading.Event()
         self._readers: set[socket.socket] = set()
         self._sock = socket.create_server((host, 0))
@@ -122,13 +124,21 @@ class BlobRelay:
         except (channel.ChannelError, OSError, ValueError, TypeError):
             pass  # the reader sees the short read and asks for another source
         finally:
-            with self._lock:
+            with self._idle:
                 self._readers.discard(sock)
+                self._idle.notify_all()
             if fd >= 0:
                 os.close(fd)
             sock.close()
 
-    def close(self) -> None:
+    def close(self, linger: float = 0.0, stop: threading.Event | None = None) -> None:
+        """Stop serving. ``linger``: first go on serving, for up to that many seconds, while any host
+        is reading from here, unless ``stop`` is set meanwhile. A host behind this one in the chain
+        (a slow one, moved to its end) would otherwise read the rest from the kernel: one more copy."""
+        deadline = time.monotonic() + linger
+        with self._idle:
+            while self._readers and time.monotonic() < deadline and not (stop is not None and stop.is_set()):
+                self._idle.wait(min(0.5, max(0.0, deadline - time.monotonic())))
         self._closed.set()
         with self._lock:
             readers = list(self._readers)

@@ -51,6 +51,10 @@ from hvdmagic.task.rank_process import RankProcess, spawn
 from hvdmagic.task.shards import pad_shard
 from hvdmagic.task.versions import versions
 
+# The longest a task whose rank has ended goes on serving hosts that read a blob from it (the job's
+# end stops it sooner): ten minutes, 1 GiB at under 2 MB/s.
+RELAY_LINGER = 600.0
+
 
 class Supervisor:
     """``gpus`` are the GPU addresses Spark assigned to this task, already mapped to
@@ -95,7 +99,9 @@ class Supervisor:
         finally:
             self._end_daemons()
             if self._relay is not None:
-                self._relay.close()
+                # Hosts still reading from this one finish from here, while the job runs (its end closes
+                # the link, which sets _aborted): a slow host at the chain's end needs no second copy.
+                self._relay.close(linger=RELAY_LINGER, stop=self._aborted)
             link.close()
 
     def _run_once(self, fetched) -> int:
