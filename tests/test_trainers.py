@@ -321,3 +321,28 @@ def test_hugging_face_trainer_on_spark_in_a_cell_and_through_the_torch_distribut
         for rank in record.ranks:
             assert rank.bars["step"].step == rank.bars["step"].total == 16, f"rank {rank.rank}: {rank.bars}"
         assert record.metrics[record.metrics["rank"] == 0]["eval_loss"].notna().sum() == 4, record.metrics.to_string()
+
+
+def test_a_torchrun_session_on_spark_runs_lightning_then_an_accelerate_loop_on_the_same_warm_ranks(ip, tmp_path):
+    """The cells above, unchanged but for their first line, on a %torchrun session's two ranks on Spark:
+    Lightning finds the session's process group, and accelerate's loop after it finds the same one."""
+    pytest.importorskip("accelerate", reason="the README's set-up installs accelerate")
+    ip.run_line_magic("torchrun", "start --np 2")
+    try:
+        cell = LIGHTNING_CELL.replace("%%torchrun --np -2", "%%torchrun")
+        result, error = run(ip, cell.replace('"lightning-root"', repr(str(tmp_path / "lightning-root"))))
+        assert error is None, error
+        record = hvdmagic.last_run()
+        assert record.mode == "spark" and result[0] == 2, (record.mode, result)
+        steps = 256 // 2 // 16 * 3
+        assert [rank.bars["fit"].step for rank in record.ranks] == [steps, steps], [r.bars for r in record.ranks]
+        train_loss = record.metrics[record.metrics["rank"] == 0]["train_loss"].dropna()
+        assert train_loss.iloc[-1] < train_loss.iloc[0] / 4, f"the loss should fall: {list(train_loss)}"
+
+        result, error = run(ip, ACCELERATE_CELL.replace("%%torchrun --np -2", "%%torchrun"))
+        assert error is None and result == 2, (result, error)
+        record = hvdmagic.last_run()
+        loss = record.metrics[record.metrics["rank"] == 0].dropna(subset=["loss"])
+        assert list(loss["step"]) == [0, 1, 2, 3] and loss["loss"].iloc[-1] < loss["loss"].iloc[0], loss.to_string()
+    finally:
+        ip.run_line_magic("torchrun", "stop")
