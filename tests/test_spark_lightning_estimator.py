@@ -200,8 +200,10 @@ class OneXCallback(pytorch_lightning.Callback):
         print("1.x calls:", json.dumps(self.calls, sort_keys=True), flush=True)
 
 
-def test_a_pytorch_lightning_1x_module_and_callback_get_their_removed_hooks_called_as_1x_called_them():
-    df = _regression(_embedded_spark(), rows=128)
+@pytest.mark.parametrize("spark_kind", ["connect"], indirect=True)  # the other Lightning fits run on classic
+def test_a_pytorch_lightning_1x_module_and_callback_get_their_removed_hooks_called_as_1x_called_them(spark_kind):
+    """On Spark Connect, where a Lightning fit and its model's transform run as on a classic session."""
+    df = _regression(spark_kind.session, rows=128)
     fitted = TorchEstimator(num_proc=2, model=OneXModule(), callbacks=[OneXCallback()], feature_cols=["features"],
                             label_cols=["y"], batch_size=8, epochs=2, validation="holdout", train_steps_per_epoch=3,
                             validation_steps_per_epoch=3, profiler="simple", verbose=1).fit(df)
@@ -222,6 +224,8 @@ def test_a_pytorch_lightning_1x_module_and_callback_get_their_removed_hooks_call
         assert calls == expected, f"rank {rank.rank}: {calls}"
         assert "module epoch ends: 4" in record.logs[rank.rank], record.logs[rank.rank]
     assert "FIT Profiler Report" in record.logs[0], record.logs[0]  # profiler= reached Lightning's Trainer
+    predicted = fitted.transform(df).select("y__output").toPandas()["y__output"]
+    assert len(predicted) == 128 and np.isfinite(predicted).all(), predicted
 
 
 def test_a_model_that_is_not_a_lightning_module_fails_in_one_paragraph_before_any_rank_starts():
