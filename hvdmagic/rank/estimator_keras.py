@@ -15,7 +15,6 @@ model is Keras 3 on today's TensorFlow. The model comes in the Keras it was buil
 
 from __future__ import annotations
 
-import os
 import pickle
 import re
 import time
@@ -26,6 +25,7 @@ from hvdmagic.keras_archive import keras_package
 from hvdmagic.rank import telemetry
 from hvdmagic.rank.estimator_data import FitSpec, ShardRows, shaped
 from hvdmagic.rank.shards import shard
+from hvdmagic.rank.training import checkpoint_steps, write_checkpoint
 
 _CHECKPOINT = re.compile(r"^epoch-(\d+)\.pkl$")
 
@@ -231,27 +231,19 @@ def _checkpoint(keras, directory: str, history: dict):
 
     class Checkpoint(keras.callbacks.Callback):
         def on_epoch_end(self, epoch, logs=None):
-            folder = Path(directory)
-            folder.mkdir(parents=True, exist_ok=True)
             state = {"weights": self.model.get_weights(), "history": history,
                      "optimizer": [variable.numpy() for variable in self.model.optimizer.variables]}
-            partial = folder / f".epoch-{epoch}.pkl.partial"
-            partial.write_bytes(pickle.dumps(state))
-            os.replace(partial, folder / f"epoch-{epoch}.pkl")
-            for old in folder.iterdir():
-                if (match := _CHECKPOINT.match(old.name)) and int(match.group(1)) < epoch:
-                    old.unlink(missing_ok=True)
+            write_checkpoint(Path(directory), f"epoch-{epoch}.pkl", _CHECKPOINT, 1,
+                             lambda path: path.write_bytes(pickle.dumps(state)))
 
     return Checkpoint()
 
 
 def _newest_checkpoint(directory: str | None):
     """(epoch, state) of the newest checkpoint in ``directory``, or None."""
-    if not directory or not os.path.isdir(directory):
-        return None
-    epochs = [int(m.group(1)) for name in os.listdir(directory) if (m := _CHECKPOINT.match(name))]
+    epochs = checkpoint_steps(Path(directory), _CHECKPOINT) if directory else {}
     if not epochs:
         return None
     newest = max(epochs)
-    return newest, pickle.loads(Path(directory, f"epoch-{newest}.pkl").read_bytes())
+    return newest, pickle.loads(epochs[newest].read_bytes())
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import re
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -80,21 +81,31 @@ def save_checkpoint(state: Any, directory: str | os.PathLike, step: int, keep: i
 
     if _rank_and_size()[0] != 0:
         return None
-    directory = Path(directory)
+    return write_checkpoint(Path(directory), f"checkpoint-{step}.pt", _CHECKPOINT, keep,
+                            lambda path: torch.save({"step": step, "state": state}, path))
+
+
+def write_checkpoint(directory: Path, name: str, pattern: re.Pattern, keep: int,
+                     write: Callable[[Path], None]) -> Path:
+    """``write(path)`` a checkpoint beside its final name ``name`` in ``directory``, then rename it,
+    so a run killed mid-write never leaves a half checkpoint for the next run to load; then keep
+    the ``keep`` newest checkpoints (``pattern``'s group 1 is a file's step; 0 keeps them all)."""
     directory.mkdir(parents=True, exist_ok=True)
-    final = directory / f"checkpoint-{step}.pt"
-    partial = directory / f".checkpoint-{step}.pt.partial"
-    torch.save({"step": step, "state": state}, partial)
+    final = directory / name
+    partial = directory / f".{name}.partial"
+    write(partial)
     os.replace(partial, final)
-    for old in sorted(_checkpoints(directory))[:-keep] if keep else []:
-        (directory / f"checkpoint-{old}.pt").unlink(missing_ok=True)
+    steps = checkpoint_steps(directory, pattern)
+    for old in sorted(steps)[:-keep] if keep else []:
+        steps[old].unlink(missing_ok=True)
     return final
 
 
-def _checkpoints(directory: Path) -> list[int]:
+def checkpoint_steps(directory: Path, pattern: re.Pattern = _CHECKPOINT) -> dict[int, Path]:
+    """The checkpoints in ``directory`` by step (none if it does not exist)."""
     if not directory.is_dir():
-        return []
-    return [int(m.group(1)) for p in directory.iterdir() if (m := _CHECKPOINT.match(p.name))]
+        return {}
+    return {int(m.group(1)): path for path in directory.iterdir() if (m := pattern.match(path.name))}
 
 
 def load_checkpoint(directory: str | os.PathLike) -> tuple[Any, int | None]:
@@ -125,9 +136,9 @@ def load_checkpoint(directory: str | os.PathLike) -> tuple[Any, int | None]:
 
     found = None
     if _rank_and_size()[0] == 0:
-        steps = _checkpoints(Path(directory))
+        steps = checkpoint_steps(Path(directory))
         if steps:
-            found = torch.load(Path(directory) / f"checkpoint-{max(steps)}.pt", weights_only=False)
+            found = torch.load(steps[max(steps)], weights_only=False)
     found = _broadcast_from_rank0(found)
     return (found["state"], found["step"]) if found else (None, None)
 
