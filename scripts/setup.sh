@@ -13,6 +13,7 @@
 #                        TF >= 2.16), or "none"
 #   HVDMAGIC_NUMPY, HVDMAGIC_PYARROW   their requirements (defaults below resolve together)
 #   HVDMAGIC_EXTRAS      hvdmagic's extras (default dev,spark)
+#   HVDMAGIC_DEEPSPEED   DeepSpeed requirement with the dev extras (default deepspeed==0.19.8), or "none"
 #   HVDMAGIC_LOCK        the constraints every pip install here obeys (docs/dependencies.md):
 #                        requirements/lock.txt (default; `make lock` writes it), another file,
 #                        "none" (only the specs above and pyproject.toml's ranges), or "latest": no
@@ -36,6 +37,7 @@ numpy_spec="${HVDMAGIC_NUMPY:-numpy==2.4.6}"
 pyarrow_spec="${HVDMAGIC_PYARROW:-pyarrow==26.0.1}"
 horovod_version="0.28.1"
 extras="${HVDMAGIC_EXTRAS:-dev,spark}"
+deepspeed_spec="${HVDMAGIC_DEEPSPEED:-deepspeed==0.19.8}"
 
 say() { printf '[setup] %s\n' "$*"; }
 
@@ -245,6 +247,26 @@ install_project() {
     echo "$want" > "$stamp"
 }
 
+# DeepSpeed publishes only a source distribution, whose build imports torch: it is built here
+# without isolation against the virtualenv's torch (as horovod is), its ops left to compile on
+# first use (DS_BUILD_OPS=0; on a CPU, its shared-memory op for gloo, once per machine). Its
+# dependencies are the lock's. With the dev extras only: tests/test_trainers.py trains with it.
+install_deepspeed() {
+    [ "$deepspeed_spec" != none ] || return 0
+    case ",$extras," in *,dev,*) ;; *) return 0 ;; esac
+    if [ "$(installed deepspeed)" = "${deepspeed_spec#deepspeed==}" ]; then
+        say "$deepspeed_spec already installed"
+        return
+    fi
+    say "installing $deepspeed_spec (built against the virtualenv's torch)"
+    DS_BUILD_OPS=0 pip_install --no-build-isolation "$deepspeed_spec"
+    # Compiled now rather than by the first DeepSpeed cell's ranks, which would wait for it.
+    say "compiling DeepSpeed's communication op for this virtualenv's torch (once: a minute or two)"
+    "$venv/bin/python" -c 'from deepspeed.accelerator import get_accelerator
+builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
+builder is None or builder.load()' >/dev/null 2>&1 || say "could not compile it now: the first DeepSpeed cell will"
+}
+
 # tests/test_tracebacks.py runs again under the oldest cloudpickle that pyproject.toml allows, put
 # first on PYTHONPATH: its releases change what they write (3.1.3 renamed every shipped code's file).
 install_oldest_cloudpickle() {
@@ -331,6 +353,7 @@ make_venv
 install_build_deps
 install_horovod
 install_project
+install_deepspeed
 install_oldest_cloudpickle
 install_oldest_cloudpickle_venv
 report_latest

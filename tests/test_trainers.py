@@ -269,7 +269,10 @@ for attempt in (lambda: pl.Trainer(strategy="ddp_spawn", accelerator="cpu", devi
                 lambda: pl.Trainer(strategy="ddp_notebook", accelerator="cpu", devices=2),
                 lambda: pl.Trainer(strategy="ddp", accelerator="cpu", devices=4),
                 lambda: pl.Trainer(strategy="ddp", accelerator="cpu", devices=1, num_nodes=2),
-                lambda: mp.spawn(print, nprocs=2)):
+                lambda: mp.spawn(print, nprocs=2),
+                # what `!deepspeed ...` and `!python -m torch.distributed.run ...` lines in the cell run
+                lambda: get_ipython().system("deepspeed --num_gpus 2 train.py --deepspeed ds_config.json"),
+                lambda: get_ipython().system("python3 -m torch.distributed.run --nproc-per-node 2 train.py")):
     try:
         attempt()
         said.append(None)
@@ -280,15 +283,15 @@ fine = [(trainer.num_devices, trainer.num_nodes, trainer.world_size)
 # torch's own helpers still spawn: what elastic's and the async checkpoint writer's calls look like.
 exec("import torch.multiprocessing as mp\\nhelper = mp.start_processes(print, ('from torch',), nprocs=1, "
      "start_method='fork')", {"__name__": "torch.distributed.elastic.multiprocessing.api"})
-said, fine
+said, fine, get_ipython().getoutput("echo deepspeed is a word, not a launcher, here")
 """
 
 
 def test_other_launchers_habits_fail_in_one_paragraph_in_a_rank(ip):
     result, error = run(ip, MISTAKES_CELL)
     assert error is None, error
-    said, fine = result
-    spawn, notebook, devices, one_a_node, mp_spawn = said
+    said, fine, echoed = result
+    spawn, notebook, devices, one_a_node, mp_spawn, deepspeed_line, torch_run_line = said
     assert spawn and "'spawn'" in spawn and 'use strategy="ddp"' in spawn, spawn
     assert notebook and "'fork'" in notebook, notebook
     assert devices and "Trainer(devices=4, num_nodes=1) lays out 4 processes" in devices, devices
@@ -296,10 +299,52 @@ def test_other_launchers_habits_fail_in_one_paragraph_in_a_rank(ip):
     # pyspark's one-process-a-node idiom, on one host: Lightning would index a device rank 1 does not have.
     assert one_a_node and "Trainer(devices=1, num_nodes=2) lays out 2 processes, 1 a node" in one_a_node, one_a_node
     assert mp_spawn and "torch.multiprocessing.spawn(print, nprocs=2)" in mp_spawn and "--np 2" in mp_spawn, mp_spawn
+    assert deepspeed_line and deepspeed_line.startswith("!deepspeed --num_gpus 2") and \
+        'TorchDistributor(num_processes=2).run("train.py", ...)' in deepspeed_line, deepspeed_line
+    assert torch_run_line and "would start torch.distributed.run" in torch_run_line, torch_run_line
+    assert echoed == ["deepspeed is a word, not a launcher, here"], echoed
     assert all("\n" not in text for text in said), "each is one paragraph"
     assert fine == [(2, 1, 2), (2, 1, 2)], "the defaults and devices=2 lay out the cell's 2 ranks on its one host"
     logs = hvdmagic.last_run().logs
     assert all("0 from torch" in logs[rank] for rank in (0, 1)), f"torch's own start_processes should run: {logs}"
+
+
+DEEPSPEED_CELL = """%%torchrun --np -2
+import torch, deepspeed
+
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
+config = {"train_micro_batch_size_per_gpu": 16, "gradient_accumulation_steps": 1, "steps_per_print": 20,
+          "zero_optimization": {"stage": 2}, "zero_allow_untested_optimizer": True}
+engine, _, _, _ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2),
+                                       config=config)
+torch.manual_seed(engine.global_rank)  # each rank its own rows
+x = torch.randn(640, 8)
+y = x.sum(dim=1, keepdim=True)
+losses = []
+for step in range(40):
+    rows = slice(step * 16, step * 16 + 16)
+    loss = torch.nn.functional.mse_loss(engine(x[rows]), y[rows])
+    engine.backward(loss)
+    engine.step()
+    losses.append(loss.item())
+weights = torch.cat([p.detach().flatten() for p in engine.module.parameters()])
+everyone = [torch.zeros_like(weights) for _ in range(engine.world_size)]
+torch.distributed.all_gather(everyone, weights)
+(engine.zero_optimization_stage(), engine.world_size, losses[0], losses[-1],
+ all(torch.equal(everyone[0], w) for w in everyone))
+"""
+
+
+@pytest.mark.timeout(600)  # each rank imports DeepSpeed (20 s under load), and compiles its op if the set-up did not
+def test_deepspeed_zero_2_trains_on_two_cpu_ranks_with_gloo_as_written(ip):
+    pytest.importorskip("deepspeed", reason="the README's set-up installs DeepSpeed")
+    result, error = run(ip, DEEPSPEED_CELL)
+    assert error is None, error
+    stage, world, first, last, agree = result
+    assert (stage, world) == (2, 2), result
+    assert last < first / 4, f"the loss should fall: {first} -> {last}"
+    assert agree, "ZeRO 2 averages the gradients: every rank must hold the same weights"
 
 
 def _hugging_face_function_cell() -> str:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import ast
 import builtins
 import linecache
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -48,17 +49,55 @@ def register_sources(sources: Sources) -> None:
             DISPLAY_NAMES[filename] = name
 
 
+# A launcher's command line pasted into a cell (``!deepspeed train.py``) would start the launcher, and
+# its processes, in every rank: the words that start one, and what each launcher is called.
+_LAUNCHERS = {("deepspeed",): "deepspeed", ("torchrun",): "torchrun", ("accelerate", "launch"): "accelerate launch",
+              ("horovodrun",): "horovodrun"}
+
+
+def _launcher(words: list[str]) -> tuple[str, int]:
+    """The launcher ``words`` start, and how many words name it; ("", 0) for any other command."""
+    if words[:1] and words[0].startswith("python") and words[1:3] == ["-m", "torch.distributed.run"]:
+        return "torch.distributed.run", 3
+    for start, launcher in _LAUNCHERS.items():
+        if tuple(words[:len(start)]) == start:
+            return launcher, len(start)
+    return "", 0
+
+
+def _refuse_launcher(cmd: str) -> None:
+    import shlex
+
+    try:
+        words = shlex.split(cmd)
+    except ValueError:
+        return  # the shell says what is wrong with it
+    launcher, named = _launcher(words)
+    if not launcher:
+        return
+    script = next((word for word in words[named:] if word.endswith(".py")), "the script")
+    ranks = os.environ.get("WORLD_SIZE", "N")
+    raise RuntimeError(
+        f"!{cmd.strip()} would start {launcher}, and the processes it launches, in each of the cell's ranks. "
+        f"The cell's ranks are the processes a launcher starts, with torch.distributed's environment set: put "
+        f"{script}'s training code in the cell (deepspeed.initialize, Hugging Face's Trainer and Accelerator find "
+        f"that environment), or run the script on the ranks from a normal cell with hvdmagic's drop-in: "
+        f'TorchDistributor(num_processes={ranks}).run("{script}", ...).')
+
+
 class _RankShell:
     """What ``get_ipython()`` answers on a rank: enough for ``!cmd`` lines in a cell."""
 
     def system(self, cmd: str) -> int:
         import subprocess
 
+        _refuse_launcher(cmd)
         return subprocess.call(cmd, shell=True)
 
     def getoutput(self, cmd: str, split: bool = True):
         import subprocess
 
+        _refuse_launcher(cmd)
         out = subprocess.run(cmd, shell=True, capture_output=True, text=True).stdout
         return out.splitlines() if split else out
 
