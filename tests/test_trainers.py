@@ -272,11 +272,13 @@ for attempt in (lambda: pl.Trainer(strategy="ddp_spawn", accelerator="cpu", devi
                 lambda: mp.spawn(print, nprocs=2),
                 # what `!deepspeed ...` and `!python -m torch.distributed.run ...` lines in the cell run
                 lambda: get_ipython().system("deepspeed --num_gpus 2 train.py --deepspeed ds_config.json"),
-                lambda: get_ipython().system("python3 -m torch.distributed.run --nproc-per-node 2 train.py")):
+                lambda: get_ipython().system("python3 -m torch.distributed.run --nproc-per-node 2 train.py"),
+                # arguments from a GPU machine's notebook
+                lambda: __import__("transformers").TrainingArguments(output_dir="hf-out", bf16=True)):
     try:
         attempt()
         said.append(None)
-    except RuntimeError as error:
+    except (RuntimeError, ValueError) as error:
         said.append(str(error))
 fine = [(trainer.num_devices, trainer.num_nodes, trainer.world_size)
         for trainer in (pl.Trainer(strategy="ddp", accelerator="cpu"), pl.Trainer(accelerator="cpu", devices=2))]
@@ -291,7 +293,7 @@ def test_other_launchers_habits_fail_in_one_paragraph_in_a_rank(ip):
     result, error = run(ip, MISTAKES_CELL)
     assert error is None, error
     said, fine, echoed = result
-    spawn, notebook, devices, one_a_node, mp_spawn, deepspeed_line, torch_run_line = said
+    spawn, notebook, devices, one_a_node, mp_spawn, deepspeed_line, torch_run_line, gpu_arguments = said
     assert spawn and "'spawn'" in spawn and 'use strategy="ddp"' in spawn, spawn
     assert notebook and "'fork'" in notebook, notebook
     assert devices and "Trainer(devices=4, num_nodes=1) lays out 4 processes" in devices, devices
@@ -303,6 +305,9 @@ def test_other_launchers_habits_fail_in_one_paragraph_in_a_rank(ip):
         'TorchDistributor(num_processes=2).run("train.py", ...)' in deepspeed_line, deepspeed_line
     assert torch_run_line and "would start torch.distributed.run" in torch_run_line, torch_run_line
     assert echoed == ["deepspeed is a word, not a launcher, here"], echoed
+    assert gpu_arguments and "bf16/gpu" in gpu_arguments and "Rank 0 of this cell has no GPU" in gpu_arguments, \
+        gpu_arguments
+    assert "use_cpu=True" in gpu_arguments and "spark.task.resource.gpu.amount" in gpu_arguments, gpu_arguments
     assert all("\n" not in text for text in said), "each is one paragraph"
     assert fine == [(2, 1, 2), (2, 1, 2)], "the defaults and devices=2 lay out the cell's 2 ranks on its one host"
     logs = hvdmagic.last_run().logs

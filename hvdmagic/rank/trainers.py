@@ -19,6 +19,7 @@ the rank's row and what they log becomes the rank's metrics, with no hvdmagic ca
 - **accelerate.** ``Accelerator.log``'s numbers are metrics as well as the trackers' (on every
   rank; accelerate's trackers log the main process's). ``notebook_launcher`` in a rank runs its
   function in place and returns its value: the cell's ranks are the processes it would have started.
+- **Hugging Face's ``TrainingArguments``** that need a GPU, in a rank that has none, fail saying so.
 - **Other launchers' habits.** A Lightning ``Trainer`` whose strategy would spawn or fork
   (``ddp_spawn``, ``ddp_fork``, ``ddp_notebook``), or whose ``devices`` and ``num_nodes`` do not
   match the cell's layout, and ``torch.multiprocessing.spawn`` / ``start_processes`` called from
@@ -208,6 +209,34 @@ def adopt_transformers(module) -> None:
     setattr(module, _ADOPTED, True)
 
 
+def adopt_training_arguments(module) -> None:
+    """A ``TrainingArguments`` that needs a GPU (``bf16=True`` without ``use_cpu``), made in a rank
+    without one, fails saying that the rank has none and what to give instead: a notebook moved from
+    a GPU machine to a cell's CPU ranks brings such arguments."""
+    cls = module.TrainingArguments
+    if cls.__dict__.get(_ADOPTED):
+        return
+    original = cls.__post_init__
+
+    @functools.wraps(original)
+    def __post_init__(self, *args, **kwargs):
+        try:
+            return original(self, *args, **kwargs)
+        except ValueError as exc:
+            import torch
+
+            if "gpu" not in str(exc).lower() or torch.cuda.is_available():
+                raise
+            raise ValueError(
+                f"{str(exc).rstrip('.')}. Rank {os.environ.get('RANK', '?')} of this cell has no GPU (its Spark task "
+                f"was given none, or its machine has none): on CPU ranks give TrainingArguments use_cpu=True "
+                f"(fp16 and, where the CPU supports it, bf16 then run on the CPU); for GPUs, run the cell on Spark "
+                f"tasks that get one (spark.task.resource.gpu.amount).") from None
+
+    cls.__post_init__ = __post_init__
+    setattr(cls, _ADOPTED, True)
+
+
 # -- accelerate -----------------------------------------------------------------------
 
 
@@ -326,6 +355,7 @@ HOOKS = {name: _noting_failure(hook) for name, hook in {
     "lightning.pytorch.trainer.trainer": adopt_lightning,
     "pytorch_lightning.trainer.trainer": adopt_lightning,
     "transformers.trainer": adopt_transformers,
+    "transformers.training_args": adopt_training_arguments,
     "accelerate.accelerator": adopt_accelerator,
     "accelerate.launchers": adopt_notebook_launcher,
     "torch.multiprocessing.spawn": adopt_process_spawning,
