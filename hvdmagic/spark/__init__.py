@@ -17,11 +17,13 @@ Where horovod.spark's users look for them:
 The package's other modules: ``common.params`` (the params every estimator shares, declared
 once), ``common.estimator`` (what every framework's fit and transform share: the checks, the
 DataFrame's preparation, the run, the output columns, persistence), ``common.columns`` (the
-columns' Spark types and the checks on them).
+columns' Spark types and the checks on them), ``common.model_delivery`` (a large model served to
+the executors once per host) and ``common.transform_progress`` (a transform's progress under the
+cell whose action runs it).
 
 What runs elsewhere sits with its process: the training in ``hvdmagic.rank.estimator_torch``,
-``estimator_keras`` and ``estimator_lightning`` (a rank), the batch prediction in
-``hvdmagic.task.batch_inference`` (an executor's Python worker).
+``estimator_keras`` and ``estimator_lightning`` (a rank), the batch prediction and its progress
+reports in ``hvdmagic.task.batch_inference`` and ``transform_reports`` (an executor's Python worker).
 Modules here may import pyspark, ``hvdmagic.kernel`` (the launcher's Python API), and what
 travels to the ranks and executors; nothing below imports them.
 """
