@@ -52,7 +52,7 @@ class PredictSpec:
     output_sizes: tuple[int, ...]  # values per row of each output; 1 and a scalar label: a scalar column
     batch_size: int
     use_gpu: bool | None
-    reports: ReportTo | None = None  # the kernel's progress server; None: no reports
+    reports: ReportTo  # the kernel's progress server
 
 
 def predict(spec: PredictSpec, batches: Iterator) -> Iterator:

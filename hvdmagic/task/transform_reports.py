@@ -84,9 +84,9 @@ def _task_name() -> str:
 class TaskReport:
     """One task's reports: ``add(rows)`` as its batches are predicted, ``end()`` when it stops."""
 
-    def __init__(self, to: ReportTo | None):
-        self._sender = _sender(to) if to is not None else None
-        self._task = _task_name() if to is not None else ""
+    def __init__(self, to: ReportTo):
+        self._sender = _sender(to)
+        self._task = _task_name()
         self._rows = 0
         self._sent_at = 0.0
         self._send("running")
@@ -100,6 +100,5 @@ class TaskReport:
         self._send("failed" if failed else "done")
 
     def _send(self, state: str) -> None:
-        if self._sender is not None:
-            self._sent_at = time.monotonic()
-            self._sender.put({"type": "transform", "task": self._task, "rows": self._rows, "state": state})
+        self._sent_at = time.monotonic()
+        self._sender.put({"type": "transform", "task": self._task, "rows": self._rows, "state": state})
