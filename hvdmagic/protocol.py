@@ -58,6 +58,8 @@ class Event(StrEnum):
     WORLD = "world"  # elastic: a rank's world rank and size (after it joined or came back from a reset)
     SHIPPING = "shipping"  # the payload's blobs on their way to the hosts: bytes asked for and received, by host
     RESUMED = "resumed"  # elastic: the ranks reset: the sizes before and after, why, the commit restored
+    # a Spark ML model's transform: an executor's Python worker -> the kernel's progress server
+    PREDICTED = "predicted"  # a task's rows predicted so far, and its state
 
 
 class Stage(StrEnum):
@@ -432,6 +434,13 @@ class Resumed(TypedDict):
     reset: Any  # launch.elastic.Reset: driver-side only, never on the wire
 
 
+class Predicted(TypedDict):
+    type: Literal[Event.PREDICTED]
+    task: str  # Spark's stage.partition.attempt (task.transform_reports)
+    rows: int  # predicted so far
+    state: str  # "running", "done" or "failed"
+
+
 hello = _builder(Hello, Event.HELLO)
 output = _builder(Output, Event.OUTPUT, transient=None)
 exit_ = _builder(Exit, Event.EXIT)
@@ -454,6 +463,7 @@ resumed = _builder(Resumed, Event.RESUMED)
 stacks = _builder(Stacks, Event.STACKS)
 flight_record = _builder(FlightRecord, Event.FLIGHT_RECORD)
 shipping = _builder(Shipping, Event.SHIPPING)
+predicted = _builder(Predicted, Event.PREDICTED)
 
 
 def ends_a_cell(line: bytes) -> bool:

@@ -17,7 +17,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from hvdmagic import channel
+from hvdmagic import channel, protocol
 
 REPORT_EVERY = 0.5
 _CONNECT_TIMEOUT = 5.0
@@ -101,4 +101,4 @@ class TaskReport:
 
     def _send(self, state: str) -> None:
         self._sent_at = time.monotonic()
-        self._sender.put({"type": "transform", "task": self._task, "rows": self._rows, "state": state})
+        self._sender.put(protocol.predicted(self._task, self._rows, state))

@@ -101,7 +101,7 @@ class ProgressServer:
                 for key, cell_id in list(self._task_cell.items()):
                     if key[0] == id(link) and cell_id in self.cells:
                         self.cells[cell_id].note(key, None, "lost")
-            elif event.get("type") == "transform":
+            elif event.get("type") == Event.PREDICTED:
                 self._noted(link, str(event.get("task")), int(event.get("rows", 0)), str(event.get("state")))
             self._show(throttled=True)
 
