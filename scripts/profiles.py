@@ -20,7 +20,7 @@ standard library only (and uv, which ``make setup`` installs):
 4. installs the test tools with everything installed as constraints (they may add packages, never
    move one), and the front end that renders the profile's ipywidgets (for 7, JupyterLab 3.6 in
    ``.venv-lab3``);
-5. runs the tests marked ``profile`` and two notebooks (``PROFILE_TESTS``), and writes
+5. runs the tests marked ``profile`` and three notebooks (``PROFILE_TESTS``), and writes
    ``artifacts/profiles/<name>.json``: versions, outcome counts, set-up and test times.
 
 ``table`` prints one Markdown table of those files, and ``--docs`` writes it between docs/runtimes.md's
@@ -47,8 +47,9 @@ RESULTS = HERE / "artifacts" / "profiles"
 RUNTIMES_DOC = HERE / "docs" / "runtimes.md"
 TABLE_BEGIN, TABLE_END = "<!-- profiles:begin -->", "<!-- profiles:end -->"
 
-# The tests marked `profile`, and these two notebooks (the notebook tier, of the paths named here only).
-PROFILE_TESTS = ["-m", "profile or notebook", "tests", "notebooks/quickstart.ipynb", "notebooks/07_keras_mnist.ipynb"]
+# The tests marked `profile`, and these notebooks (the notebook tier, of the paths named here only).
+PROFILE_TESTS = ["-m", "profile or notebook", "tests", "notebooks/quickstart.ipynb", "notebooks/07_keras_mnist.ipynb",
+                 "notebooks/13_spark_ml_pipeline.ipynb"]
 TEST_TOOLS = ["pytest>=8", "pytest-timeout>=2", "nbval>=0.11", "nbclient>=0.7", "playwright>=1.50", "hypothesis>=6"]
 # The browser tests' front end. ipywidgets 8's is JupyterLab 4 with jupyterlab_widgets 3, installed beside
 # the kernel as in the main virtualenv. ipywidgets 7's is jupyterlab_widgets 1, a JupyterLab 3 extension:

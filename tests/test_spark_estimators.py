@@ -97,6 +97,7 @@ def _linear_estimator(**params):
     return TorchEstimator(**{**defaults, **params})
 
 
+@pytest.mark.profile
 def test_fit_trains_on_every_rank_and_transform_predicts_in_batches(tmp_path):
     """On a classic session; the pipeline test below runs fit and transform on Spark Connect too."""
     from pyspark.sql import functions as F
@@ -132,6 +133,7 @@ def test_a_fit_with_the_run_id_of_a_finished_one_resumes_from_its_checkpoint(tmp
     assert len(again.getHistory()["loss"]) == 5
 
 
+@pytest.mark.profile
 def test_without_horovod_a_fit_trains_on_torch_distributed_and_says_so(monkeypatch):
     """A runtime without a horovod build: the kernel finds none, and the ranks train with DDP over gloo."""
     from hvdmagic.spark.common import estimator
@@ -176,6 +178,7 @@ def _pipeline(**params):
     return Pipeline(stages=[assemble, scale, _linear_estimator(**params)])
 
 
+@pytest.mark.profile
 def test_a_pipeline_fits_evaluates_saves_and_loads(spark_kind, tmp_path):
     from pyspark.ml import PipelineModel
     from pyspark.ml.evaluation import RegressionEvaluator
@@ -244,6 +247,7 @@ def _fails_before_any_rank(estimator, df, match: str) -> None:
     assert record is runs or not record.ranks or all(not rank.logs for rank in record.ranks), "a rank started"
 
 
+@pytest.mark.profile
 def test_bad_input_fails_in_one_paragraph_naming_the_column_or_param():
     import torch
     from pyspark.sql import functions as F

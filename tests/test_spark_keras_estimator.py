@@ -29,6 +29,7 @@ def _linear_estimator(keras, **params):
     return KerasEstimator(**{**defaults, **params})
 
 
+@pytest.mark.profile
 @pytest.mark.timeout(600)  # three fits, and transforms that import TensorFlow in the executors' Python workers
 def test_a_keras_2_model_fits_resumes_transforms_saves_and_loads(tmp_path):
     """tf_keras (Keras 2): fit with validation and a store, a resumed fit, transform, and persistence."""
@@ -67,6 +68,7 @@ def test_a_keras_2_model_fits_resumes_transforms_saves_and_loads(tmp_path):
     assert np.allclose(before, after), (before[:5], after[:5])
 
 
+@pytest.mark.profile
 def test_bad_keras_input_fails_in_one_paragraph_before_any_rank_starts():
     import keras
     import tf_keras
@@ -111,6 +113,7 @@ def test_horovods_keras_spark_mnist_example_runs_with_only_its_import_changed(tm
     assert logs, "the TensorBoard callback wrote nothing into the store's logs of the run"
 
 
+@pytest.mark.profile
 @pytest.mark.timeout(600)  # the transforms import TensorFlow in the Connect server's Python workers
 @pytest.mark.parametrize("spark_kind", ["connect"], indirect=True)
 def test_a_keras_3_pipeline_fits_transforms_saves_and_loads_on_spark_connect(spark_kind, tmp_path):

@@ -10,10 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-import lightning.pytorch as lightning
 import numpy as np
 import pytest
-import pytorch_lightning
 import torch
 import torch.nn.functional as F
 from digits_mnist import write_libsvm
@@ -24,6 +22,9 @@ from hvdmagic.spark.common.store import Store
 from hvdmagic.spark.lightning import TorchEstimator, TorchModel
 
 HERE = Path(__file__).parent
+# A runtime profile without Lightning (Databricks ships none) skips this module, visibly.
+lightning = pytest.importorskip("lightning.pytorch", reason="Lightning is not installed")
+pytorch_lightning = pytest.importorskip("pytorch_lightning", reason="PyTorch Lightning 1.x's package is not installed")
 
 
 def _regression(spark, rows: int = 256, seed: int = 0):
@@ -85,6 +86,7 @@ def test_horovods_lightning_params_reach_the_trainer_arguments_and_the_estimator
     assert torch.equal(loaded.getModel().linear.weight, estimator.getModel().linear.weight)
 
 
+@pytest.mark.profile
 def test_a_lightning_module_trains_resumes_from_its_run_id_and_its_model_transforms_saves_and_loads(tmp_path):
     from pyspark.sql import types as T
 

@@ -59,6 +59,7 @@ def _reported_tasks(host: str) -> set[str]:
     return {name for cell in transform_progress.server_at(host).cells.values() for name in cell.tasks}
 
 
+@pytest.mark.profile
 @pytest.mark.parametrize("spark_kind", ["connect"], indirect=True)  # where a UDF's bytes go with every task
 def test_a_large_model_reaches_each_host_once_and_every_task_reports_its_rows(spark_kind):
     """Four tasks on one host: the model's 2 MiB come from the kernel once, and a second action and a
@@ -143,6 +144,7 @@ while sum(len(cell.tasks) for cell in server.cells.values()) < 2:
 """
 
 
+@pytest.mark.profile
 def test_the_progress_line_shows_in_the_cell_that_ran_the_action_and_ends_with_the_totals(kernel):
     """The tasks start in one cell and end while the next runs: the line appears once they have run 2 s,
     in the first cell's output, is updated in place there, and its last update gives the totals."""

@@ -94,6 +94,7 @@ trainer.train().training_loss
 """
 
 
+@pytest.mark.profile
 def test_hugging_face_trainer_drives_the_rows_and_its_logs_are_metrics_with_no_callback(ip):
     pytest.importorskip("transformers", reason="the README's set-up installs transformers")
     result, error = run(ip, HF_CELL)
@@ -171,6 +172,7 @@ notebook_launcher(training_function, num_processes=1, num_nodes=2)
 """
 
 
+@pytest.mark.profile
 def test_an_accelerate_loop_through_notebook_launcher_runs_in_the_ranks_and_logs_metrics(ip):
     pytest.importorskip("accelerate", reason="the README's set-up installs accelerate")
     result, error = run(ip, ACCELERATE_CELL)
@@ -187,6 +189,7 @@ def test_an_accelerate_loop_through_notebook_launcher_runs_in_the_ranks_and_logs
         assert loss["loss"].iloc[-1] < loss["loss"].iloc[0], f"the loss should fall: {list(loss['loss'])}"
 
 
+@pytest.mark.profile
 def test_notebook_launcher_asking_for_other_processes_than_the_cells_fails_in_one_paragraph(ip):
     pytest.importorskip("accelerate", reason="the README's set-up installs accelerate")
     _, error = run(ip, "%%torchrun --np -2\nfrom accelerate import notebook_launcher\n"
@@ -254,6 +257,7 @@ def test_fsdp2_trains_sharded_and_a_later_cell_loads_its_distributed_checkpoint(
     assert loaded < 0.5, f"the loaded weights should predict as the trained ones did, not from scratch: {loaded}"
 
 
+@pytest.mark.profile
 def test_notebook_launcher_in_a_horovod_cell_says_to_use_torchrun(ip):
     pytest.importorskip("accelerate", reason="the README's set-up installs accelerate")
     _, error = run(ip, "%%horovod --np -2\nfrom accelerate import notebook_launcher\nnotebook_launcher(print)")
