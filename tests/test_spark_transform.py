@@ -117,6 +117,30 @@ def test_a_model_let_go_by_the_kernel_fails_in_one_paragraph_that_says_to_transf
         batch_inference._model_bytes(first)
 
 
+@pytest.mark.unit
+def test_outside_a_kernel_the_progress_server_keeps_a_bounded_number_of_ended_tasks(monkeypatch):
+    """A script's transforms all report to the one cell "" that is never shown: its oldest ended tasks go,
+    and a running one stays."""
+    from hvdmagic.task import transform_reports
+
+    names = iter(f"0.{partition}.0" for partition in range(100))  # as Spark names a stage's tasks
+    monkeypatch.setattr(transform_reports, "_task_name", lambda: next(names))
+    monkeypatch.setattr(transform_progress, "KEPT_UNSHOWN", 3)
+    server = transform_progress.ProgressServer("127.0.0.1")
+    running = transform_reports.TaskReport(server.report_to)
+    for _ in range(5):
+        report = transform_reports.TaskReport(server.report_to)
+        report.add(10)
+        report.end(failed=False)
+    # One link from this process, so the reports arrive in order: the last task's end is the last.
+    wait_until(lambda: "" in server.cells and list(server.cells[""].tasks.values())[-1:] == [(10, "done")], 30,
+               lambda: f"the server has {server.cells}")
+    tasks = {task: state for (_, task), (_, state) in server.cells[""].tasks.items()}
+    assert tasks == {"0.0.0": "running", "0.4.0": "done", "0.5.0": "done"}, tasks
+    assert sorted(task for _, task in server._task_cell) == sorted(tasks), server._task_cell
+    running.end(failed=False)
+
+
 # -- the progress line in a real kernel -------------------------------------------------------------------------
 # Two tasks as executors' workers run them (task.transform_reports), started in the cell; the cell waits until
 # their first reports have reached the kernel's progress server, as an action's cell would be running then.

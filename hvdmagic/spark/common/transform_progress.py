@@ -29,6 +29,9 @@ from hvdmagic.task.transform_reports import ReportTo
 
 SHOW_AFTER = 2.0
 REFRESH = 0.5
+# Outside a Jupyter kernel every task belongs to the one cell "", which is never shown and never ends
+# for good: the most of its ended tasks kept, so that a long-running script does not keep them all.
+KEPT_UNSHOWN = 10_000
 
 
 @dataclass
@@ -115,6 +118,15 @@ class ProgressServer:
                 self.cells[cell_id] = CellProgress(parent, time.monotonic())
             self._forget_ended(keep=cell_id)
         self.cells[cell_id].note(key, rows, state)
+        if not cell_id:
+            self._trim_unshown(self.cells[cell_id])
+
+    def _trim_unshown(self, cell: CellProgress) -> None:
+        excess = len(cell.tasks) - KEPT_UNSHOWN
+        if excess > 0:
+            for key in [key for key, (_, state) in cell.tasks.items() if state != "running"][:excess]:
+                del cell.tasks[key]
+                self._task_cell.pop(key, None)
 
     def _forget_ended(self, keep: str) -> None:
         for cell_id in [c for c, cell in self.cells.items() if c != keep and cell.ended is not None]:
