@@ -11,7 +11,7 @@ with the totals once no task of the cell runs. It is a display updated in place 
 HTML, not a widget), so every front end and a saved notebook show it.
 
 A task belongs to the cell that was running when the task started. Its line goes to that
-cell's output, whichever request the kernel handles meanwhile (``set_thread_parent``).
+cell's output, whichever request the kernel handles meanwhile (``_addressed_to``).
 """
 
 from __future__ import annotations
@@ -167,9 +167,7 @@ def _display(cell: CellProgress, line: str) -> None:
     if shell is None:
         return
     data = {"text/plain": line, "text/html": f'<div class="hvdmagic-transform"><code>{html.escape(line)}</code></div>'}
-    publisher = shell.display_pub
-    token = publisher.set_thread_parent(cell.parent) if hasattr(publisher, "set_thread_parent") else None
-    try:
+    with _addressed_to(shell.display_pub, cell.parent):
         if cell.handle is None:
             from IPython.display import display
 
@@ -177,10 +175,33 @@ def _display(cell: CellProgress, line: str) -> None:
         else:
             cell.handle.update(data, raw=True)
         cell.shown = line
-    finally:
-        if token is not None:
+
+
+@contextlib.contextmanager
+def _addressed_to(publisher, parent: dict):
+    """What this thread displays meanwhile goes to ``parent``'s cell, not to the cell running now.
+    ipykernel 7 keeps a parent per thread (``set_thread_parent``). An older one (Databricks' and
+    Colab's ipykernel 6) keeps one per publisher, but runs the publishing thread's own hooks on each
+    message before it is sent, so a hook of this thread's re-addresses it."""
+    if hasattr(publisher, "set_thread_parent"):
+        token = publisher.set_thread_parent(parent)
+        try:
+            yield
+        finally:
             with contextlib.suppress(ValueError):
                 publisher.reset_thread_parent(token)
+        return
+    header = dict(parent.get("header", {}))
+
+    def readdress(msg: dict) -> dict:
+        msg["parent_header"] = header
+        return msg
+
+    publisher.register_hook(readdress)
+    try:
+        yield
+    finally:
+        publisher.unregister_hook(readdress)
 
 
 _servers: dict[str, ProgressServer] = {}
