@@ -14,10 +14,12 @@ import time
 from pathlib import Path
 
 import pytest
+from procs import rank_processes
 
 import hvdmagic
 from hvdmagic import rank_ranges
 from hvdmagic.protocol import Stage
+from hvdmagic.rank.template import TEMPLATE_NAME
 from hvdmagic.task import rank_template
 
 DEADLINE = 30.0
@@ -132,6 +134,19 @@ def test_a_thread_started_in_the_template_forces_a_spawn(tmp_path, monkeypatch):
     notes = [n for n in hvdmagic.last_run().notes if "spawned, not forked" in n]
     assert len(notes) == 1 and "the template runs 1 thread(s) besides the libraries' own pools" in notes[0], notes
     assert notes[0].startswith("hvdmagic: ranks 0, 1 on "), notes  # one note, naming both
+
+
+def test_an_import_that_renames_the_process_leaves_the_template_named_as_one(tmp_path, monkeypatch):
+    """torch 2.3's import names the main thread, and with it the process, pt_main_thread: the template
+    names itself again after its imports, so that ps, top and the leftover checks tell it from a rank."""
+    _module(tmp_path, monkeypatch, "renames_the_process", """
+        import ctypes
+        ctypes.CDLL(None).prctl(15, ctypes.c_char_p(b"pt_main_thread"), 0, 0, 0)  # PR_SET_NAME, as torch 2.3 does
+    """)
+    results = hvdmagic.run(where_am_i, np=-2)
+    assert all(r["template"] for r in results), results
+    assert Path(f"/proc/{results[0]['parent']}/comm").read_text().strip() == TEMPLATE_NAME
+    assert rank_processes() == []
 
 
 def test_a_module_changed_on_disk_forces_a_spawn_and_then_a_new_template(tmp_path, monkeypatch):

@@ -179,6 +179,7 @@ def serve(orders: Orders) -> RankOrders | None:
     """The template's life: returns in a forked child (what it must become), or None once the template ends."""
     template = Template(orders)
     template.load()
+    _name(TEMPLATE_NAME.encode())  # again: importing torch 2.3 names the main thread (so the process) pt_main_thread
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     Path(orders.socket).unlink(missing_ok=True)
     listener.bind(orders.socket)

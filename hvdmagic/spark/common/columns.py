@@ -7,6 +7,7 @@ naming the column, before any rank starts, instead of costing a pass of its own 
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from pyspark.sql import functions as F
@@ -16,6 +17,11 @@ from hvdmagic.rank.estimator_data import VALIDATION_COLUMN
 
 _NUMERIC = (T.ByteType, T.ShortType, T.IntegerType, T.LongType, T.FloatType, T.DoubleType, T.DecimalType,
             T.BooleanType)
+
+
+_NULL = "has a null value; drop or fill those rows (df.na.drop(subset=[...]))"
+# The null's message, found in the error of the job that met it.
+_RAISED_NULL = re.compile(r"hvdmagic: (\w[\w ]* column \S+ " + re.escape(_NULL) + ")")
 
 
 class ColumnError(ValueError):
@@ -50,7 +56,7 @@ def as_arrow_friendly(df, name: str, column_kind: str, role: str):
         column = vector_to_array(column, "float32")
     elif column_kind == "scalar" and isinstance(df.schema[name].dataType, (T.DecimalType, T.BooleanType)):
         column = column.cast("double")
-    message = f"hvdmagic: {role} column {name} has a null value; drop or fill those rows (df.na.drop(subset=[...]))"
+    message = f"hvdmagic: {role} column {name} {_NULL}"
     return F.when(F.col(name).isNull(), F.raise_error(F.lit(message))).otherwise(column).alias(name)
 
 
@@ -91,7 +97,15 @@ def first_rows_summary(prepared: Prepared, rows: int):
     aggregates = [F.count(F.lit(1)).alias("rows")]
     for i, name in enumerate(arrays):
         aggregates += [F.min(F.size(name)).alias(f"min{i}"), F.max(F.size(name)).alias(f"max{i}")]
-    row = head.agg(*aggregates).first()
+    try:
+        row = head.agg(*aggregates).first()
+    except Exception as exc:
+        # A null this job met (``as_arrow_friendly``'s raise_error). Spark 4 gives the message alone;
+        # Spark 3.5's classic session wraps it in a Java stack.
+        raised = _RAISED_NULL.search(str(exc))
+        if raised is None:
+            raise
+        raise ColumnError(raised.group(1)) from None
     return row["rows"], {name: (row[f"min{i}"], row[f"max{i}"]) for i, name in enumerate(arrays)}
 
 
