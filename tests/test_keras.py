@@ -6,6 +6,7 @@ scikit-learn's digits (8x8 images, shipped with the package) instead of a downlo
 
 from __future__ import annotations
 
+import importlib.util
 import re
 
 import pytest
@@ -15,7 +16,10 @@ from procs import rank_processes
 import hvdmagic
 from hvdmagic.errors import JobFailed
 
-pytest.importorskip("tensorflow", reason="the README's set-up installs TensorFlow (HVDMAGIC_TENSORFLOW=none skips)")
+# Not importorskip: importing TensorFlow while the tests are collected loads its LLVM before triton's,
+# which a later import of torch._dynamo (Lightning's, with a CUDA torch) then aborts the process on.
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("tensorflow") is None,
+                                reason="the README's set-up installs TensorFlow (HVDMAGIC_TENSORFLOW=none skips)")
 
 
 def get_dataset(num_classes, rank=0, size=1):
