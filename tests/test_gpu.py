@@ -1,5 +1,6 @@
-"""What only a GPU shows: NCCL under Horovod and torch.distributed, pinning, CUDA touched in the kernel
-before a cell, NVML's figures on a rank's row, and torch's NCCL flight recorder.
+"""What only a GPU shows: NCCL under Horovod and torch.distributed, today's trainers in bf16 (the Hugging
+Face Trainer, DeepSpeed ZeRO 2, FSDP2), pinning, CUDA touched in the kernel before a cell, NVML's figures
+on a rank's row, and torch's NCCL flight recorder.
 
 The tier ``gpu`` runs where an NVIDIA GPU and a CUDA torch are (tests/conftest.py leaves it out
 elsewhere and says so); scripts/gpu_check.sh builds horovod's NCCL operations first and runs it. The
@@ -134,6 +135,125 @@ dict(backend=dist.get_backend(), first=losses[0], last=sum(losses[-5:]) / 5, red
     assert result["backend"] == "nccl", result
     assert result["reduced"] == [float(result["world"])] * 2, result
     assert result["last"] < result["first"] / 4, f"the loss did not fall: {result}"
+
+
+# -- Today's trainers on the GPU, unchanged in a %%torchrun cell (tests/test_trainers.py runs them on CPUs) ------
+HF_BF16 = """%%torchrun --np -1
+import tempfile, torch
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+
+torch.manual_seed(0)
+config = GPT2Config(vocab_size=64, n_positions=32, n_embd=64, n_layer=2, n_head=2, bos_token_id=0, eos_token_id=0)
+model = GPT2LMHeadModel(config)  # built from a config: nothing downloaded
+ids = (torch.randint(0, 64, (512, 1)) + torch.arange(32)) % 64  # sequences that count up: learnable
+
+class Rows(torch.utils.data.Dataset):
+    def __len__(self):
+        return len(ids)
+
+    def __getitem__(self, i):
+        return {"input_ids": ids[i], "labels": ids[i]}
+
+logits = set()  # the dtypes the head computed in: bf16 under the Trainer's autocast
+model.lm_head.register_forward_hook(lambda module, args, out: logits.add(str(out.dtype)))
+args = TrainingArguments(output_dir=tempfile.mkdtemp(), per_device_train_batch_size=32, num_train_epochs=4,
+                         learning_rate=5e-3, logging_steps=4, bf16=True, save_strategy="no", report_to=[], seed=0)
+trainer = Trainer(model=model, args=args, train_dataset=Rows())
+trainer.train()
+dict(device=str(next(model.parameters()).device), mixed=str(trainer.accelerator.mixed_precision),
+     logits=sorted(logits), steps=trainer.state.global_step)
+"""
+
+
+def test_hugging_face_trainer_trains_in_bf16_on_the_gpu_and_its_logs_reach_the_dashboard(ip):
+    pytest.importorskip("transformers", reason="the Hugging Face Trainer")
+    result, error = run(ip, HF_BF16)
+    assert error is None, error
+    print("HF Trainer bf16:", result)
+    assert result["device"] == "cuda:0" and result["mixed"] == "bf16", result
+    assert result["logits"] == ["torch.bfloat16"], f"the head should compute in bf16 under autocast: {result}"
+    steps = 512 // 32 * 4
+    rank = hvdmagic.last_run().ranks[0]
+    bars = {desc: (bar.step, bar.total) for desc, bar in rank.bars.items()}
+    assert bars.get("step") == (steps, steps) and bars.get("epoch") == (4, 4), f"the Trainer's bars: {bars}"
+    loss = hvdmagic.last_run().metrics["loss"].dropna()
+    assert len(loss) == steps // 4, f"a loss every 4 steps: {list(loss)}"
+    assert loss.iloc[-1] < loss.iloc[0] / 2, f"the loss should fall: {list(loss)}"
+
+
+DEEPSPEED_ZERO2 = """%%torchrun --np -1
+import torch, deepspeed
+
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(8, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
+config = {"train_micro_batch_size_per_gpu": 32, "gradient_accumulation_steps": 1, "steps_per_print": 1000,
+          "zero_optimization": {"stage": 2}, "bf16": {"enabled": True}, "zero_allow_untested_optimizer": True}
+# torch's AdamW: DeepSpeed's own Adam would compile a CUDA op first, which is not what this checks.
+engine, _, _, _ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2),
+                                       config=config)
+x = torch.randn(1920, 8, device=engine.device)
+y = x.sum(dim=1, keepdim=True)
+losses = []
+for step in range(60):
+    rows = slice(step * 32, step * 32 + 32)
+    loss = torch.nn.functional.mse_loss(engine(x[rows].bfloat16()).float(), y[rows])
+    engine.backward(loss)
+    engine.step()
+    losses.append(loss.item())
+dict(stage=engine.zero_optimization_stage(), world=engine.world_size, device=str(engine.device),
+     dtype=str(next(engine.module.parameters()).dtype), optimizer=type(engine.optimizer).__name__,
+     first=losses[0], last=sum(losses[-5:]) / 5)
+"""
+
+
+@pytest.mark.timeout(600)  # DeepSpeed's import and its first initialize take a while
+def test_deepspeed_zero_2_trains_in_bf16_on_the_gpu_as_written(ip):
+    pytest.importorskip("deepspeed", reason="scripts/gpu_check.sh installs DeepSpeed")
+    result, error = run(ip, DEEPSPEED_ZERO2)
+    assert error is None, error
+    print("DeepSpeed ZeRO-2:", result)
+    assert (result["stage"], result["world"], result["device"]) == (2, 1, "cuda:0"), result
+    assert result["dtype"] == "torch.bfloat16", f"bf16 enabled: the module's weights are bf16: {result}"
+    assert result["last"] < result["first"] / 4, f"the loss should fall: {result}"
+
+
+FSDP2_NCCL = """%%torchrun --np -1
+import os, torch, torch.distributed as dist
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+dist.init_process_group("nccl")
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(8, 256), torch.nn.ReLU(), torch.nn.Linear(256, 1)).cuda()
+policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+for layer in (model[0], model[2]):
+    fully_shard(layer, mp_policy=policy)
+fully_shard(model, mp_policy=policy)
+outputs = set()
+model.register_forward_hook(lambda module, args, out: outputs.add(str(out.dtype)))
+optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+losses = []
+for step in range(80):
+    x = torch.rand(64, 8, device="cuda")
+    loss = torch.nn.functional.mse_loss(model(x).float(), x.sum(dim=1, keepdim=True))
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    losses.append(loss.item())
+weight = model[0].weight
+dict(kind=type(weight).__name__, device=weight.to_local().device.type, stored=str(weight.dtype),
+     backend=dist.get_backend(), outputs=sorted(outputs), first=losses[0], last=sum(losses[-5:]) / 5)
+"""
+
+
+def test_fsdp2_trains_with_nccl_and_bf16_compute_on_the_gpu(ip):
+    result, error = run(ip, FSDP2_NCCL)
+    assert error is None, error
+    print("FSDP2:", result)
+    assert (result["kind"], result["device"], result["backend"]) == ("DTensor", "cuda", "nccl"), result
+    assert result["stored"] == "torch.float32" and result["outputs"] == ["torch.bfloat16"], \
+        f"fp32 shards, bf16 compute (MixedPrecisionPolicy): {result}"
+    assert result["last"] < result["first"] / 4, f"the loss should fall: {result}"
 
 
 def _driver_gpu_indices() -> list[str]:
