@@ -20,8 +20,9 @@
 #   GPU_CHECK_STEPS          the steps to run (default "build tier trainers resnet two_ranks"): a machine
 #                            lent for minutes runs some in one call and the rest in the next
 #   GPU_CHECK_K              a pytest -k expression choosing the tier's tests, e.g. 'not watchdog'
-#   GPU_CHECK_WHEELS         a folder of wheels (and DeepSpeed's sdist) installed first, without an index and
-#                            without their dependencies: what a machine with no registry lacks (docs/gpu-run.md)
+#   GPU_CHECK_WHEELS         a folder made by scripts/gpu_wheels.sh, for a machine with no package index: its
+#                            wheels and DeepSpeed's sdist are installed first (no index, no dependencies), and the
+#                            build takes horovod's sdist from its src/ (docs/gpu-run.md)
 set -uo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -71,7 +72,7 @@ fence "$out/machine.txt"; rm -f "$out/machine.txt"
 
 if [[ -n "${GPU_CHECK_WHEELS:-}" ]]; then
   say ""
-  say "Installed from $(basename "$GPU_CHECK_WHEELS")/, without an index: $(ls "$GPU_CHECK_WHEELS" | sed 's/-[0-9].*//' | sort -u | tr '\n' ' ')"
+  say "Installed from $(basename "$GPU_CHECK_WHEELS")/, without an index: $(cd "$GPU_CHECK_WHEELS" && ls -- *.whl *.tar.gz | sed 's/-[0-9].*//' | sort -u | tr '\n' ' ')"
   "$python" -m pip install -q --no-index --no-deps --no-compile "$GPU_CHECK_WHEELS"/*.whl >"$out/wheels.log" 2>&1 \
     || say "**Installing the wheels failed**: see wheels.log."
   for sdist in "$GPU_CHECK_WHEELS"/*.tar.gz; do  # DeepSpeed ships no wheel: its ops are compiled when used
@@ -79,6 +80,7 @@ if [[ -n "${GPU_CHECK_WHEELS:-}" ]]; then
     DS_BUILD_OPS=0 "$python" -m pip install -q --no-index --no-deps --no-build-isolation "$sdist" >>"$out/wheels.log" 2>&1 \
       || say "**Installing $(basename "$sdist") failed**: see wheels.log."
   done
+  export PIP_NO_INDEX=1 PIP_FIND_LINKS="$(cd "$GPU_CHECK_WHEELS/src" && pwd)"  # the build's `pip download horovod`
 fi
 
 if wanted build; then
