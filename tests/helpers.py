@@ -198,18 +198,20 @@ class StandaloneCluster:
     "0","1"; worker 1: "2","3" with two each), so the GPU-pinning path runs on machines without
     GPUs. ``worker_hosts``: (address, network namespace) per worker, each then inside its own
     namespace (see netns.py), as if on its own host; by default all on ``host``. ``worker_env``:
-    more environment per worker (its executors and their Python workers inherit it).
+    more environment per worker (its executors and their Python workers inherit it). ``discovery``: a
+    real discovery script for every worker's ``gpus`` GPUs instead (scripts/gpu_discovery.sh).
     """
 
     def __init__(self, workdir: Path, workers: int = 2, cores: int = 2, gpus: int = 2, host: str = "127.0.0.1",
                  worker_hosts: list[tuple[str, str | None]] | None = None,
-                 worker_env: list[dict[str, str]] | None = None):
+                 worker_env: list[dict[str, str]] | None = None, discovery: Path | None = None):
         import pyspark
 
         self.spark_home = Path(pyspark.__file__).parent
         self.workdir = workdir
         self.cores = cores
         self.gpus = gpus
+        self.discovery = discovery
         self.host = host
         self.worker_hosts = worker_hosts or [(host, None)] * workers
         self.workers = len(self.worker_hosts)
@@ -263,10 +265,11 @@ class StandaloneCluster:
         worker_host, netns = self.worker_hosts[i]
         opts = ""
         if self.gpus:
-            script = self.workdir / f"gpus{i}.sh"
-            addresses = json.dumps([str(self.gpus * i + g) for g in range(self.gpus)])
-            script.write_text(f"#!/bin/sh\necho '{{\"name\": \"gpu\", \"addresses\": {addresses}}}'\n")
-            script.chmod(0o755)
+            script = self.discovery or self.workdir / f"gpus{i}.sh"
+            if self.discovery is None:
+                addresses = json.dumps([str(self.gpus * i + g) for g in range(self.gpus)])
+                script.write_text(f"#!/bin/sh\necho '{{\"name\": \"gpu\", \"addresses\": {addresses}}}'\n")
+                script.chmod(0o755)
             opts = (f"-Dspark.worker.resource.gpu.amount={self.gpus} "
                     f"-Dspark.worker.resource.gpu.discoveryScript={script}")
         (self.workdir / f"worker{i}").mkdir()
@@ -320,7 +323,8 @@ def spark_cluster(workdir: Path, *, workers: int = 2, cores: int = 2, gpus: int 
                   start: int | None = None, host: str = "127.0.0.1",
                   worker_hosts: list[tuple[str, str | None]] | None = None, app: str = "hvdmagic-test",
                   conf: dict[str, str] | None = None, worker_env: list[dict[str, str]] | None = None,
-                  python: str = sys.executable) -> Iterator[tuple[StandaloneCluster, Any]]:
+                  python: str = sys.executable,
+                  discovery: Path | None = None) -> Iterator[tuple[StandaloneCluster, Any]]:
     """A standalone cluster and a SparkSession on it, as a user makes one: (cluster, session).
 
     The process's SparkContext (the embedded one, or an earlier cluster's) is stopped first: one
@@ -328,7 +332,7 @@ def spark_cluster(workdir: Path, *, workers: int = 2, cores: int = 2, gpus: int 
     StandaloneCluster); ``start``: how many of them start now (all by default; start_worker adds
     the others). Each executor takes a whole worker (its cores, 1 GiB); with ``task_gpus`` it takes
     the worker's GPUs too and each task ``task_gpus`` of them, else the session asks for none.
-    ``conf``: more settings for the session; ``worker_env``: see StandaloneCluster. The executors run
+    ``conf``: more settings for the session; ``worker_env``, ``discovery``: see StandaloneCluster. The executors run
     ``python``, this Python by default (PYSPARK_PYTHON, restored afterwards). On the way out the
     session is stopped and the cluster with it.
     """
@@ -336,7 +340,8 @@ def spark_cluster(workdir: Path, *, workers: int = 2, cores: int = 2, gpus: int 
 
     stop_active_session()
     cluster = StandaloneCluster(workdir, workers=workers, cores=cores, gpus=gpus, host=host,
-                                worker_hosts=worker_hosts, worker_env=worker_env).start(workers=start)
+                                worker_hosts=worker_hosts, worker_env=worker_env,
+                                discovery=discovery).start(workers=start)
     try:
         with pytest.MonkeyPatch.context() as env:
             env.setenv("PYSPARK_PYTHON", python)  # the executors' Python: this venv, with hvdmagic, by default

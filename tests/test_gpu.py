@@ -12,14 +12,17 @@ docs/frameworks.md says where the tier last ran and what it gave.
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import shutil
 import subprocess
+from pathlib import Path
 
 import pytest
 from conftest import run
 
 import hvdmagic
-from hvdmagic.errors import JobFailed, JobTimeout
+from hvdmagic.errors import JobFailed, JobTimeout, LaunchError
 
 pytestmark = pytest.mark.gpu
 
@@ -394,3 +397,124 @@ def test_hvdmagic_timeout_asks_torch_for_its_flight_record_before_stopping_the_r
     assert "flight recorder: each rank's last collectives" in text, text
     last = hvdmagic.last_run().flight_records[0]["entries"][-1]
     assert last["op"] == "nccl:all_reduce" and last["state"] != "completed", last
+
+
+# -- Spark's own GPU scheduling: a standalone worker that finds its GPUs with nvidia-smi -----------------
+# HorovodRunner's users get their GPU from the task's resources. These run where Java and pyspark are beside
+# the GPU; the last GPU machine had neither, and its calls could not carry them (docs/gpu-run.md).
+@pytest.fixture(scope="module")
+def gpu_cluster(shell, tmp_path_factory):
+    """A master and one worker on 127.0.0.1 whose GPUs come from scripts/gpu_discovery.sh; the executor takes
+    them all and each task one (spark.task.resource.gpu.amount=1): one slot a GPU."""
+    if shutil.which("java") is None or importlib.util.find_spec("pyspark") is None:
+        pytest.skip("Spark's GPU scheduling needs Java and pyspark on the GPU machine (docs/gpu-run.md)")
+    from helpers import spark_cluster
+
+    with spark_cluster(tmp_path_factory.mktemp("gpu-cluster"), workers=1, cores=len(_driver_gpu_indices()) + 1,
+                       gpus=len(_driver_gpu_indices()), task_gpus=1, app="hvdmagic-gpu-test",
+                       discovery=Path(__file__).resolve().parent.parent / "scripts" / "gpu_discovery.sh"):
+        yield shell
+
+
+SPARK_GPU_CELLS = {
+    "horovod": """%%horovod --np 1
+import os, torch, horovod.torch as hvd
+hvd.init()
+torch.cuda.set_device(hvd.local_rank())
+total = hvd.allreduce(torch.ones(2, device="cuda"), op=hvd.Sum, name="ones")
+(os.environ["CUDA_VISIBLE_DEVICES"], os.environ["HVDMAGIC_TASK_GPUS"], torch.cuda.device_count(), str(total.device),
+ bool(hvd.nccl_built()))
+""",
+    "torchrun": """%%torchrun --np 1
+import os, torch, torch.distributed as dist
+torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+dist.init_process_group("nccl")
+total = torch.ones(2, device="cuda")
+dist.all_reduce(total)
+(os.environ["CUDA_VISIBLE_DEVICES"], os.environ["HVDMAGIC_TASK_GPUS"], torch.cuda.device_count(), str(total.device),
+ dist.get_backend() == "nccl")
+""",
+}
+
+
+@pytest.mark.parametrize("magic", sorted(SPARK_GPU_CELLS))
+def test_a_cell_on_spark_gets_its_tasks_gpu_and_runs_nccl_on_it(gpu_cluster, magic):
+    result, error = run(gpu_cluster, SPARK_GPU_CELLS[magic])
+    assert error is None, error
+    print(f"%%{magic} --np 1 on Spark's GPU:", result)
+    visible, task_gpus, count, device, nccl = result
+    assert visible == task_gpus == _driver_gpu_indices()[0], f"the task's GPU, from nvidia-smi through Spark: {result}"
+    assert (count, device, nccl) == (1, "cuda:0", True), result
+
+
+def test_the_torch_distributor_on_spark_trains_on_the_tasks_gpu_and_its_row_shows_it(gpu_cluster):
+    flops = hvdmagic.TorchDistributor(num_processes=1, local_mode=False, use_gpu=True).run(_busy_gpu, 5.0)
+    assert flops > 0
+    record = hvdmagic.last_run()
+    assert record.mode != "local", record.mode
+    gpus = record.ranks[0].gpus
+    print("NVML sample of the distributor's rank on Spark:", gpus)
+    assert len(gpus) == 1 and gpus[0]["index"] == _driver_gpu_indices()[0] and gpus[0]["util"] > 0, gpus
+
+
+def test_a_warm_session_on_spark_keeps_its_gpu_between_cells(gpu_cluster):
+    try:
+        assert gpu_cluster.run_cell("%horovod start --np 1").error_in_exec is None
+        first, error = run(gpu_cluster, """%%horovod
+import os, torch, horovod.torch as hvd
+hvd.init()
+torch.cuda.set_device(hvd.local_rank())
+kept = torch.full((4,), 2.0, device="cuda")
+(os.getpid(), os.environ["CUDA_VISIBLE_DEVICES"])
+""")
+        assert error is None, error
+        second, error = run(gpu_cluster, "%%horovod\n(os.getpid(), hvd.allreduce(kept, op=hvd.Sum).sum().item())")
+        assert error is None, error
+    finally:
+        gpu_cluster.run_cell("%horovod stop")
+    assert first[1] == _driver_gpu_indices()[0], first
+    assert second == (first[0], 8.0), f"the same warm rank, its CUDA tensor kept: {first} then {second}"
+
+
+def test_asking_for_more_gpus_than_the_cluster_has_gets_the_slot_paragraph_at_once(gpu_cluster):
+    many = len(_driver_gpu_indices()) + 1
+    _, error = run(gpu_cluster, f"%%horovod --np {many}\n1")
+    assert isinstance(error, LaunchError), error
+    assert f"--np {many} needs {many} barrier task slots at once, but this Spark cluster offers {many - 1}" \
+        in str(error), error
+
+
+ESTIMATOR_ON_GPU = """
+import torch
+from pyspark.ml.feature import VectorAssembler
+from pyspark.sql import SparkSession
+from hvdmagic.spark.common.store import Store
+from hvdmagic.spark.torch import TorchEstimator
+
+class DeviceMarked(torch.nn.Linear):
+    # Predicts as a Linear does, plus 1000 when it predicts on a GPU: transform's device shows in its output.
+    def forward(self, x):
+        out = super().forward(x)
+        return out if self.training else out + 1000.0 * x.is_cuda
+
+torch.manual_seed(0)
+rows = [(a, b, 2 * a - 3 * b + 0.5) for a, b in torch.randn(512, 2).tolist()]
+frame = SparkSession.builder.getOrCreate().createDataFrame(rows, ["x0", "x1", "y"])
+frame = VectorAssembler(inputCols=["x0", "x1"], outputCol="features").transform(frame)
+model = DeviceMarked(2, 1)
+fitted = TorchEstimator(num_proc=1, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.05),
+                        loss=torch.nn.MSELoss(), feature_cols=["features"], label_cols=["y"], batch_size=16,
+                        epochs=8, verbose=0, store=Store.create(store_path)).fit(frame)
+shifts = fitted.transform(frame).selectExpr("min(y__output - y)", "max(y__output - y)").first()
+(fitted.fit_info["device"], fitted.getHistory()["loss"][-1], tuple(shifts))
+"""
+
+
+def test_the_torch_estimator_fits_and_transforms_on_the_tasks_gpu(gpu_cluster, tmp_path):
+    gpu_cluster.user_ns["store_path"] = str(tmp_path)
+    outcome = gpu_cluster.run_cell(ESTIMATOR_ON_GPU)
+    assert outcome.error_in_exec is None, outcome.error_in_exec
+    device, last_loss, (low, high) = outcome.result
+    print("TorchEstimator on Spark's GPU:", outcome.result)
+    assert device == "cuda:0" and last_loss < 0.05, outcome.result
+    assert 999.8 < low <= high < 1000.2, f"every prediction made on the GPU (+1000) and close: {outcome.result}"

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import re
 import shlex
 import socket
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -349,6 +351,19 @@ def _nvidia_smi_answering(lines: list[str], tmp_path, monkeypatch):
     monkeypatch.setenv("PATH", f"{tmp_path}:/usr/bin:/bin")
     monkeypatch.delenv("HOROVOD_BUILD_CUDA_CC_LIST", raising=False)
     return smi
+
+
+def test_the_gpu_discovery_script_gives_spark_the_gpus_nvidia_smi_lists(tmp_path, monkeypatch):
+    script = Path(__file__).resolve().parent.parent / "scripts" / "gpu_discovery.sh"
+    _nvidia_smi_answering(["0", "1"], tmp_path, monkeypatch)
+    said = subprocess.run(["sh", str(script)], capture_output=True, text=True, check=True).stdout
+    assert json.loads(said) == {"name": "gpu", "addresses": ["0", "1"]}, said
+    # nvidia-smi without its driver: no JSON, and an exit status that stops the worker (it was told it has GPUs).
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text("#!/bin/sh\necho 'NVIDIA-SMI has failed because it could not communicate with the driver' >&2\n"
+                   "exit 9\n")
+    failed = subprocess.run(["sh", str(script)], capture_output=True, text=True)
+    assert failed.returncode == 9 and "NVIDIA-SMI has failed" in failed.stderr and failed.stdout == "", failed
 
 
 def test_a_gpu_build_compiles_for_the_gpus_nvidia_smi_lists(tmp_path, monkeypatch):
