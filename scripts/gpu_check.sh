@@ -7,7 +7,9 @@
 #    Python's CUDA torch, for the GPU's own architecture, with as many jobs as cores, and installs it;
 # 2. runs the gpu tier (tests/test_gpu.py: NCCL under %%horovod and %%torchrun cells, a CNN trained both
 #    ways, the Hugging Face Trainer in bf16, DeepSpeed ZeRO 2 and FSDP2 with NCCL in cells, pinning, CUDA
-#    touched in the kernel first, two ranks on one GPU, NVML, the flight recorder);
+#    touched in the kernel first, two ranks on one GPU, NVML, the flight recorder; and, where Java and pyspark
+#    are on the machine, a standalone Spark worker that finds the GPU with scripts/gpu_discovery.sh, with
+#    cells, the TorchDistributor drop-in, a warm session, the slot check and the torch estimator on it);
 # 3. times the three trainers in a %%torchrun cell against torchrun (benchmarks/bench_gpu_trainers.py);
 # 4. times ResNet-50 through a %%horovod cell and through horovodrun (benchmarks/bench_gpu_synthetic.py);
 # 5. runs two ranks on the one GPU without hvdmagic (scripts/gpu_two_ranks.py): NCCL and Gloo as they are;
@@ -124,7 +126,7 @@ for case in ET.parse(sys.argv[1]).iter("testcase"):
     print(f"| {case.get('name')} | {'passed' if bad is None else bad.tag}{why.replace('|', '/')} | {float(case.get('time', 0)):.1f} |")
 PY
 cat "$out/tier.md" >>"$report"; rm -f "$out/tier.md"
-grep -E '^(timeline activities|horovod CNN|DDP CNN|HF Trainer bf16|DeepSpeed ZeRO-2|FSDP2|%%(horovod|torchrun) --np -1|note before launch|outcome|NVML sample)' \
+grep -E '^(timeline activities|horovod CNN|DDP CNN|HF Trainer bf16|DeepSpeed ZeRO-2|FSDP2|%%(horovod|torchrun) --np -?1|note before launch|outcome|NVML sample|TorchEstimator on)' \
   "$out/gpu-tier.log" | cut -c1-600 >"$out/tier-lines.txt"
 fence "$out/tier-lines.txt"; rm -f "$out/tier-lines.txt"
 fi
@@ -168,9 +170,9 @@ say ""
 say "## Not run here"
 say "- Steps left out of this call (GPU_CHECK_STEPS):$(for step in build tier trainers resnet two_ranks; do wanted $step || printf ' %s' $step; done)"
 say "- More than one GPU: NCCL between ranks, and pinning of several ranks (tests/test_magic_local.py checks that on a fake nvidia-smi)."
-say "- Spark on GPUs (executors with spark.task.resource.gpu.amount, the estimators' fit and transform) and TensorFlow, where the"
-say "  machine section above says java, pyspark or tensorflow: none (tests/test_cluster.py checks Spark's GPU path with a fake"
-say "  discovery script; docs/frameworks.md says what a machine needs for the rest)."
+say "- Spark on the GPU (the tier's gpu_cluster tests) where the machine section says java or pyspark: none; they are skipped"
+say "  (tests/test_cluster.py checks Spark's GPU path with a fake discovery script)."
+say "- TensorFlow and Keras on the GPU: no step runs them yet (docs/frameworks.md says what has run on a GPU)."
 say ""
 say "Whole run: ${SECONDS} s."
 echo "report: $report"
