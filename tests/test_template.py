@@ -136,6 +136,21 @@ def test_a_thread_started_in_the_template_forces_a_spawn(tmp_path, monkeypatch):
     assert notes[0].startswith("hvdmagic: ranks 0, 1 on "), notes  # one note, naming both
 
 
+def test_a_template_that_exits_as_it_starts_is_said_to_have_exited_and_the_ranks_spawn(tmp_path, monkeypatch):
+    """Not "did not start within 300 s": it ended at once, and its last words say why."""
+    _module(tmp_path, monkeypatch, "ends_the_template", """
+        import os, sys
+        if "--template" in sys.argv:
+            print("ends_the_template: giving up", file=sys.stderr, flush=True)
+            os._exit(3)
+    """)
+    results = hvdmagic.run(where_am_i, np=-2)
+    assert not any(r["template"] for r in results), results
+    notes = [n for n in hvdmagic.last_run().notes if "spawned, not forked" in n]
+    assert len(notes) == 1, notes
+    assert "the host's template exited with code 3 before it started: ends_the_template: giving up" in notes[0], notes
+
+
 def test_an_import_that_renames_the_process_leaves_the_template_named_as_one(tmp_path, monkeypatch):
     """torch 2.3's import names the main thread, and with it the process, pt_main_thread: the template
     names itself again after its imports, so that ps, top and the leftover checks tell it from a rank."""

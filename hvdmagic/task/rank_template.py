@@ -210,8 +210,12 @@ class HostTemplate:
         finally:
             proc.stdout.close()
         if not line.startswith(b"{"):
-            proc.kill()
-            raise Refused(f"the host's template did not start within {START_WAIT:.0f} s{_last_words(self.log)}")
+            try:  # its stdout closed before its line: it is exiting, and its code says more than a wait would
+                why = f"exited with code {proc.wait(timeout=2)} before it started"
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                why = f"did not start within {START_WAIT:.0f} s"
+            raise Refused(f"the host's template {why}{_last_words(self.log)}")
         # A module the template could not import fails in the rank too, with the rank's own traceback.
 
 
