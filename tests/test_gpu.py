@@ -1,12 +1,13 @@
 """What only a GPU shows: NCCL under Horovod and torch.distributed, today's trainers in bf16 (the Hugging
 Face Trainer, DeepSpeed ZeRO 2, FSDP2), pinning, CUDA touched in the kernel before a cell, NVML's figures
-on a rank's row, and torch's NCCL flight recorder.
+on a rank's row, torch's NCCL flight recorder, and Spark's own GPU scheduling.
 
 The tier ``gpu`` runs where an NVIDIA GPU and a CUDA torch are (tests/conftest.py leaves it out
 elsewhere and says so); scripts/gpu_check.sh builds horovod's NCCL operations first and runs it. The
-cells run in an IPython shell with hvdmagic loaded, in local mode (no Spark). A machine with one GPU
-runs one NCCL rank: NCCL refuses two ranks on one device (the last test says what happens), so the
-hang is made with a kernel that spins on the GPU, which the next collective waits behind.
+cells run in an IPython shell with hvdmagic loaded, in local mode, except the last section's, which
+run on a standalone Spark worker where Java and pyspark are beside the GPU. A machine with one GPU
+runs one NCCL rank: NCCL refuses two ranks on one device (a test says what happens), so the hang is
+made with a kernel that spins on the GPU, which the next collective waits behind.
 docs/frameworks.md says where the tier last ran and what it gave.
 """
 
