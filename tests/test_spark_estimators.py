@@ -157,7 +157,7 @@ def test_horovods_pytorch_spark_mnist_example_runs_with_only_its_import_changed(
     script = tmp_path / "pytorch_spark_mnist.py"
     script.write_text(changed)
     write_libsvm(tmp_path / "mnist.bz2")
-    done = subprocess.run([sys.executable, str(script), "--num-proc", "2", "--epochs", "4", "--batch-size", "64",
+    done = subprocess.run([sys.executable, str(script), "--num-proc", "2", "--epochs", "8", "--batch-size", "64",
                            "--work-dir", str(tmp_path / "work"), "--data-dir", str(tmp_path)],
                           capture_output=True, text=True, timeout=600, cwd=tmp_path,
                           # The script makes its own SparkSession: its executors run this Python, as a cluster's
