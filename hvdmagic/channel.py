@@ -6,6 +6,18 @@ so a frame cannot be forged without the per-job secret, nor replayed on another
 connection or out of order. Payloads are JSON: nothing read from the network is
 ever unpickled here. Pickled results travel base64-encoded inside an authenticated
 frame and are only unpickled by the driver after this check has passed.
+
+A task's connection is resumable (``task.kernel_link`` is its side, ``Peer`` the kernel's).
+Its first frame attaches it to a peer: a random name the task picks, plus how many of the
+kernel's frames it has received. The kernel answers with how many of the task's it has, and
+each side sends again what the other lacks, from a log of what it sent that the other's
+acknowledgements trim. A reconnection authenticates as a first connection does (a new nonce,
+the job's secret), so only the job's tasks can attach, and the counts mean nothing is acted
+on twice. Both sides beat every ``BEAT`` seconds and drop a connection silent for ``SILENT``.
+A connection the peer closed (a FIN) means its process ended or chose to: that is final. A
+reset, a timeout or silence is the network: the task reconnects for ``grace`` seconds, and
+the kernel keeps the peer's place as long. Connections that do not attach (the rsh agent of
+``--controller mpi``, the transform's progress) are plain, as before: their end is final.
 """
 
 from __future__ import annotations
@@ -19,9 +31,11 @@ import secrets
 import socket
 import struct
 import threading
+import time
+from collections import deque
 from typing import Any
 
-from hvdmagic.protocol import Event, bare
+from hvdmagic.protocol import Event, bare, contact, gone, link_frame
 
 MAX_FRAME = 512 * 1024 * 1024
 # Until a peer has sent one authenticated frame, it may not make us buffer more than this.
@@ -32,6 +46,12 @@ _HEADER = struct.Struct(">I")
 _TO_SERVER = b"S"
 _TO_CLIENT = b"C"
 
+# The resumable channel's own frames (protocol.link_frame) are never counted, never passed on.
+BEAT = 5.0  # seconds: a side that has sent nothing for this long sends an acknowledgement anyway
+SILENT = 15.0  # seconds without a byte from the other side: the connection is dead (a blackhole, a lost NAT entry)
+ACK_EVERY = 1.0  # seconds between acknowledgements while frames arrive
+DEFAULT_GRACE = 120.0  # seconds a lost connection may take to come back (TaskSpec.reconnect_grace)
+
 
 class ChannelError(ConnectionError):
     """The peer closed the connection or sent a frame that failed authentication."""
@@ -41,13 +61,19 @@ def new_secret() -> bytes:
     return secrets.token_bytes(32)
 
 
-def _recv_exact(sock: socket.socket, size: int) -> bytes:
+class PeerClosed(ChannelError):
+    """The other side closed the connection (a FIN): its process ended, or it chose to. Not the network."""
+
+
+def _recv_exact(sock: socket.socket, size: int, heard: list[float] | None = None) -> bytes:
     chunks = bytearray()
     while len(chunks) < size:
         chunk = sock.recv(min(size - len(chunks), 1 << 20))
         if not chunk:
-            raise ChannelError("connection closed")
+            raise PeerClosed("connection closed")
         chunks += chunk
+        if heard is not None:  # a frame of 500 MB on a slow link is not silence
+            heard[0] = time.monotonic()
     return bytes(chunks)
 
 
@@ -66,6 +92,24 @@ class Link:
         self._send_seq = 0
         self._recv_seq = 0
         self._send_lock = threading.Lock()
+        self.heard = [time.monotonic()]  # when a byte last came: a resumable peer's silence is counted from it
+        self.sent_at = time.monotonic()  # when a frame last went
+        self.dropped = False  # this side cut the connection (silence, a newer one): its EOF is not the peer's
+
+    def drop(self) -> None:
+        """Cut the connection from any thread, as the network would: this end's reads fail at once, and
+        the close that follows sends a reset, never a FIN, so the other end sees a broken connection
+        to come back on, not a peer that chose to leave."""
+        self.dropped = True
+        with contextlib.suppress(OSError):
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            self.sock.shutdown(socket.SHUT_RD)  # wakes a blocked recv; sends nothing
+
+    def resumable(self) -> None:
+        """A resumable connection's sends give up after SILENT seconds without progress (a blackhole
+        fills the send buffer): the writer then drops it, and the frames go again on the next."""
+        seconds = int(SILENT)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", seconds, 0))
 
     def _mac(self, direction: bytes, seq: int, payload: bytes) -> bytes:
         msg = self._nonce + direction + seq.to_bytes(8, "big") + payload
@@ -82,14 +126,15 @@ class Link:
             mac = self._mac(self._send_dir, self._send_seq, payload)
             self._send_seq += 1
             self.sock.sendall(_HEADER.pack(len(payload)) + mac + payload)
+            self.sent_at = time.monotonic()
 
     def recv(self) -> dict[str, Any]:
         """The next frame; raises ChannelError on EOF or on any frame that fails the check."""
-        (size,) = _HEADER.unpack(_recv_exact(self.sock, _HEADER.size))
+        (size,) = _HEADER.unpack(_recv_exact(self.sock, _HEADER.size, self.heard))
         if size > (MAX_FRAME if self._recv_seq else FIRST_FRAME_MAX):
             raise ChannelError(f"frame of {size} bytes exceeds the limit")
         mac = _recv_exact(self.sock, _MAC_SIZE)
-        payload = _recv_exact(self.sock, size)
+        payload = _recv_exact(self.sock, size, self.heard)
         if not hmac.compare_digest(mac, self._mac(self._recv_dir, self._recv_seq, payload)):
             raise ChannelError("frame failed authentication")
         self._recv_seq += 1
@@ -102,10 +147,11 @@ class Link:
         return event
 
     def close(self) -> None:
-        try:
-            self.sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
+        if not self.dropped:  # a dropped connection ends with its reset
+            try:
+                self.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
         self.sock.close()
 
 
@@ -122,24 +168,140 @@ def connect(host: str, port: int, secret: bytes, timeout: float = 30.0) -> Link:
     return Link(sock, secret, nonce, is_server=False)
 
 
+class SentLog:
+    """What one side of a resumable channel sent and the other has not acknowledged, by number:
+    the n-th frame either side sends is frame n, on whichever connection it travels."""
+
+    def __init__(self):
+        self.frames: deque[bytes] = deque()
+        self.first = 0  # the number of frames[0]
+        self.bytes = 0
+
+    @property
+    def end(self) -> int:
+        """The number the next frame will have."""
+        return self.first + len(self.frames)
+
+    def append(self, payload: bytes) -> None:
+        self.frames.append(payload)
+        self.bytes += len(payload)
+
+    def acknowledged(self, count: int) -> None:
+        """The other side has every frame below ``count``."""
+        while self.frames and self.first < count:
+            self.bytes -= len(self.frames.popleft())
+            self.first += 1
+
+    def since(self, count: int) -> list[bytes]:
+        return list(self.frames)[max(0, count - self.first):]
+
+
+class Peer:
+    """One task as the kernel knows it, across its connections: the job loop's events name it,
+    and the job sends to it. ``send`` never waits for a lost connection: the frame waits in the
+    log and goes when the task is back."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.link: Link | None = None
+        self.received = 0  # the task's frames queued for the job
+        self.acked = 0  # the count this side last acknowledged
+        self.log = SentLog()
+        self.lost_at: float | None = None  # time.time() since when it has had no connection
+        self.gone = False
+        self._send_lock = threading.Lock()  # the log and the link, for what goes out
+        self._recv_lock = threading.Lock()  # received, and which connection may deliver; taken before _send_lock
+
+    def send(self, event: dict[str, Any]) -> None:
+        self.send_raw(json.dumps(event, separators=(",", ":")).encode())
+
+    def send_raw(self, payload: bytes) -> None:
+        if len(payload) > MAX_FRAME:
+            raise ValueError(f"event of {len(payload)} bytes exceeds the channel limit of {MAX_FRAME} bytes")
+        with self._send_lock:
+            if self.gone:
+                raise ChannelError("the task is gone")
+            self.log.append(payload)
+            if self.link is not None:
+                try:
+                    self.link.send_raw(payload)
+                except OSError:
+                    self.link.drop()  # its reader finds it lost; the frame is in the log
+
+    def _attach(self, link: Link, they_received: int) -> None:
+        """Make ``link`` this peer's connection: tell the task how much of its output is here, and
+        send again what it lacks of ours. The connection it replaces is cut."""
+        link.resumable()
+        with self._recv_lock, self._send_lock:
+            old, self.link, self.lost_at = self.link, link, None
+            link.send(link_frame(attached=True, received=self.received))
+            self.log.acknowledged(they_received)
+            for payload in self.log.since(they_received):
+                link.send_raw(payload)
+        if old is not None:
+            old.drop()
+
+    def _deliver(self, link: Link, put: Any, event: dict[str, Any]) -> bool:
+        """Queue one of the task's frames, unless a newer connection has taken this one's place."""
+        with self._recv_lock:
+            if self.link is not link:
+                return False
+            put(event)
+            self.received += 1
+        return True
+
+    def _lose(self, link: Link) -> bool:
+        """The connection broke (not closed by the task): the grace starts, if it was the current one."""
+        with self._recv_lock, self._send_lock:
+            if self.link is not link or self.gone:
+                return False
+            self.link, self.lost_at = None, time.time()
+        return True
+
+    def _acknowledge(self, force: bool = False) -> None:
+        """Tell the task how much of its output is here; with nothing new, only as a beat. Never waits
+        on a send that is blocked (a blackholed connection): the silence check must go on."""
+        link = self.link
+        if link is None or not (force or self.received != self.acked or time.monotonic() - link.sent_at > BEAT):
+            return
+        if not self._send_lock.acquire(blocking=force):
+            return
+        try:
+            received = self.received
+            link.send(link_frame(ack=received))
+            self.acked = received
+        except OSError:
+            link.drop()
+        finally:
+            self._send_lock.release()
+
+
 class ChannelServer:
     """Accepts supervisor connections and merges their events into one bounded queue.
 
-    Each queued item is ``(link, event)``. A connection that sends a bad frame is
-    dropped and counted in ``rejected``; the job itself carries on.
+    Each queued item is ``(peer, event)``: a ``Peer`` for a task that attached (resumable), else
+    the ``Link`` itself. A connection that sends a bad frame is dropped and counted in
+    ``rejected``; the job itself carries on. A peer whose connection broke is announced with
+    ``Event.CONTACT`` (``lost``), and again when it is back; one that closed its connection, or
+    did not come back within ``grace`` seconds, with ``Event.GONE``.
     """
 
-    def __init__(self, host: str, secret: bytes, *, maxsize: int = 10_000):
+    def __init__(self, host: str, secret: bytes, *, maxsize: int = 10_000, grace: float = DEFAULT_GRACE):
         self._secret = secret
-        self.events: queue.Queue[tuple[Link, dict[str, Any]]] = queue.Queue(maxsize)
+        self.grace = grace
+        self.events: queue.Queue[tuple[Any, dict[str, Any]]] = queue.Queue(maxsize)
         self.rejected = 0
-        self._links: list[Link] = []
+        self._links: list[Link] = []  # every open connection, for close()
+        self._plain: list[Link] = []  # those whose first frame was not an attach: broadcast reaches them
+        self._peers: dict[str, Peer] = {}
         self._lock = threading.Lock()
         self._closed = threading.Event()
         self._sock = socket.create_server((host, 0))
         self.address = (host, self._sock.getsockname()[1])
-        self._threads = [threading.Thread(target=self._accept_loop, name="hvdmagic-channel", daemon=True)]
-        self._threads[0].start()
+        self._threads = [threading.Thread(target=self._accept_loop, name="hvdmagic-channel", daemon=True),
+                         threading.Thread(target=self._keep, name="hvdmagic-channel-keeper", daemon=True)]
+        for thread in self._threads:
+            thread.start()
 
     def _accept_loop(self) -> None:
         while not self._closed.is_set():
@@ -161,46 +323,131 @@ class ChannelServer:
                 self._links.append(link)
                 reader = threading.Thread(target=self._read_loop, args=(link,), name="hvdmagic-channel-reader",
                                           daemon=True)
+                self._threads = [t for t in self._threads if t.is_alive()]
                 self._threads.append(reader)
             reader.start()
 
+    def _put(self, item: tuple[Any, dict[str, Any]]) -> None:
+        # Block (and so push back on the sender) while the driver catches up,
+        # but never past close(), or this thread would outlive the job.
+        while not self._closed.is_set():
+            try:
+                self.events.put(item, timeout=0.2)
+                return
+            except queue.Full:
+                continue
+
     def _read_loop(self, link: Link) -> None:
-        authenticated = False
+        plain = False
+        peer = None
         try:
+            event = link.recv()
+            if event.get("type") == Event.LINK and "attach" in event:
+                peer = self._attach(link, event)
+                if peer is not None:
+                    self._read_peer(peer, link)
+                return
+            with self._lock:
+                self._plain.append(link)
+            plain = True
+            self._put((link, event))
             while True:
-                event = link.recv()
-                authenticated = True
-                # Block (and so push back on the sender) while the driver catches up,
-                # but never past close(), or this thread would outlive the job.
-                while not self._closed.is_set():
-                    try:
-                        self.events.put((link, event), timeout=0.2)
-                        break
-                    except queue.Full:
-                        continue
+                self._put((link, link.recv()))
         except ChannelError as exc:
-            if str(exc) != "connection closed" and not self._closed.is_set():
+            if not isinstance(exc, PeerClosed) and not self._closed.is_set():
                 self.rejected += 1
+            if peer is not None:
+                self._ended(peer, link, closed=isinstance(exc, PeerClosed))
         except OSError:
-            pass
+            if peer is not None:
+                self._ended(peer, link, closed=False)
         finally:
             with self._lock:
                 if link in self._links:
                     self._links.remove(link)
+                if link in self._plain:
+                    self._plain.remove(link)
             link.close()
-            if authenticated and not self._closed.is_set():
+            if plain and not self._closed.is_set():
                 # An elastic job must learn that a task vanished (its executor lost) to
                 # stop waiting for that task's rank; other jobs ignore it. A peer that
                 # never sent an authenticated frame was never a task.
                 with contextlib.suppress(queue.Full):
                     self.events.put((link, bare(Event.GONE)), timeout=1.0)
 
+    def _attach(self, link: Link, hello: dict[str, Any]) -> Peer | None:
+        name, they_received = str(hello.get("attach")), hello.get("received")
+        with self._lock:
+            peer = self._peers.get(name)
+            if peer is None and hello.get("new") and they_received == 0 and not self._closed.is_set():
+                peer = self._peers[name] = Peer(name)
+        if peer is None or peer.gone or not isinstance(they_received, int):
+            # A task the job no longer waits for (its grace ran out): it must stop its rank.
+            with contextlib.suppress(OSError):
+                link.send(link_frame(refused="this job no longer has a place for the task"))
+            return None
+        back = peer.lost_at is not None
+        try:
+            peer._attach(link, they_received)
+        except OSError:
+            link.drop()
+        if back:
+            self._put((peer, contact(lost=False)))
+        return peer
+
+    def _read_peer(self, peer: Peer, link: Link) -> None:
+        while True:
+            event = link.recv()
+            if event.get("type") == Event.LINK:
+                if isinstance(event.get("ack"), int):
+                    with peer._send_lock:
+                        peer.log.acknowledged(event["ack"])
+                if event.get("sync"):
+                    peer._acknowledge(force=True)
+                continue
+            if not peer._deliver(link, self._put, (peer, event)):
+                return
+
+    def _ended(self, peer: Peer, link: Link, closed: bool) -> None:
+        if self._closed.is_set() or (link.dropped and peer.link is not link):
+            return  # the job is over, or a newer connection took this one's place
+        if closed and not link.dropped:
+            self._gone(peer, "closed")
+        elif peer._lose(link):
+            self._put((peer, contact(lost=True, since=peer.lost_at)))
+
+    def _gone(self, peer: Peer, why: str) -> None:
+        with self._lock:
+            if peer.gone:
+                return
+            peer.gone = True
+            self._peers.pop(peer.name, None)
+        link, peer.link = peer.link, None
+        if link is not None:
+            link.drop()
+        self._put((peer, gone(why=why, since=peer.lost_at, grace=self.grace)))
+
+    def _keep(self) -> None:
+        """Acknowledge, beat, find silent connections, and give up on peers past their grace."""
+        while not self._closed.wait(ACK_EVERY / 2):
+            with self._lock:
+                peers = list(self._peers.values())
+            now = time.monotonic()
+            for peer in peers:
+                link = peer.link
+                if link is not None and now - link.heard[0] > SILENT:
+                    link.drop()  # its reader finds it lost
+                elif link is not None:
+                    peer._acknowledge()
+                elif peer.lost_at is not None and time.time() - peer.lost_at > self.grace:
+                    self._gone(peer, "grace")
+
     def broadcast(self, event: dict[str, Any]) -> None:
         with self._lock:
-            links = list(self._links)
-        for link in links:
+            targets = [*self._plain, *self._peers.values()]
+        for target in targets:
             try:
-                link.send(event)
+                target.send(event)
             except OSError:
                 pass
 
@@ -215,7 +462,8 @@ class ChannelServer:
         except OSError:
             pass
         with self._lock:
-            links, self._links = self._links, []
+            links, self._links, self._plain = self._links, [], []
+            self._peers.clear()
         for link in links:
             link.close()
         for thread in self._threads:

@@ -50,7 +50,11 @@ class Event(StrEnum):
     RSH = "rsh"
     RSH_EXIT = "rsh_exit"
     # the channel server -> driver
-    GONE = "gone"  # a task's connection closed (its executor was lost, or the task ended)
+    GONE = "gone"  # a task's connection closed (its executor was lost, or the task ended), or its grace ran out
+    # the channel server -> driver -> the views: a task's connection broke ("lost": true, "since"), or came back
+    CONTACT = "contact"
+    # the resumable channel's own frames, either way (attach, acknowledgements, beats): never passed on
+    LINK = "link"
     # driver -> the run's views only
     LAUNCHING = "launching"
     PLACED = "placed"
@@ -190,6 +194,9 @@ class TaskSpec:
     # rank. The secret is the kernel's: a template outlives the job that started it.
     template: tuple[str, ...] = ()
     template_secret: bytes = b""
+    # Seconds a task whose connection to the kernel broke goes on reconnecting, its rank training and its
+    # events buffered, before it gives up and ends its rank (task.kernel_link).
+    reconnect_grace: float = 120.0
 
 
 class Framework(StrEnum):
@@ -364,6 +371,40 @@ class Bare(TypedDict):
     type: Event
 
 
+class Contact(TypedDict, total=False):
+    type: Literal[Event.CONTACT]
+    lost: bool  # the connection broke (True), or the task is back (False)
+    since: float  # time.time() when it broke
+    rank: int  # added by the job, for the views
+    host: str
+
+
+class Gone(TypedDict, total=False):
+    type: Literal[Event.GONE]
+    why: str  # "closed": the task closed its connection (its process ended); "grace": it did not come back in time
+    since: float | None  # time.time() when its connection broke, for "grace"
+    grace: float
+
+
+class LinkFrame(TypedDict, total=False):
+    """The resumable channel's own frame (channel.Peer, task.kernel_link)."""
+
+    type: Literal[Event.LINK]
+    attach: str  # task -> kernel, a connection's first frame: the task's name for its place
+    new: bool  # its first connection
+    received: int  # how many of the other side's frames this side has
+    attached: bool  # kernel -> task: the place is the task's, with "received"
+    refused: str  # kernel -> task: no place for it, and why
+    ack: int  # either way: how many of the other side's frames this side has (also a beat)
+    sync: bool  # task -> kernel: acknowledge now
+
+
+def type_marker(kind: Event) -> bytes:
+    """How an encoded message of ``kind`` starts, as every builder here encodes it (``json.dumps`` with
+    compact separators): a relayed frame's kind, read without decoding it."""
+    return b'{"type":"' + kind.encode()
+
+
 # rsh agent <-> driver <-> task
 class Rsh(TypedDict):
     type: Literal[Event.RSH]
@@ -457,6 +498,9 @@ rsh = _builder(Rsh, Event.RSH)
 rsh_exit = _builder(RshExit, Event.RSH_EXIT)
 launching = _builder(Launching, Event.LAUNCHING)
 placed = _builder(Placed, Event.PLACED)
+contact = _builder(Contact, Event.CONTACT)
+gone = _builder(Gone, Event.GONE)
+link_frame = _builder(LinkFrame, Event.LINK)
 lost = _builder(Lost, Event.LOST)
 world = _builder(World, Event.WORLD)
 resumed = _builder(Resumed, Event.RESUMED)

@@ -41,6 +41,8 @@ def _launch_arguments(func):
         argument("--timeout", type=float, metavar="SECONDS", help="stop every rank and fail after SECONDS"),
         argument("--stall-timeout", type=float, metavar="SECONDS",
                  help="fail when a rank makes no progress for SECONDS (a deadlock)"),
+        argument("--reconnect-grace", type=float, metavar="SECONDS",
+                 help="how long a task cut off from the kernel may take to come back (default 120)"),
         argument("--data", metavar="NAME", help="a Spark DataFrame: each rank reads its shard with hvdmagic.shard()"),
         argument("--metrics", metavar="NAME", help="store the metrics history (a pandas DataFrame, all ranks) in NAME"),
         argument("--mlflow", nargs="?", const="", metavar="EXPERIMENT",
@@ -96,9 +98,8 @@ def _cell_help(what: str, example: str, local_example: str):
 @magics_class
 class HorovodMagics(Magics):
     @_cell_help(
-        "run the cell's Horovod code on N ranks, as one Spark barrier stage (the active "
-        "SparkSession, or an embedded local one), or with --np -N as N processes here (local mode). "
-        "Notebook variables it reads go to every rank; rank 0's last expression is the result.",
+        "run the cell's Horovod code on N Spark tasks (-N: N local processes); the notebook "
+        "variables it reads go with it, and rank 0's last expression is the result.",
         """
 %%horovod --np 2 --out accuracy
 import horovod.torch as hvd
@@ -140,9 +141,8 @@ evaluate(model)                                   # rank 0's value: the result, 
 
     @_cell_help(
         "run the cell's torch.distributed code on N ranks with torchrun's environment (RANK, "
-        "WORLD_SIZE, MASTER_ADDR, ...), as one Spark barrier stage, or with --np -N as N processes here "
-        "(local mode); no horovod needed. The notebook variables it reads go to every rank; rank 0's "
-        "last expression is the result.",
+        "WORLD_SIZE, ...), as one Spark barrier stage, or with --np -N on N processes here; no horovod "
+        "needed. The notebook variables it reads go to every rank; rank 0's last expression is the result.",
         """
 %%torchrun --np 2 --out accuracy
 import torch.distributed as dist
@@ -190,9 +190,13 @@ evaluate(model)                                   # rank 0's value: the result, 
         for flag, name in (("--out", args.out), ("--metrics", args.metrics)):
             if name is not None and not name.isidentifier():
                 raise UsageError(f"{flag} needs a valid Python variable name, not {name!r}.")
-        for flag, seconds in (("--timeout", args.timeout), ("--stall-timeout", args.stall_timeout)):
+        for flag, seconds in (("--timeout", args.timeout), ("--stall-timeout", args.stall_timeout),
+                              ("--reconnect-grace", args.reconnect_grace)):
             if seconds is not None and seconds <= 0:
                 raise UsageError(f"{flag} must be a positive number of seconds.")
+        if args.reconnect_grace is not None and session is not None:
+            raise UsageError("--reconnect-grace applies to new ranks: a session's tasks keep the grace they started "
+                             "with (spark.hvdmagic.reconnectGrace, set before %horovod start).")
         if not cell.strip():
             raise UsageError(f"{magic} needs a cell body: the training code to run on every rank.")
         data = None
@@ -222,7 +226,7 @@ evaluate(model)                                   # rank 0's value: the result, 
                          timeline=timeline, captured=capture.summary(), env=env,
                          charts_expected=bool(args.metrics or LOGS_METRICS.search(source)),
                          bars_expected=bool(DRIVES_BARS.search(source)),
-                         cell=capture.function)
+                         cell=capture.function, reconnect_grace=args.reconnect_grace)
         if args.out:
             self.shell.user_ns[args.out] = record.result
         if args.metrics:

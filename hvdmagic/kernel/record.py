@@ -72,6 +72,9 @@ class RankRecord:
     importing_since: float | None = None
     world_rank: int | None = None  # elastic: its Horovod rank now (rows are tasks; ranks change at resets)
     lost: str = ""  # elastic: why its last rank was lost, e.g. "killed by SIGKILL"
+    # Since when (time.time()) its task's connection to the kernel has been broken, while it is; None while
+    # in contact. Its rank trains on meanwhile, and what it sends waits in its task (task.kernel_link).
+    out_of_contact_since: float | None = None
     # Every bar's advances added up (a restarted bar's from 0), and the rank's clock at the latest:
     # kernel.stragglers turns them into step rates.
     steps: float = 0.0
@@ -226,6 +229,11 @@ class RunRecord:
                 return
             if kind == Event.LOST:
                 record.state, record.lost, record.world_rank = "lost", str(event.get("reason", "")), None
+                return
+            if kind == Event.CONTACT:
+                since = event.get("since")
+                record.out_of_contact_since = (since if isinstance(since, (int, float)) else time.time()) \
+                    if event.get("lost") else None
                 return
             if kind == Event.STAGE:
                 if "importing" in event:

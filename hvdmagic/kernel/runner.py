@@ -21,7 +21,8 @@ def execute(payload: Shipment, placement: Placement | None, *, timeout: float | 
             stall_timeout: float | None = None, timeline: str | None = None, data=None, spark=None, view=None,
             results: ResultPolicy = ResultPolicy.ALL, session=None, command: str = "%%horovod",
             captured: str = "", env: dict[str, str] | None = None, charts_expected: bool = False,
-            bars_expected: bool = False, cell: CellFunction | None = None) -> RunRecord:
+            bars_expected: bool = False, cell: CellFunction | None = None,
+            reconnect_grace: float | None = None) -> RunRecord:
     """Run a packed ``(fn, args, kwargs)`` (``launch.shipment.pack``) where ``placement`` says; return its record.
 
     ``timeline``: a path where rank 0 records a Horovod Timeline. ``results``: which
@@ -37,7 +38,8 @@ def execute(payload: Shipment, placement: Placement | None, *, timeout: float | 
     ``env``: variables for every rank's environment (``--stall-check``, ``--debug``); a new
     job's only, since a session's ranks run with the environment they started with.
     ``cell``: the %%horovod cell the payload runs, so that the ranks' stacks name its frames as the
-    notebook does (``kernel.cell_frames``).
+    notebook does (``kernel.cell_frames``). ``reconnect_grace``: seconds a task whose connection
+    to the kernel broke may take to come back (``--reconnect-grace``); a new job's only.
     """
     if session is not None:
         placement = session.placement
@@ -55,10 +57,11 @@ def execute(payload: Shipment, placement: Placement | None, *, timeout: float | 
     view = view or make_view(record)
     with kernel_stays_busy():
         return _run(payload, placement, record, view, timeout=timeout, stall_timeout=stall_timeout, env=env,
-                    spark=spark, data=data, results=results, session=session)
+                    spark=spark, data=data, results=results, session=session, reconnect_grace=reconnect_grace)
 
 
-def _run(payload, placement, record, view, *, timeout, stall_timeout, env, spark, data, results, session):
+def _run(payload, placement, record, view, *, timeout, stall_timeout, env, spark, data, results, session,
+         reconnect_grace):
     def on_event(event: dict) -> None:
         record.apply(event)
         view.on_event(event)
@@ -71,7 +74,7 @@ def _run(payload, placement, record, view, *, timeout, stall_timeout, env, spark
         else:
             values = launch(payload, placement, timeout=timeout, stall_timeout=stall_timeout, env=env,
                             on_event=on_event, spark=spark, data=data, results=results,
-                            requests=record.requests).results
+                            requests=record.requests, reconnect_grace=reconnect_grace).results
     except JobInterrupted as exc:
         exc.stacks = record.cell_frames.each_named(exc.stacks)
         record.stacks = exc.stacks

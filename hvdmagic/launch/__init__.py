@@ -47,18 +47,21 @@ from hvdmagic.protocol import Framework, ResultPolicy, Stage
 def launch(payload: Shipment, placement: Placement, *, timeout: float | None = None,
            stall_timeout: float | None = None, env: dict[str, str] | None = None,
            on_event: Callable[[dict], None] | None = None, spark=None, data=None,
-           results: ResultPolicy = ResultPolicy.ALL, requests=None) -> JobResult:
+           results: ResultPolicy = ResultPolicy.ALL, requests=None,
+           reconnect_grace: float | None = None) -> JobResult:
     """Run a packed ``(fn, args, kwargs)`` (``shipment.pack``) as ``placement`` says (whose ``check_options``
     the caller ran on ``data`` and ``stall_timeout``, where it took them from the user).
 
     ``spark``: the SparkSession to use (default: the active one, or an embedded local one).
     ``data``: a Spark DataFrame; each rank gets an equal-size shard (hvdmagic.shard()).
     ``results``: which ranks send their value back (``ResultPolicy``). ``requests``: a queue
-    the views put requests in while the job runs (``Event.STACKS``).
+    the views put requests in while the job runs (``Event.STACKS``). ``reconnect_grace``: seconds a task
+    whose connection to the kernel broke may take to come back (default: the backend's, from
+    ``spark.hvdmagic.reconnectGrace``).
     """
     preflight(placement)
     options = dict(timeout=timeout, stall_timeout=stall_timeout, env=env, results=results, on_event=on_event,
-                   requests=requests)
+                   requests=requests, reconnect_grace=reconnect_grace)
     backend = make_backend(placement, on_event, spark=spark, data=data)
     if placement.elastic is None:
         return Job(backend, payload, placement, **options).run()

@@ -46,6 +46,10 @@ class Backend(Protocol):
     """The whole error behind ``failure()`` (a Java stack included), for ``LaunchError.details``;
     empty while there is none."""
 
+    reconnect_grace: float
+    """Seconds a task whose connection to the kernel broke may take to come back, unless the cell
+    says (``--reconnect-grace``): ``spark.hvdmagic.reconnectGrace`` on Spark, else the default."""
+
     def describe(self) -> str:
         """Where the tasks run, in one line, for the job's LAUNCHING event."""
         ...
@@ -60,6 +64,11 @@ class Backend(Protocol):
     def failure(self) -> str | None:
         """Why the tasks cannot run or report (e.g. the Spark stage failed), in one line; None while
         nothing failed. Polled by the job loop, which then fails the job with it."""
+        ...
+
+    def ended(self) -> bool:
+        """Whether every task has ended (the Spark stage is over, the local threads returned), for
+        whatever reason. The job loop fails the ranks whose end never reached it, rather than wait."""
         ...
 
     def cancel(self) -> None:

@@ -16,6 +16,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any
 
 from hvdmagic import blob_transfer, channel, protocol, rank_ranges
@@ -42,6 +43,9 @@ EXIT_GRACE = 3.0  # seconds a rank that reported its error gets to exit on its o
 STACKS_WAIT = 9.0
 POLL = 0.1
 RECENT_PROGRESS = 10.0  # a rank silent for longer than this is named as "stopped progressing"
+# Seconds the job loop waits, once every task has ended, for rank ends still on their way before it calls the
+# ranks lost: a task ends only after the kernel acknowledged its last event, so this is only the loop's own lag.
+TASKS_ENDED_WAIT = 1.0
 
 
 @dataclass
@@ -78,6 +82,7 @@ class JobState:
     last_heard: dict[int, float] = field(default_factory=dict)  # any event, heartbeats included
     rows: dict[int, tuple[int, int]] = field(default_factory=dict)  # --data: (rows, padding) by rank
     stacks: dict[int, str] = field(default_factory=dict)  # by rank: where it was when the watchdog fired
+    ended_at: float | None = None  # when the backend's tasks had all ended, while some rank's end had not come
 
     @property
     def clean(self) -> bool:
@@ -136,7 +141,8 @@ class Job:
     def __init__(self, backend, payload: Shipment, placement: Placement, *, timeout: float | None = None,
                  stall_timeout: float | None = None, env: dict[str, str] | None = None,
                  results: ResultPolicy = ResultPolicy.ALL, session: bool = False,
-                 on_event: Callable[[dict], None] | None = None, requests: queue.SimpleQueue | None = None):
+                 on_event: Callable[[dict], None] | None = None, requests: queue.SimpleQueue | None = None,
+                 reconnect_grace: float | None = None):
         self.backend = backend
         self.np = backend.np  # the tasks: an elastic run's max_np
         self.payload = payload
@@ -156,6 +162,8 @@ class Job:
         # What the views ask while the job runs (Event.STACKS: where is every rank now?).
         self.requests = requests if requests is not None else queue.SimpleQueue()
         self.job_id = uuid.uuid4().hex[:12]
+        # How long a task whose connection broke may take to come back (task.kernel_link), both sides.
+        self.reconnect_grace = backend.reconnect_grace if reconnect_grace is None else reconnect_grace
 
     def _template(self) -> dict:
         """The TaskSpec's rank template: none under mpirun, nor where HVDMAGIC_TEMPLATE=0."""
@@ -177,7 +185,7 @@ class Job:
     def _run(self) -> JobResult:
         started = time.monotonic()
         secret = channel.new_secret()
-        server = self.server = channel.ChannelServer(self.backend.bind_host, secret)
+        server = self.server = channel.ChannelServer(self.backend.bind_host, secret, grace=self.reconnect_grace)
         self.blobs = blob_transfer.BlobServer(self.backend.bind_host, secret)
         self.blobs.publish(self.payload.buffers, self.payload.labels)
         self.shipping = ShippingReports(self.blobs, self.on_event)
@@ -191,7 +199,8 @@ class Job:
                 rendezvous_port=rendezvous.port, secret=secret, payload=self.payload.payload,
                 blob_port=self.blobs.address[1], env=self.env,
                 controller=self.controller, results=self.results, framework=self.framework,
-                session=self.session, elastic=self.elastic, **self._template(),
+                session=self.session, elastic=self.elastic, reconnect_grace=self.reconnect_grace,
+                **self._template(),
             )
             self.on_event(protocol.launching(self.backend.describe(), self.backend.job_group, list(server.address),
                                              self.backend.name))
@@ -245,6 +254,8 @@ class Job:
                     aborted_at = now
                 elif error := self.backend.failure() or (self.mpi and self.mpi.failure()):
                     raise LaunchError(error, details=self.backend.failure_details)
+                elif self._tasks_ended_unheard(server, state, now):
+                    continue  # failures recorded: the next turn stops the rest
             elif now - aborted_at > ABORT_GRACE:
                 break
             elif not aborted_all and now - aborted_at > EXIT_GRACE:
@@ -337,8 +348,47 @@ class Job:
             parts.append(f"{who} stopped progressing {ago} s ago{_on_hosts(ranks, state.hosts)} ({alive})")
         return "".join("; " + part for part in parts)
 
+    def _tasks_ended_unheard(self, server: channel.ChannelServer, state: JobState, now: float) -> bool:
+        """Whether the backend's tasks have all ended while some rank's end never reached the kernel:
+        a task sends everything before it ends (through outages too), so that rank is lost, and the cell
+        must not wait for it. A moment passes first, for events still on their way through this loop."""
+        if not server.events.empty() or not self.backend.ended():
+            return False
+        if state.ended_at is None:
+            state.ended_at = now
+            return False
+        if now - state.ended_at < TASKS_ENDED_WAIT:
+            return False
+        what = "Spark stage" if self.backend.name != "local" else "local tasks"
+        for rank in state.running():
+            state.exits[rank] = -1
+            state.failures.append(RankFailure(
+                rank, f"the {what} ended before this rank's end reached the kernel: its task lost the "
+                "connection to the kernel, or was ended", "", state.hosts.get(rank, "")))
+        return True
+
+    def _contact(self, link, event: dict, state: JobState) -> None:
+        """A task's connection broke or came back (CONTACT), or the task is gone (GONE): the first two
+        are shown on its rank's row; the last fails that rank, unless its end had arrived."""
+        task = next((task for task, (peer, _) in state.hellos.items() if peer is link), None)
+        slot = state.slots.get(task) if task is not None else None
+        if slot is None:
+            if event.get("type") == Event.GONE and task is not None:
+                raise LaunchError(f"Spark task {task} lost its connection to the kernel before its rank started "
+                                  f"({lost_contact(event)}).")
+            return
+        rank = slot.rank
+        if event.get("type") == Event.CONTACT:
+            self.on_event({**event, **protocol.contact(rank=rank, host=state.hosts.get(rank, ""))})
+        elif rank not in state.exits:
+            state.exits[rank] = -1
+            state.failures.append(RankFailure(rank, lost_contact(event), "", state.hosts.get(rank, "")))
+
     def _handle(self, event: dict, state: JobState, rendezvous, link) -> None:
         kind = event.get("type")
+        if kind in (Event.CONTACT, Event.GONE):
+            self._contact(link, event, state)
+            return
         if kind == Event.HELLO:
             task = event.get("task")
             if isinstance(task, int) and 0 <= task < self.np and task not in state.hellos:
@@ -444,6 +494,18 @@ class Job:
             self.backend.join(timeout=30)
             rendezvous.stop()
             server.close()
+
+
+def lost_contact(event: dict) -> str:
+    """Why a task is gone, from its GONE event, in one clause."""
+    if event.get("why") != "grace":
+        return ("its task's connection to the kernel closed before the rank's end arrived: its Spark task, "
+                "executor or host was lost")
+    since = event.get("since")
+    at = f" at {datetime.fromtimestamp(since).strftime('%H:%M:%S')}" if isinstance(since, (int, float)) else ""
+    grace = event.get("grace", channel.DEFAULT_GRACE)
+    return (f"the kernel lost contact with its task{at} and it did not come back within the reconnect grace of "
+            f"{grace:g} s (--reconnect-grace): the rank was ended, its state is lost")
 
 
 def _data_note(rows: dict[int, tuple[int, int]]) -> str:

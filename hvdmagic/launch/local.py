@@ -11,6 +11,7 @@ import tempfile
 import threading
 from pathlib import Path
 
+from hvdmagic.channel import DEFAULT_GRACE
 from hvdmagic.errors import LaunchError
 from hvdmagic.launch.backend import Backend
 from hvdmagic.protocol import TaskSpec
@@ -23,6 +24,7 @@ class LocalBackend(Backend):
     bind_host = "127.0.0.1"
     job_group = None  # no scheduler, so no job to name
     failure_details = ""  # failure() says it all: a supervisor's exception in the kernel's own process
+    reconnect_grace = DEFAULT_GRACE  # the tasks are threads of the kernel, over loopback: nothing else to read
 
     def __init__(self, np: int, data=None, gpus: bool = False):
         self.np = np
@@ -79,6 +81,9 @@ class LocalBackend(Backend):
 
     def failure(self) -> str | None:
         return self._errors[0] if self._errors else None
+
+    def ended(self) -> bool:
+        return bool(self._threads) and not any(thread.is_alive() for thread in self._threads)
 
     def cancel(self) -> None:
         pass  # supervisors obey the channel's abort; there is no scheduler to tell

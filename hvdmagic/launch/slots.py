@@ -25,10 +25,10 @@ import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from hvdmagic.errors import LaunchError
+from hvdmagic.launch import settings
 
 SLOT_WAIT = 3.0  # seconds without a change, with too little on its way, before too few slots is final
-BOUND_CONF = "spark.hvdmagic.slotWait"
+BOUND_CONF = settings.SLOT_WAIT
 DEFAULT_BOUND = 60.0  # seconds to wait for slots on their way (and for a new session's first executors)
 LOOK_EVERY = 1.0  # seconds between looks at what is on its way: a few JVM calls, and a question to the master
 _MASTER_ASK = 2  # seconds a standalone master gets to answer; one that does not says nothing
@@ -74,17 +74,7 @@ class Waited:
 
 def bound(session) -> float:
     """The user's bound on waiting for slots on their way: spark.hvdmagic.slotWait, in seconds."""
-    value = session.conf.get(BOUND_CONF, None)
-    if value is None:
-        return DEFAULT_BOUND
-    try:
-        seconds = float(str(value).strip().removesuffix("s"))
-    except ValueError:
-        seconds = math.nan
-    if not seconds >= 0:
-        raise LaunchError(f"{BOUND_CONF} is how many seconds the slot check waits for executors on their way, "
-                          f"a number such as 120, not {value!r}: set it with spark.conf.set({BOUND_CONF!r}, '120').")
-    return seconds
+    return settings.seconds(session, BOUND_CONF, DEFAULT_BOUND)
 
 
 def available(sc) -> int:

@@ -25,9 +25,10 @@ import time
 import uuid
 from collections.abc import Callable
 
+from hvdmagic.channel import DEFAULT_GRACE
 from hvdmagic.errors import LaunchError
+from hvdmagic.launch import settings, spark_connect, spark_session
 from hvdmagic.launch import slots as slot_check
-from hvdmagic.launch import spark_connect, spark_session
 from hvdmagic.launch.backend import Backend
 from hvdmagic.launch.spark_session import first_line, on_spark_thread
 from hvdmagic.protocol import Stage, TaskSpec
@@ -171,8 +172,9 @@ class SparkBackend(Backend):
             if note := spark_session.make_active_here(self.session):
                 self.notes.append(note)
         self.sc = self.session.sparkContext
-        self.bind_host, self.master, task_gpus = on_spark_thread(lambda: (
-            kernel_host(self.session), self.sc.master, self.sc.getConf().get("spark.task.resource.gpu.amount", None)))
+        self.bind_host, self.master, task_gpus, self.reconnect_grace = on_spark_thread(lambda: (
+            kernel_host(self.session), self.sc.master, self.sc.getConf().get("spark.task.resource.gpu.amount", None),
+            settings.seconds(self.session, settings.RECONNECT_GRACE, DEFAULT_GRACE)))
         self._check_gpus(gpus, task_gpus)
         self.job_group = f"hvdmagic-{uuid.uuid4().hex[:12]}"
         self._thread = None
@@ -184,9 +186,10 @@ class SparkBackend(Backend):
     def _start_on_connect(self, np: int, gpus: bool) -> None:
         """What __init__ does on a Spark Connect session: no JVM here, and no SparkContext to ask."""
         self.sc = None
-        self.bind_host, self.master, task_gpus = on_spark_thread(lambda: (
+        self.bind_host, self.master, task_gpus, self.reconnect_grace = on_spark_thread(lambda: (
             kernel_host(self.session), spark_connect.conf(self.session, "spark.master", "?"),
-            spark_connect.conf(self.session, "spark.task.resource.gpu.amount")))
+            spark_connect.conf(self.session, "spark.task.resource.gpu.amount"),
+            settings.seconds(self.session, settings.RECONNECT_GRACE, DEFAULT_GRACE)))
         self._check_gpus(gpus, task_gpus)
         self._checking_slots(connect_slots, self.session, np, self.on_stage, self.notes)
         # On Connect the job "group" is an operation tag: the name Spark cancels it by.
@@ -302,6 +305,9 @@ class SparkBackend(Backend):
 
     def failure(self) -> str | None:
         return self._error
+
+    def ended(self) -> bool:
+        return self._thread is not None and not self._thread.is_alive()
 
     def cancel(self) -> None:
         if self.connect:

@@ -45,6 +45,7 @@ from hvdmagic.task import mpi, rank_template
 from hvdmagic.task.blob_cache import BlobCache, fetched_in_background
 from hvdmagic.task.blob_relay import BlobRelay
 from hvdmagic.task.environment import rank_base_environment, rank_environment
+from hvdmagic.task.kernel_link import KernelLink
 from hvdmagic.task.lines import MAX_LINE
 from hvdmagic.task.network import interface_for
 from hvdmagic.task.rank_process import RankProcess, spawn
@@ -68,7 +69,7 @@ class Supervisor:
         self.shard = shard  # (path of this task's Arrow shard, its rows) with --data
         self.attempt = attempt  # Spark's attempt number of this task: an elastic host's name tells attempts apart
         self.rank: RankProcess | None = None
-        self._link: channel.Link | None = None
+        self._link: KernelLink | None = None
         self._link_address = ""  # this task's end of the channel: its host's address toward the driver
         self._aborted = threading.Event()
         self._daemons: list[subprocess.Popen] = []  # mpirun's daemon, when this task leads its host
@@ -78,13 +79,15 @@ class Supervisor:
         self._cells: queue.Queue = queue.Queue()  # a session's cells, fed in order once their blobs are here
 
     def run(self) -> int:
-        self._link = link = channel.connect(self.spec.driver_host, self.spec.channel_port, self.spec.secret)
+        self._link = link = KernelLink(self.spec.driver_host, self.spec.channel_port, self.spec.secret,
+                                       self.spec.reconnect_grace)
+        link.open()
         try:
             # The address this host uses to reach the driver names the host, and its
             # interface is the one the ranks can reach each other on. The driver
             # places every task from the hellos and answers each with its own go; a
             # Spark barrier allGather would do the same but costs a second (it polls).
-            self._link_address = host_ip = link.sock.getsockname()[0]
+            self._link_address = host_ip = link.address
             self._blobs = BlobCache()
             if self.spec.session or self.spec.payload.blobs:
                 self._relay = BlobRelay(host_ip, self.spec.secret, self._blobs.directory)
@@ -102,6 +105,9 @@ class Supervisor:
                 # Hosts still reading from this one finish from here, while the job runs (its end closes
                 # the link, which sets _aborted): a slow host at the chain's end needs no second copy.
                 self._relay.close(linger=RELAY_LINGER, stop=self._aborted)
+            # The rank's last events (its result, its exit) reach the kernel before the task ends, through
+            # an outage too: the kernel learns a rank's end from them, never from the task's silence.
+            link.finish()
             link.close()
 
     def _run_once(self, fetched) -> int:
@@ -214,7 +220,8 @@ class Supervisor:
         try:
             self._link.send(event)
         except OSError:
-            # The driver is gone: nobody will read our output, so stop the rank.
+            # The kernel is gone (the link reconnects through outages, and ends only past its grace):
+            # nobody will read our output, so stop the rank.
             self.abort()
 
     def _send_raw(self, frame: bytes) -> None:
@@ -243,7 +250,7 @@ class Supervisor:
                 elif kind == Event.STACKS and self.rank is not None:
                     threading.Thread(target=self.rank.send_stacks, name="hvdmagic-stacks", daemon=True).start()
         except (channel.ChannelError, OSError):
-            pass  # a lost driver means the same as abort
+            pass  # a lost kernel (gone, or away past the reconnect grace) means the same as abort
         self._cells.put(None)
         self.abort()
         if starts is not None:

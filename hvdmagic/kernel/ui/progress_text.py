@@ -57,8 +57,12 @@ def row_name(record: RunRecord, row: int) -> str:
 
 
 def row_state(rank: RankRecord) -> str:
-    """A row's state, with why an elastic task's rank was lost."""
-    return f"lost: {rank.lost}" if rank.state == "lost" and rank.lost else rank.state
+    """A row's state, with why an elastic task's rank was lost, or how long the kernel has not heard its task."""
+    if rank.state == "lost" and rank.lost:
+        return f"lost: {rank.lost}"
+    if rank.out_of_contact_since is not None and rank.state not in UP:
+        return f"no contact for {max(0, time.time() - rank.out_of_contact_since):.0f} s"
+    return rank.state
 
 
 def where_it_ended(rank: RankRecord) -> str | None:

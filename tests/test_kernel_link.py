@@ -1,0 +1,237 @@
+"""The resumable channel between a task and the kernel (task.kernel_link, channel.Peer): real TCP resets
+on loopback, made with SO_LINGER 0 (the kernel sends RST, as a NAT gateway that forgot the connection
+does). The faults of whole runs, in network namespaces with ss -K and iptables, are in test_network_faults.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import threading
+import time
+
+import pytest
+
+from hvdmagic import channel, protocol
+from hvdmagic.protocol import Event
+from hvdmagic.task import kernel_link
+from hvdmagic.task.kernel_link import KernelLink
+
+pytestmark = [pytest.mark.unit,
+              pytest.mark.skipif(os.geteuid() != 0, reason="ss -K, which resets a connection, needs root")]
+
+
+def _reset(link: channel.Link) -> None:
+    """Reset ``link``'s connection with ``ss -K``, as the network would: this end's socket is destroyed
+    (its reads fail with ECONNABORTED) and the other end gets a TCP RST."""
+    (src, sport), (dst, dport) = link.sock.getsockname()[:2], link.sock.getpeername()[:2]
+    killed = subprocess.run(["ss", "-K", "src", src, "sport", "=", f":{sport}", "dst", dst, "dport", "=",
+                             f":{dport}"], capture_output=True, text=True, check=True)
+    assert f":{sport}" in killed.stdout, f"ss -K found no such connection: {killed.stdout}"
+
+
+def _events(server: channel.ChannelServer, count: int, deadline: float = 20.0, skip=(Event.CONTACT,)) -> list:
+    got, seen = [], []
+    end = time.monotonic() + deadline
+    while len(got) < count:
+        left = end - time.monotonic()
+        assert left > 0, f"only {len(got)} of {count} events within {deadline:g} s; also saw {seen}"
+        try:
+            _, event = server.events.get(timeout=left)
+        except Exception:
+            continue
+        (seen if event.get("type") in skip else got).append(event)
+    return got
+
+
+def _peer(server: channel.ChannelServer) -> channel.Peer:
+    end = time.monotonic() + 5
+    while not server._peers or next(iter(server._peers.values())).link is None:
+        assert time.monotonic() < end, "the task never attached"
+        time.sleep(0.01)
+    return next(iter(server._peers.values()))
+
+
+@pytest.fixture
+def pair():
+    secret = channel.new_secret()
+    server = channel.ChannelServer("127.0.0.1", secret, grace=30)
+    link = KernelLink(*server.address, secret, grace=30)
+    link.open()
+    yield server, link, secret
+    link.close()
+    server.close()
+
+
+def test_a_reset_mid_stream_loses_nothing_and_repeats_nothing_in_either_direction(pair):
+    server, link, _ = pair
+    peer = _peer(server)
+    sent = 3000
+    for i in range(sent // 2):
+        link.send({"type": Event.REPORT, "i": i})
+    _reset(peer.link)  # the kernel's end of the connection: the task sees a reset
+    peer.send({"type": Event.CELL, "id": 1})  # said while the task is away: waits in the kernel's log
+    for i in range(sent // 2, sent):
+        link.send({"type": Event.REPORT, "i": i})
+    events = _events(server, sent)
+    assert [e["i"] for e in events] == list(range(sent)), "every event once, in order"
+    assert link.recv() == {"type": Event.CELL, "id": 1}
+    assert link.outages == 1
+    assert link.finish(timeout=10), "the kernel acknowledged everything"
+
+
+def test_the_kernel_sees_the_outage_and_the_return(pair):
+    server, _, _ = pair
+    peer = _peer(server)
+    _reset(peer.link)
+    _, lost = server.events.get(timeout=10)
+    assert lost["type"] == Event.CONTACT and lost["lost"] is True and abs(lost["since"] - time.time()) < 10
+    _, back = server.events.get(timeout=10)
+    assert back == protocol.contact(lost=False)
+
+
+def test_the_task_ends_at_once_when_the_kernel_closes():
+    secret = channel.new_secret()
+    server = channel.ChannelServer("127.0.0.1", secret)
+    link = KernelLink(*server.address, secret, grace=60)
+    link.open()
+    started = time.monotonic()
+    server.close()  # the job's end, or the kernel's process dying: a FIN, not the network
+    with pytest.raises(channel.ChannelError, match="closed the connection"):
+        link.recv()
+    assert time.monotonic() - started < 5
+    with pytest.raises(channel.ChannelError):
+        link.send({"type": Event.OUTPUT})
+
+
+def test_a_task_that_does_not_come_back_is_gone_after_the_grace():
+    secret = channel.new_secret()
+    server = channel.ChannelServer("127.0.0.1", secret, grace=1.0)
+    try:
+        link = KernelLink(*server.address, secret, grace=1.0)
+        link.open()
+        peer = _peer(server)
+        link._closing.set()  # the task will not reconnect (its host is cut off)
+        _reset(peer.link)
+        started = time.monotonic()
+        kinds = [event for _, event in (server.events.get(timeout=10) for _ in range(2))]
+        assert [k["type"] for k in kinds] == [Event.CONTACT, Event.GONE]
+        assert kinds[1]["why"] == "grace" and kinds[1]["grace"] == 1.0
+        assert time.monotonic() - started < 1.0 + 3 * channel.ACK_EVERY
+        with pytest.raises(channel.ChannelError):
+            peer.send({"type": Event.ABORT})
+    finally:
+        server.close()
+
+
+def test_a_task_past_its_grace_is_refused_and_ends(monkeypatch):
+    secret = channel.new_secret()
+    server = channel.ChannelServer("127.0.0.1", secret, grace=0.5)
+    try:
+        link = KernelLink(*server.address, secret, grace=30)
+        link.open()
+        peer = _peer(server)
+        # The task's reconnection comes after the kernel gave its place up.
+        real_attach = link._attach
+
+        def late_attach(timeout, new=False):
+            deadline = time.monotonic() + 10
+            while server._peers:
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+            return real_attach(timeout, new)
+
+        monkeypatch.setattr(link, "_attach", late_attach)
+        _reset(peer.link)
+        with pytest.raises(channel.ChannelError, match="refused"):
+            link.recv()
+    finally:
+        server.close()
+
+
+def test_nothing_listening_ends_the_task_within_seconds_not_the_grace():
+    secret = channel.new_secret()
+    server = channel.ChannelServer("127.0.0.1", secret)
+    link = KernelLink(*server.address, secret, grace=120)
+    link.open()
+    peer = _peer(server)
+    server._sock.shutdown(socket.SHUT_RDWR)  # the port closes (a dead kernel's would), then the connection resets
+    server._sock.close()
+    _reset(peer.link)
+    started = time.monotonic()
+    with pytest.raises(channel.ChannelError, match="nothing listens"):
+        link.recv()
+    assert time.monotonic() - started < kernel_link.REFUSED_FINAL + 5
+    server.close()
+
+
+def test_a_stranger_cannot_take_a_tasks_place(pair):
+    server, link, secret = pair
+    peer = _peer(server)
+    # Without the secret: its attach fails authentication and is counted.
+    stranger = channel.connect(*server.address, channel.new_secret())
+    stranger.send(protocol.link_frame(attach=peer.name, received=0))
+    with pytest.raises(channel.ChannelError):
+        stranger.recv()
+    assert server.rejected == 1
+    # With the job's secret but a name the kernel does not know, and not new: refused.
+    insider = channel.connect(*server.address, secret)
+    insider.send(protocol.link_frame(attach="0" * 32, received=5))
+    assert "refused" in insider.recv()
+    link.send({"type": Event.OUTPUT, "n": 1})
+    assert _events(server, 1) == [{"type": Event.OUTPUT, "n": 1}]
+    assert peer.link is not None and link.outages == 0, "the task kept its connection"
+
+
+def test_silence_is_a_broken_connection(monkeypatch):
+    """A connection that carries nothing (a blackhole) is dropped after SILENT, and the task comes back."""
+    monkeypatch.setattr(channel, "SILENT", 1.0)
+    monkeypatch.setattr(channel, "BEAT", 0.3)
+    secret = channel.new_secret()
+    server = channel.ChannelServer("127.0.0.1", secret, grace=30)
+    link = KernelLink(*server.address, secret, grace=30)
+    try:
+        link.open()
+        peer = _peer(server)
+        quiet = peer.link
+        frozen = threading.Event()
+        real = quiet.send_raw
+
+        def swallow(payload):  # the kernel's frames to the task vanish, as in a one-way blackhole
+            if not frozen.is_set():
+                real(payload)
+
+        monkeypatch.setattr(quiet, "send_raw", swallow)
+        frozen.set()
+        end = time.monotonic() + 10
+        while link.outages == 0:
+            assert time.monotonic() < end, "the silent connection was never dropped"
+            time.sleep(0.05)
+        link.send({"type": Event.OUTPUT, "n": 2})
+        assert _events(server, 1) == [{"type": Event.OUTPUT, "n": 2}]
+        assert peer.link is not quiet
+    finally:
+        link.close()
+        server.close()
+
+
+def test_a_full_buffer_drops_progress_first_and_never_a_metric_or_the_result(monkeypatch):
+    monkeypatch.setattr(kernel_link, "BUFFER_LIMIT", 40_000)
+    link = KernelLink("127.0.0.1", 9, b"x" * 32)  # never opened: everything stays in its buffer
+    filler = "p" * 200
+    for i in range(400):
+        link.send({"type": Event.HEARTBEAT, "rank": 0})
+        link.send({"type": Event.REPORT, "progress": {"bar": i, "x": filler}, "rank": 0})
+        link.send({"type": Event.REPORT, "progress": {}, "metrics": {"step": i}, "rank": 0})
+    link.send({"type": Event.RESULT, "data": "r" * 30_000, "rank": 0})
+    kept = [json.loads(p) for p in link._pending]
+    metrics = [e["metrics"]["step"] for e in kept if "metrics" in e]
+    assert metrics == list(range(400)), "every metric, in order"
+    assert kept[-1]["type"] == Event.RESULT
+    assert not any(e["type"] == Event.HEARTBEAT for e in kept), "heartbeats go first"
+    assert link._dropped["heartbeats"] == 400 and link._dropped["progress updates"] > 0
+    link._note_dropped()
+    note = json.loads(link._pending[-1])
+    assert note["type"] == Event.NOTE and "400 heartbeats" in note["text"] and "no metric" in note["text"]
+    assert protocol.note(note["text"]) == note
