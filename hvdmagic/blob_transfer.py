@@ -58,6 +58,9 @@ PACE_MIN = 256 << 20
 PACE_WINDOW = 3.0  # seconds of a host's bytes that its rate is taken over
 SLOW = 0.5  # a host receiving at under this many times its source's rate holds back the hosts behind it
 MAX_KERNEL_CLOSES = 4  # early ends of the kernel's stream a host asks again after, before it gives up
+# A reset or refused connection to the kernel (the network between them) is asked again after, from where the
+# blob stopped, with this backoff, until ``fetch``'s ``timeout`` passes without a byte.
+RETRY_FIRST, RETRY_MAX = 0.25, 4.0
 
 
 class BlobError(OSError):
@@ -497,6 +500,7 @@ class _Receiver:
         self.received = 0  # bytes in ``into``, in order from the start
         self.good = 0  # of those, the bytes checked (a chunk boundary), where a resume starts
         self.reported = time.monotonic()
+        self.progressed = time.monotonic()  # when a byte last came
 
     def read(self, sock: socket.socket, source: str, report: Callable[[], None] = lambda: None) -> None:
         """Read from ``sock`` until the blob is complete; raises ``_SourceFailed`` (a host's fault),
@@ -510,6 +514,7 @@ class _Receiver:
             if self.chunks is None:
                 self.whole.update(self.into[self.received:self.received + got])
             self.received += got
+            self.progressed = time.monotonic()
             self._check_chunks(source)
             if self.relay is not None:
                 self.relay.ready(self.received)
@@ -555,11 +560,14 @@ def fetch(address: tuple[str, int], secret: bytes, blob: Blob, into: memoryview,
     ``address`` is the kernel's blob server, which sends the blob or names the host to read it
     from. ``relay``: this host passes the blob on to hosts that ask after it (see ``Relay``).
     ``timeout`` bounds each wait for the kernel, not the transfer: a large blob takes as long as
-    the network needs, and a stalled one fails. A host as the source gets ``PEER_STALL``.
+    the network needs, and a stalled one fails. A host as the source gets ``PEER_STALL``. A
+    connection to the kernel that the network resets is made again, and the blob goes on from its
+    last checked byte, until ``timeout`` passes without one.
     """
     receiver = _Receiver(blob, into, on_progress, relay)
     failed: list[list] = []
     kernel_closes = 0  # the kernel closes a stream early to move this host in the chain, or as it goes
+    retry = RETRY_FIRST
     while receiver.received < blob.size or receiver.good < blob.size:
         receiver.resume_from_good()
         link = None
@@ -600,6 +608,14 @@ def fetch(address: tuple[str, int], secret: bytes, blob: Blob, into: memoryview,
                             f"{timeout:g} s") from exc
         except channel.ChannelError as exc:
             raise BlobError(f"the kernel's blob server at {address[0]}:{address[1]}: {exc}") from exc
+        except BlobError:
+            raise
+        except OSError as exc:  # reset, aborted, refused: the network between this host and the kernel
+            if time.monotonic() - receiver.progressed > timeout:
+                raise BlobError(f"the kernel's blob server at {address[0]}:{address[1]}: {exc}, and no byte of "
+                                f"{receiver.name} came for {timeout:g} s") from exc
+            time.sleep(retry)  # a backoff between tries, not a wait for an event
+            retry = min(retry * 2, RETRY_MAX)
         finally:
             if link is not None:
                 link.close()

@@ -47,8 +47,8 @@ _TO_SERVER = b"S"
 _TO_CLIENT = b"C"
 
 # The resumable channel's own frames (protocol.link_frame) are never counted, never passed on.
-BEAT = 5.0  # seconds: a side that has sent nothing for this long sends an acknowledgement anyway
-SILENT = 15.0  # seconds without a byte from the other side: the connection is dead (a blackhole, a lost NAT entry)
+BEAT = 3.0  # seconds: a side that has sent nothing for this long sends an acknowledgement anyway
+SILENT = 10.0  # seconds without a byte from the other side (three beats): dead (a blackhole, a lost NAT entry)
 ACK_EVERY = 1.0  # seconds between acknowledgements while frames arrive
 DEFAULT_GRACE = 120.0  # seconds a lost connection may take to come back (TaskSpec.reconnect_grace)
 
@@ -222,11 +222,12 @@ class Peer:
             if self.gone:
                 raise ChannelError("the task is gone")
             self.log.append(payload)
-            if self.link is not None:
+            link = self.link
+            if link is not None:
                 try:
-                    self.link.send_raw(payload)
+                    link.send_raw(payload)
                 except OSError:
-                    self.link.drop()  # its reader finds it lost; the frame is in the log
+                    link.drop()  # its reader finds it lost; the frame is in the log
 
     def _attach(self, link: Link, they_received: int) -> None:
         """Make ``link`` this peer's connection: tell the task how much of its output is here, and
@@ -422,7 +423,8 @@ class ChannelServer:
                 return
             peer.gone = True
             self._peers.pop(peer.name, None)
-        link, peer.link = peer.link, None
+        with peer._send_lock:
+            link, peer.link = peer.link, None
         if link is not None:
             link.drop()
         self._put((peer, gone(why=why, since=peer.lost_at, grace=self.grace)))

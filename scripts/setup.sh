@@ -118,6 +118,19 @@ install_pandoc() {
     fi
 }
 
+# For the tests only: iptables, with which tests/test_network_faults.py blackholes and drops the
+# packets of a job's connections inside its own network namespace (ss -K, from iproute2, resets them).
+install_iptables() {
+    command -v iptables >/dev/null 2>&1 && return
+    if [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then
+        say "installing iptables for the network-fault tests (apt-get install iptables)"
+        apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq iptables >/dev/null \
+            || say "could not install iptables: the network-fault tests will fail"
+    else
+        say "iptables not found: the network-fault tests need it, and root"
+    fi
+}
+
 # pip's arguments: the lock's, then the upgrade's, then the caller's. (Empty arrays expand
 # to nothing, also under set -u of bash < 4.4.)
 pip_install() {
@@ -349,6 +362,7 @@ fi
 check_java
 install_mpi
 install_pandoc
+install_iptables
 make_venv
 install_build_deps
 install_horovod

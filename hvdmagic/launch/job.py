@@ -359,12 +359,15 @@ class Job:
             return False
         if now - state.ended_at < TASKS_ENDED_WAIT:
             return False
-        what = "Spark stage" if self.backend.name != "local" else "local tasks"
+        what = "the Spark stage" if self.backend.name != "local" else "the local tasks"
+        wall = time.time() - now
         for rank in state.running():
+            heard = state.last_heard.get(rank, state.go_at or now)
             state.exits[rank] = -1
             state.failures.append(RankFailure(
-                rank, f"the {what} ended before this rank's end reached the kernel: its task lost the "
-                "connection to the kernel, or was ended", "", state.hosts.get(rank, "")))
+                rank, f"{what} ended, but this rank's end never reached the kernel, which last heard from it at "
+                f"{datetime.fromtimestamp(wall + heard).strftime('%H:%M:%S')} ({now - heard:.0f} s before): its "
+                "task lost its connection to the kernel, or was ended", "", state.hosts.get(rank, "")))
         return True
 
     def _contact(self, link, event: dict, state: JobState) -> None:

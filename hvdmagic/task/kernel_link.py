@@ -120,8 +120,10 @@ class KernelLink:
         return event
 
     def finish(self, timeout: float | None = None) -> bool:
-        """Wait until the kernel has everything sent (through outages, up to the grace); say whether it has."""
-        deadline = time.monotonic() + (self.grace if timeout is None else timeout)
+        """Wait until the kernel has everything sent, or the channel has ended (a connection that goes
+        silent is found within ``channel.SILENT``, and the outage that follows lasts the grace at most);
+        say whether the kernel has it all. ``timeout``: give up sooner."""
+        deadline = time.monotonic() + timeout if timeout is not None else float("inf")
         with self._cond:
             while self._over is None and (self._pending or self._sent.frames):
                 left = deadline - time.monotonic()
