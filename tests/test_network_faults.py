@@ -50,7 +50,8 @@ def outcomes() -> dict[str, dict]:
 def _succeeded_with_every_metric(outcome: dict) -> None:
     assert not outcome["fault"].get("error"), f"the fault itself failed: {outcome['fault']}"
     assert outcome["ok"], outcome.get("error")
-    assert outcome["rank0_metrics"] == STEPS, f"rank 0 logged {STEPS} metrics, the kernel has {outcome['rank0_metrics']}"
+    metrics = outcome["rank0_metrics"]
+    assert metrics == STEPS, f"rank 0 logged {STEPS} metrics, the kernel has {metrics}"
 
 
 def _within(outcome: dict, baseline: dict, fault_seconds: float = 0.0) -> None:
