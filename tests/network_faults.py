@@ -30,6 +30,7 @@ FAULT_AT = 8  # the step at which rank 0 says it is training; the fault comes th
 BLACKHOLE = 30.0  # seconds
 LOSS = 0.05  # of the packets to and from the kernel's ports, for the whole run
 SHORT_GRACE = 5.0  # the grace of the case whose fault outlasts it
+ROWS_AT = 13.0  # seconds into a blackhole (the kernel finds the silence after 10) to read the rows
 DEADLINE = 240.0  # for the fault's trigger: a run that never gets there is a failure, said so
 
 
@@ -59,6 +60,7 @@ class Ports:
 
         self.channel: int | None = None
         self.blobs: int | None = None
+        self.blob_server = None
         ports = self
         channel_server, blob_server = channel.ChannelServer, blob_transfer.BlobServer
 
@@ -70,7 +72,7 @@ class Ports:
         class RecordedBlobs(blob_server):
             def __init__(self, *args, **kwargs):
                 super().__init__(*args, **kwargs)
-                ports.blobs = self.address[1]
+                ports.blobs, ports.blob_server = self.address[1], self
 
         channel.ChannelServer, blob_transfer.BlobServer = RecordedChannel, RecordedBlobs
 
@@ -132,8 +134,8 @@ def run_case(case: str, ports: Ports, spark) -> dict:
                 deadline = time.monotonic() + DEADLINE
                 while not _blob_streaming(ports):
                     if time.monotonic() > deadline:
-                        raise TimeoutError("the value's transfer never started")
-                    time.sleep(0.01)
+                        raise TimeoutError("the value's transfer was never caught midway")
+                    time.sleep(0.001)
                 fault["connections"] = reset(ports.blobs)
                 return
             _wait_for(stamp, "rank 0's training")
@@ -141,13 +143,15 @@ def run_case(case: str, ports: Ports, spark) -> dict:
             if case in ("reset", "session_reset"):
                 fault["connections"] = reset(ports.channel)
             elif case in ("blackhole", "past_grace"):
-                blackhole(ports.channel, BLACKHOLE if case == "blackhole" else SHORT_GRACE * 3)
+                seconds = BLACKHOLE if case == "blackhole" else SHORT_GRACE * 3
+                threading.Timer(ROWS_AT, _rows_now, args=(fault,)).start()
+                blackhole(ports.channel, seconds)
         except Exception as exc:  # the case fails with why, rather than hang
             fault["error"] = f"{type(exc).__name__}: {exc}"
 
     injector = threading.Thread(target=inject, daemon=True)
     if case == "blob_reset":
-        value = np.ones(1 << 27)  # 1 GiB of float64: a large value the cell reads
+        value = np.full(1 << 27, time.time())  # 1 GiB of float64 that no host has yet: a large value the cell reads
     started = time.monotonic()
     result = {"case": case}
     try:
@@ -187,6 +191,15 @@ def run_case(case: str, ports: Ports, spark) -> dict:
     return result
 
 
+def _rows_now(fault: dict) -> None:
+    """What the rows say, as the dashboard and the text view show them, well into the blackhole."""
+    import hvdmagic
+    from hvdmagic.kernel.ui import progress_text
+
+    record = hvdmagic.last_run()
+    fault["rows"] = [progress_text.row_state(rank) for rank in record.ranks] if record is not None else []
+
+
 def _lossy_when_launched(ports: Ports, fault: dict) -> None:
     deadline = time.monotonic() + DEADLINE
     while ports.channel is None or ports.blobs is None:
@@ -201,11 +214,11 @@ def _lossy_when_launched(ports: Ports, fault: dict) -> None:
 
 
 def _blob_streaming(ports: Ports) -> bool:
-    if ports.blobs is None:
+    """Whether the value is on its way, past its first 64 MiB and well before its end."""
+    if ports.blob_server is None:
         return False
-    sockets = _run("ss", "-tni", "src", "127.0.0.1", "sport", "=", f":{ports.blobs}")
-    # bytes_acked of a connection the server streams on: past 64 MiB of the value, well before its end
-    return any(int(part.split(":")[1]) > 64 << 20 for part in sockets.split() if part.startswith("bytes_acked:"))
+    progress = ports.blob_server.progress()
+    return 64 << 20 < progress.from_kernel < progress.requested - (256 << 20)
 
 
 def _warm_up():
@@ -216,6 +229,8 @@ def main() -> int:
     _run("ip", "link", "set", "lo", "up")
     os.environ["SPARK_LOCAL_IP"] = "127.0.0.1"
     os.environ["HVDMAGIC_NONINTERACTIVE"] = "1"
+    cache = tempfile.TemporaryDirectory(prefix="hvdmagic-netfault-blobs-")  # the hosts' blob cache, this run's own
+    os.environ["HVDMAGIC_BLOB_CACHE"] = cache.name
     ports = Ports()
     from pyspark.sql import SparkSession
 
@@ -224,7 +239,7 @@ def main() -> int:
     hvdmagic.run(_warm_up, 2)  # starts the embedded Spark and the hosts' rank templates, once for every case
     spark = SparkSession.getActiveSession()
     for case in sys.argv[1:]:
-        ports.channel = ports.blobs = None
+        ports.channel = ports.blobs = ports.blob_server = None
         print(json.dumps(run_case(case, ports, spark)), flush=True)
     return 0
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -75,6 +76,9 @@ def test_a_reset_mid_run_is_a_blip(outcomes):
 def test_a_30_s_blackhole_mid_run_is_outlived(outcomes):
     """No reset, only silence: found by the beats, the tasks reconnect once the packets flow again."""
     outcome = outcomes["blackhole"]
+    rows = outcome["fault"]["rows"]
+    assert len(rows) == 2 and all(re.fullmatch(r"no contact for \d+ s", row) for row in rows), (
+        f"13 s into the blackhole the rows say {rows}")
     _succeeded_with_every_metric(outcome)
     _within(outcome, outcomes["baseline"], fault_seconds=30)
 
