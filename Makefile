@@ -18,7 +18,7 @@ demo: setup
 TEST_WORKERS ?= 0
 test: setup
 	$(PY) -m ruff check .
-	$(PY) -m pytest -p no:cacheprovider -ra -n $(TEST_WORKERS) --dist loadfile --nbval-lax tests notebooks
+	$(PY) -m pytest -p no:cacheprovider -ra --durations=20 -n $(TEST_WORKERS) --dist loadfile --nbval-lax tests notebooks
 
 # The unit tier only (tests/conftest.py's TIERS): no Spark, no rank process, no kernel; seconds.
 test-fast: setup

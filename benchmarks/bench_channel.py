@@ -3,7 +3,7 @@ the resumable one, side by side in one run (docs/performance.md, "The channel pe
 
     .venv/bin/python benchmarks/bench_channel.py [--events 200000] [--rounds 7]
 
-Each round sends ``--events`` frames of a rank's typical report (progress and a metric row, 120 bytes)
+Each round sends ``--events`` frames of a rank's typical report (progress and a metric row, 102 bytes)
 through each path in turn, in a rotating order, until the kernel's queue has them all:
 
 - ``plain``: ``channel.connect`` and ``Link.send_raw`` on the sending thread, into a ``ChannelServer``
@@ -25,47 +25,39 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from hvdmagic import channel  # noqa: E402
-from hvdmagic.task.kernel_link import KernelLink  # noqa: E402
+from hvdmagic import channel
+from hvdmagic.task.kernel_link import KernelLink
 
 FRAME = (b'{"type":"report","progress":{"train":[17,100,"train"]},"metrics":{"step":[17],"loss":[0.25]},'
          b'"rank":0}')
 
 
-def _drain(server: channel.ChannelServer, count: int) -> None:
-    for _ in range(count):
-        server.events.get(timeout=60)
-
-
-def _plain(events: int) -> tuple[float, float]:
+def _time(open_link, events: int) -> tuple[float, float]:
+    """Wall and CPU seconds for ``events`` frames from a link ``open_link(address, secret)`` opens
+    until the kernel's queue holds them all."""
     secret = channel.new_secret()
     server = channel.ChannelServer("127.0.0.1", secret, maxsize=events + 10)
-    link = channel.connect(*server.address, secret)
+    link = open_link(server.address, secret)
     try:
         wall, cpu = time.perf_counter(), time.process_time()
         for _ in range(events):
             link.send_raw(FRAME)
-        _drain(server, events)
+        for _ in range(events):
+            server.events.get(timeout=60)
         return time.perf_counter() - wall, time.process_time() - cpu
     finally:
         link.close()
         server.close()
 
 
-def _resumable(events: int) -> tuple[float, float]:
-    secret = channel.new_secret()
-    server = channel.ChannelServer("127.0.0.1", secret, maxsize=events + 10)
-    link = KernelLink(*server.address, secret)
+def _plain(address, secret) -> channel.Link:
+    return channel.connect(*address, secret)
+
+
+def _resumable(address, secret) -> KernelLink:
+    link = KernelLink(*address, secret)
     link.open()
-    try:
-        wall, cpu = time.perf_counter(), time.process_time()
-        for _ in range(events):
-            link.send_raw(FRAME)
-        _drain(server, events)
-        return time.perf_counter() - wall, time.process_time() - cpu
-    finally:
-        link.close()
-        server.close()
+    return link
 
 
 def main() -> int:
@@ -78,7 +70,7 @@ def main() -> int:
     names = list(paths)
     for round_ in range(args.rounds):
         for name in names[round_ % 2:] + names[:round_ % 2]:
-            figures[name].append(paths[name](args.events))
+            figures[name].append(_time(paths[name], args.events))
     print(f"{args.events} events of {len(FRAME)} bytes a round, {args.rounds} rounds, medians:")
     medians = {}
     for name, runs in figures.items():

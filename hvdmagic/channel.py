@@ -53,6 +53,12 @@ ACK_EVERY = 1.0  # seconds between acknowledgements while frames arrive
 DEFAULT_GRACE = 120.0  # seconds a lost connection may take to come back (TaskSpec.reconnect_grace)
 
 
+def check_size(payload: bytes) -> None:
+    """A frame the other side would refuse fails here, in the sender, with its size."""
+    if len(payload) > MAX_FRAME:
+        raise ValueError(f"event of {len(payload)} bytes exceeds the channel limit of {MAX_FRAME} bytes")
+
+
 class ChannelError(ConnectionError):
     """The peer closed the connection or sent a frame that failed authentication."""
 
@@ -120,8 +126,7 @@ class Link:
 
     def send_raw(self, payload: bytes) -> None:
         """Send an already encoded JSON object (a relayed rank event) as one frame."""
-        if len(payload) > MAX_FRAME:
-            raise ValueError(f"event of {len(payload)} bytes exceeds the channel limit of {MAX_FRAME} bytes")
+        check_size(payload)
         with self._send_lock:
             mac = self._mac(self._send_dir, self._send_seq, payload)
             self._send_seq += 1
@@ -216,8 +221,7 @@ class Peer:
         self.send_raw(json.dumps(event, separators=(",", ":")).encode())
 
     def send_raw(self, payload: bytes) -> None:
-        if len(payload) > MAX_FRAME:
-            raise ValueError(f"event of {len(payload)} bytes exceeds the channel limit of {MAX_FRAME} bytes")
+        check_size(payload)
         with self._send_lock:
             if self.gone:
                 raise ChannelError("the task is gone")

@@ -92,43 +92,43 @@ check_java() {
     fi
 }
 
-# Optional: the MPI controller (--controller mpi). Gloo needs none of it, so a
-# machine where we may not install it only loses that option.
-install_mpi() {
-    command -v mpirun >/dev/null 2>&1 && command -v mpicxx >/dev/null 2>&1 && return
+# Optional Debian packages, where we may install them (root with apt-get): apt_optional WHAT
+# PACKAGES IF_FAILED IF_NOT_ALLOWED, each message saying what is lost without them.
+apt_optional() {
     if [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then
-        say "installing Open MPI for --controller mpi (apt-get install openmpi-bin libopenmpi-dev)"
-        apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openmpi-bin libopenmpi-dev >/dev/null \
-            || say "could not install Open MPI: horovod is built with Gloo only, and --controller mpi is unavailable"
+        say "installing $1 (apt-get install $2)"
+        # shellcheck disable=SC2086  # $2 is a list of packages
+        apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $2 >/dev/null || say "$3"
     else
-        say "Open MPI not found: horovod is built with Gloo only (install openmpi-bin and libopenmpi-dev, then re-run, for --controller mpi)"
+        say "$4"
     fi
 }
 
-# Optional: pandoc, which nbconvert's AsciiDoc export needs for any HTML output (the snapshot's);
+# The MPI controller (--controller mpi). Gloo needs none of it, so a machine where we may not
+# install it only loses that option.
+install_mpi() {
+    command -v mpirun >/dev/null 2>&1 && command -v mpicxx >/dev/null 2>&1 && return
+    apt_optional "Open MPI for --controller mpi" "openmpi-bin libopenmpi-dev" \
+        "could not install Open MPI: horovod is built with Gloo only, and --controller mpi is unavailable" \
+        "Open MPI not found: horovod is built with Gloo only (install openmpi-bin and libopenmpi-dev, then re-run, for --controller mpi)"
+}
+
+# pandoc, which nbconvert's AsciiDoc export needs for any HTML output (the snapshot's);
 # tests/test_frontends.py exports a notebook with it. Nothing of hvdmagic itself needs it.
 install_pandoc() {
     command -v pandoc >/dev/null 2>&1 && return
-    if [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then
-        say "installing pandoc for nbconvert's AsciiDoc export (apt-get install pandoc)"
-        apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq pandoc >/dev/null \
-            || say "could not install pandoc: the AsciiDoc export test is skipped"
-    else
-        say "pandoc not found: the AsciiDoc export test is skipped (install pandoc, then re-run)"
-    fi
+    apt_optional "pandoc for nbconvert's AsciiDoc export" pandoc \
+        "could not install pandoc: the AsciiDoc export test is skipped" \
+        "pandoc not found: the AsciiDoc export test is skipped (install pandoc, then re-run)"
 }
 
 # For the tests only: iptables, with which tests/test_network_faults.py blackholes and drops the
 # packets of a job's connections inside its own network namespace (ss -K, from iproute2, resets them).
 install_iptables() {
     command -v iptables >/dev/null 2>&1 && return
-    if [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then
-        say "installing iptables for the network-fault tests (apt-get install iptables)"
-        apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq iptables >/dev/null \
-            || say "could not install iptables: the network-fault tests will fail"
-    else
-        say "iptables not found: the network-fault tests need it, and root"
-    fi
+    apt_optional "iptables for the network-fault tests" iptables \
+        "could not install iptables: the network-fault tests will fail" \
+        "iptables not found: the network-fault tests need it, and root"
 }
 
 # pip's arguments: the lock's, then the upgrade's, then the caller's. (Empty arrays expand

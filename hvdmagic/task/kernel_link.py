@@ -100,8 +100,7 @@ class KernelLink:
         self.send_raw(json.dumps(event, separators=(",", ":")).encode())
 
     def send_raw(self, payload: bytes) -> None:
-        if len(payload) > channel.MAX_FRAME:
-            raise ValueError(f"event of {len(payload)} bytes exceeds the channel limit of {channel.MAX_FRAME} bytes")
+        channel.check_size(payload)
         with self._cond:
             if self._over is not None:
                 raise ChannelError(self._over)
