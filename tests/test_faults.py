@@ -110,6 +110,20 @@ def test_not_enough_slots_fails_at_once(ip, monkeypatch):
     assert [(w.coming, w.waited_for, w.ran_out) for w in waits] == [(None, None, False)], waits
 
 
+def test_not_enough_slots_for_a_dataframes_session_fails_at_once(ip, monkeypatch):
+    """--data's session is the DataFrame's, given rather than looked up: its slots are counted all the
+    same (they once were not, and the stage waited on Spark's retries), and the embedded session is
+    not restarted bigger under the DataFrame."""
+    run(ip, NEXT_CELL)  # make sure the embedded session exists
+    run(ip, "from pyspark.sql import SparkSession\ndf = SparkSession.getActiveSession().range(64)")
+    waits = record_slot_waits(monkeypatch)
+    _, error = run(ip, "%%horovod --np 64 --data df\nx = 1")
+    assert isinstance(error, LaunchError) and "--np 64 needs 64 barrier task slots" in str(error), error
+    assert "and no more were on their way after" in str(error), error
+    assert [(w.coming, w.waited_for, w.ran_out) for w in waits] == [(None, None, False)], waits
+    assert run(ip, "df.count()") == (64, None)  # its session lives on
+
+
 def test_rank_returning_early_without_collectives_is_fine(ip, tmp_path):
     """Rank 1's process is gone before rank 0 returns: the run still succeeds."""
     pid_file = tmp_path / "rank1.pid"

@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from digits_mnist import write_libsvm
+from helpers import record_slot_waits
 
 import hvdmagic
 from hvdmagic.spark.common.backend import SparkBackend
@@ -248,7 +249,7 @@ def _fails_before_any_rank(estimator, df, match: str) -> None:
 
 
 @pytest.mark.profile
-def test_bad_input_fails_in_one_paragraph_naming_the_column_or_param():
+def test_bad_input_fails_in_one_paragraph_naming_the_column_or_param(monkeypatch):
     import torch
     from pyspark.sql import functions as F
 
@@ -264,7 +265,12 @@ def test_bad_input_fails_in_one_paragraph_naming_the_column_or_param():
     lock = __import__("threading").Lock()
     _fails_before_any_rank(_linear_estimator(loss=lambda out, y: lock and torch.nn.functional.mse_loss(out, y)), df,
                            r"cannot be sent to the ranks \(cloudpickle: TypeError: cannot pickle '_thread.lock'")
-    _fails_before_any_rank(_linear_estimator(num_proc=64), df, r"64")
+    # Too few slots is said first (the rows would not do either), at once: nothing was on its way.
+    waits = record_slot_waits(monkeypatch)
+    _fails_before_any_rank(_linear_estimator(num_proc=64), df,
+                           r"^num_proc=64 needs 64 barrier task slots at once, but this Spark cluster offers 2 .*"
+                           r"no more were on their way after .*use a smaller num_proc, add executors or cores\.$")
+    assert [(w.coming, w.waited_for, w.ran_out) for w in waits] == [(None, None, False)], waits
     nulls = df.withColumn("features", F.when(F.col("x0") > 1, None).otherwise(F.col("features")))
     _fails_before_any_rank(_linear_estimator(), nulls, r"feature column features has a null value")
 

@@ -114,7 +114,8 @@ def make_backend(placement: Placement, on_event: Callable[[dict], None] | None, 
                 from hvdmagic.launch.spark import SparkBackend
 
                 backend = SparkBackend(placement.tasks, spark, data, on_stage=on_stage, gpus=placement.gpus,
-                                       elastic_start=placement.np if placement.elastic else None)
+                                       elastic_start=placement.np if placement.elastic else None,
+                                       asked=placement.asked)
             for note in backend.notes:
                 notify(protocol.note(note))
             return backend

@@ -8,7 +8,7 @@ is decoded here and nowhere else.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 
 from hvdmagic.errors import LaunchError
@@ -62,6 +62,7 @@ class Placement:
     controller: str = "gloo"
     elastic: Elastic | None = None
     gpus: bool = False
+    asked: str = field(default="--np", compare=False)  # how the user wrote np, for errors: --np, num_proc
 
     @classmethod
     def of(cls, np, *, framework: Framework = Framework.HOROVOD, controller: str = "gloo",
@@ -74,7 +75,8 @@ class Placement:
         if np == 0:
             raise PlacementError(f"{name} must be a positive number of Spark ranks, or negative for local mode "
                                  "(e.g. -2: two processes on the driver), not 0.")
-        return cls(abs(np), Where.SPARK if np > 0 else Where.LOCAL, Framework(framework), controller, elastic, gpus)
+        return cls(abs(np), Where.SPARK if np > 0 else Where.LOCAL, Framework(framework), controller, elastic, gpus,
+                   asked=name)
 
     def __post_init__(self) -> None:
         if not isinstance(self.np, int) or isinstance(self.np, bool) or self.np < 1:

@@ -54,51 +54,65 @@ def session_for(np: int, on_stage: Callable[[Stage], None] = lambda stage: None,
 
     Runs on the Spark thread. ``launch.spark_session`` finds, starts or replaces the
     session (``notes`` says when it replaced a broken one). An embedded session too
-    small for ``np`` is restarted bigger; on any other, too few slots wait for those
-    on their way (launch.slots) until ``stop`` is set, then fail in one paragraph.
+    small for ``np`` is restarted bigger; on any other, ``classic_slots`` checks.
     """
     session, new = spark_session.find_or_start(max(np, embedded_slots or 0), on_stage, notes)
     if new:
         return session
+    if spark_session.is_embedded(session) and not held_slots and slot_check.available(session.sparkContext) < np:
+        return spark_session.restart_embedded(max(np, embedded_slots or 0), on_stage)  # no stage of a session there
+    classic_slots(session, np, on_stage, notes, stop=stop)
+    return session
+
+
+def classic_slots(session, np: int, on_stage: Callable[[Stage], None] = lambda stage: None,
+                  notes: list[str] | None = None, asked: str = "--np", stop: threading.Event | None = None) -> None:
+    """The slot check on a classic session that is given (a DataFrame's, an estimator's): ``np``
+    free barrier task slots, after waiting for those on their way (launch.slots) until ``stop``
+    is set, or one paragraph. Runs on the Spark thread. ``asked``: how the user wrote np."""
     sc = session.sparkContext
     held = sum(held_slots.values())
     slots = slot_check.available(sc) - held
-    if slots < np and spark_session.is_embedded(session) and not held:  # a session's stage runs there: keep it
-        return spark_session.restart_embedded(max(np, embedded_slots or 0), on_stage)
     if slots >= np:
-        return session
+        return
     on_stage(Stage.WAITING_FOR_SLOTS)
     waited = slot_check.wait(np, slots, held, lambda: slot_check.available(sc),
                              lambda now: slot_check.on_their_way(sc, now), slot_check.bound(session), stop)
     if waited.slots >= np:
         if notes is not None and (note := waited.note()):
             notes.append(note)
-        return session
+        return
     conf = sc.getConf()
     raise too_few_slots(np, waited, held, sc.master, conf.get("spark.task.cpus", "1"),
-                        conf.get("spark.task.resource.gpu.amount", None))
+                        conf.get("spark.task.resource.gpu.amount", None), asked=asked)
 
 
 def too_few_slots(np: int, waited: slot_check.Waited, held: int, master: str, task_cpus: str,
-                  task_gpus: str | None, kind: str = "Spark") -> LaunchError:
-    """The one paragraph for a cluster without ``np`` free barrier task slots after the wait."""
+                  task_gpus: str | None, kind: str = "Spark", asked: str = "--np") -> LaunchError:
+    """The one paragraph for a cluster without ``np`` free barrier task slots after the wait;
+    ``asked``: how the user wrote np (``--np`` in a cell, an estimator's ``num_proc``)."""
     slots = waited.slots
+
+    def wrote(n: int) -> str:
+        return f"{asked} {n}" if asked.startswith("-") else f"{asked}={n}"
+
     if held:
         return LaunchError(
-            f"--np {np} needs {np} free barrier task slots at once, and the warm ranks of a session hold "
+            f"{wrote(np)} needs {np} free barrier task slots at once, and the warm ranks of a session hold "
             f"{held} of this {kind} cluster's {slots + held} ({waited.reason(np)}): run the cell on the session "
             "(leave out --np), stop the session (%horovod stop), or use local mode (--np -N).")
     per_task = f"{task_cpus} core(s)" + (f" and {task_gpus} GPU(s)" if task_gpus else "")
+    # An estimator's num_proc has no local mode; a cell's --np and HorovodRunner's np do.
+    local = "" if asked == "num_proc" else f", or run on the driver in local mode with {wrote(-np)}"
     return LaunchError(
-        f"--np {np} needs {np} barrier task slots at once, but this {kind} cluster offers {slots} "
+        f"{wrote(np)} needs {np} barrier task slots at once, but this {kind} cluster offers {slots} "
         f"(master {master}, {per_task} per task), {waited.reason(np)}. Spark would retry silently for "
-        f"minutes, so hvdmagic stops here: use a smaller --np, add executors or cores, "
-        f"or run on the driver in local mode with --np -{np}."
+        f"minutes, so hvdmagic stops here: use a smaller {asked}, add executors or cores{local}."
     )
 
 
 def connect_slots(session, np: int, on_stage: Callable[[Stage], None], notes: list[str],
-                  stop: threading.Event | None = None) -> None:
+                  asked: str = "--np", stop: threading.Event | None = None) -> None:
     """The slot check on a Spark Connect session: ``np`` free barrier task slots, or one paragraph.
 
     Runs on the Spark thread. Connect offers no SparkContext, so the count is
@@ -119,7 +133,8 @@ def connect_slots(session, np: int, on_stage: Callable[[Stage], None], notes: li
     if master.startswith("local"):  # a local master has all its slots from the start: nothing to wait for
         waited = slot_check.Waited(count - held, 0.0, None, None, False, 0.0)
         raise too_few_slots(np, waited, held, master, str(spark_connect.task_cpus(session)),
-                            spark_connect.conf(session, "spark.task.resource.gpu.amount"), kind="Spark Connect")
+                            spark_connect.conf(session, "spark.task.resource.gpu.amount"), kind="Spark Connect",
+                            asked=asked)
     on_stage(Stage.WAITING_FOR_SLOTS)
 
     def counted() -> int:
@@ -132,7 +147,15 @@ def connect_slots(session, np: int, on_stage: Callable[[Stage], None], notes: li
             notes.append(note)
         return
     raise too_few_slots(np, waited, held, master, str(spark_connect.task_cpus(session)),
-                        spark_connect.conf(session, "spark.task.resource.gpu.amount"), kind="Spark Connect")
+                        spark_connect.conf(session, "spark.task.resource.gpu.amount"), kind="Spark Connect",
+                        asked=asked)
+
+
+def check_slots(session, np: int, asked: str) -> None:
+    """The launch's slot check, now: for a caller with work to do before its launch (an estimator
+    prepares and counts its DataFrame first), so that too few slots are what it reports first."""
+    check = connect_slots if spark_connect.is_connect(session) else classic_slots
+    SparkBackend._checking_slots(check, session, np, lambda stage: None, [], asked)
 
 
 def kernel_host(session) -> str:
@@ -147,8 +170,9 @@ class SparkBackend(Backend):
     name = "spark"
 
     def __init__(self, np: int, session=None, data=None, on_stage: Callable[[Stage], None] = lambda stage: None,
-                 gpus: bool = False, elastic_start: int | None = None):
+                 gpus: bool = False, elastic_start: int | None = None, asked: str = "--np"):
         self.np = np
+        self.asked = asked  # how the user wrote np, for the slot check's paragraph
         # Elastic (elastic_start given): a plain stage of np tasks, of which elastic_start need
         # slots for training to begin; the rest start as slots free up (launch.elastic).
         self.elastic_start = elastic_start
@@ -171,6 +195,8 @@ class SparkBackend(Backend):
             # A session hvdmagic started on its Spark thread becomes the notebook's active one too.
             if note := spark_session.make_active_here(self.session):
                 self.notes.append(note)
+        else:  # a DataFrame's session (--data, an estimator's fit): counted too, never restarted under it
+            self._checking_slots(classic_slots, self.session, elastic_start or np, on_stage, self.notes, asked)
         self.sc = self.session.sparkContext
         self.bind_host, self.master, task_gpus, self.reconnect_grace = on_spark_thread(lambda: (
             kernel_host(self.session), self.sc.master, self.sc.getConf().get("spark.task.resource.gpu.amount", None),
@@ -191,7 +217,7 @@ class SparkBackend(Backend):
             spark_connect.conf(self.session, "spark.task.resource.gpu.amount"),
             settings.seconds(self.session, settings.RECONNECT_GRACE, DEFAULT_GRACE)))
         self._check_gpus(gpus, task_gpus)
-        self._checking_slots(connect_slots, self.session, np, self.on_stage, self.notes)
+        self._checking_slots(connect_slots, self.session, np, self.on_stage, self.notes, self.asked)
         # On Connect the job "group" is an operation tag: the name Spark cancels it by.
         self.job_group = f"hvdmagic-{uuid.uuid4().hex[:12]}"
         self._thread = None

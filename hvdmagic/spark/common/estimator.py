@@ -27,7 +27,7 @@ import time
 from pyspark.ml import Estimator, Model
 from pyspark.sql import functions as F
 
-from hvdmagic.launch.spark import kernel_host
+from hvdmagic.launch.spark import check_slots, kernel_host
 from hvdmagic.rank.estimator_data import FitSpec
 from hvdmagic.spark.common import columns, model_delivery, tracking, transform_progress
 from hvdmagic.spark.common.params import EstimatorParams
@@ -93,6 +93,7 @@ class HorovodEstimator(Estimator, EstimatorParams):
         session = df.sparkSession
         num_proc = self._num_proc(session)
         self._check_model()
+        check_slots(session, num_proc, "num_proc")  # before the DataFrame's work, and its rows' check
         batch_size = self.getOrDefault("batch_size")
         if batch_size < 1:
             raise FitFailed(f"batch_size must be 1 or more, not {batch_size}.")
