@@ -5,14 +5,24 @@ from __future__ import annotations
 
 import gc
 import os
+import tempfile
 from dataclasses import dataclass, field
 
 import pytest
 from connect_server import ConnectServer, missing_server
 from helpers import kernel, kernel_factory  # noqa: F401 (fixtures: a real Jupyter kernel, for every module)
-from procs import rank_processes
+from procs import TEST_PROCESS_ENV, own_temp_dir, rank_processes
 
 os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
+
+# Each test process (pytest-xdist's worker, or the only one) is on its own beside the others: its temp
+# directory (the hosts' rank templates, blob caches and sockets live under it) and a tag that every
+# process it starts inherits (ranks, Spark's JVMs and workers, mpirun's daemons), by which the tests
+# count only their own processes.
+TEST_PROCESS = f"{os.environ.get('PYTEST_XDIST_WORKER', 'main')}-{os.getpid()}"
+os.environ[TEST_PROCESS_ENV] = TEST_PROCESS
+os.environ["TMPDIR"] = own_temp_dir(TEST_PROCESS)
+tempfile.tempdir = None  # gettempdir() reads TMPDIR again
 
 # CI's machine can run every test: there, .ci/run sets this and a skip is a failure.
 FAIL_ON_SKIP = os.environ.get("HVDMAGIC_FAIL_ON_SKIP") == "1"

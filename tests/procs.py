@@ -5,12 +5,40 @@ from __future__ import annotations
 import contextlib
 import glob
 import os
+import shutil
 import threading
 
 import psutil
 from helpers import wait_until
 
 from hvdmagic.rank.template import TEMPLATE_NAME
+
+# The environment variable by which every process a test process starts says whose it is (conftest.py).
+TEST_PROCESS_ENV = "HVDMAGIC_TEST_PROCESS"
+
+
+def own_temp_dir(tag: str) -> str:
+    """A temp directory of this test process's own (``tag`` ends with its pid), short enough for the
+    AF_UNIX sockets under it. Those of test processes that have ended go: not at this one's end, since
+    IPython's history and atexit work still write under it then."""
+    for old in glob.glob("/tmp/hvdmagic-test-*-*"):
+        pid = old.rsplit("-", 1)[1]
+        if pid.isdigit() and not psutil.pid_exists(int(pid)):
+            shutil.rmtree(old, ignore_errors=True)
+    path = os.path.join("/tmp", f"hvdmagic-test-{tag}")
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    return path
+
+
+def ours(proc: psutil.Process) -> bool:
+    """Whether ``proc`` was started by this test process (or its environment cannot be read, as a
+    process of another user's: then it counts, as before the tag)."""
+    try:
+        return proc.environ().get(TEST_PROCESS_ENV) == os.environ.get(TEST_PROCESS_ENV)
+    except psutil.AccessDenied:
+        return True
+    except psutil.NoSuchProcess:
+        return False
 
 
 def rank_processes(parent: int | None = None) -> list[psutil.Process]:
@@ -80,8 +108,9 @@ def kernel_resources() -> dict[str, int]:
 
 
 def wait_until_no_mpi_processes(within: float = 10.0, what: str = "mpirun, a daemon or a shim outlived the cell"):
-    """Fail, naming them, if mpirun, its daemons, agents or rank shims still run anywhere on the
-    machine ``within`` seconds from now (orted daemonizes, so it is nobody's child here)."""
+    """Fail, naming them, if mpirun, its daemons, agents or rank shims that this test process started
+    still run ``within`` seconds from now (orted daemonizes, so it is nobody's child here: its
+    inherited tag says whose it is, and another pytest-xdist worker's MPI runs do not count)."""
     wait_until(lambda: not _mpi_processes(), within, lambda: f"{what}: {_mpi_processes()}")
 
 
@@ -91,7 +120,8 @@ def _mpi_processes() -> list[str]:
         cmdline = " ".join(proc.info["cmdline"] or [])
         if proc.info["status"] == psutil.STATUS_ZOMBIE:
             continue  # exited; its new parent (init) reaps it in its own time
-        if proc.info["name"] in ("mpirun", "orterun", "orted") or "hvdmagic.launch.mpi_" in cmdline:
+        if (proc.info["name"] in ("mpirun", "orterun", "orted") or "hvdmagic.launch.mpi_" in cmdline) \
+                and ours(proc):
             found.append(f"{proc.info['name']} {proc.pid} ({proc.info['status']}, parent {proc.info['ppid']}) "
                          f"{cmdline[:120]}")
     return found

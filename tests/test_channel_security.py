@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import pickle
 import socket
 import struct
+import tempfile
 import threading
 from pathlib import Path
 
@@ -17,7 +19,7 @@ from hypothesis import strategies as st
 from hvdmagic import channel
 from hvdmagic.launch import Placement, launch, shipment
 
-SENTINEL = Path("/tmp/hvdmagic-fuzz-executed")
+SENTINEL = Path(tempfile.gettempdir()) / f"hvdmagic-fuzz-executed-{os.getpid()}"  # this worker's own
 
 
 class _Bomb:
