@@ -62,7 +62,9 @@ _KERNEL_API = {"run": "hvdmagic.kernel.api", "HorovodRunner": "hvdmagic.kernel.a
 
 def load_ipython_extension(ipython) -> None:
     from hvdmagic.kernel.magic import HorovodMagics
+    from hvdmagic.launch.spark_session import prefer_this_python
 
+    prefer_this_python()  # before the notebook makes its own SparkSession
     ipython.register_magics(HorovodMagics)
 
 

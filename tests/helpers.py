@@ -53,17 +53,29 @@ def wait_until(predicate: Callable[[], Any], timeout: float, message: str | Call
 
 
 # -- Jupyter kernels ----------------------------------------------------------------------------------
-def start_kernel(*, interactive: bool = False, **env: str):
+def users_shell() -> dict[str, str]:
+    """The environment of a user's shell that runs ``.venv/bin/python script.py`` without activating
+    the virtualenv (or of a kernel Jupyter starts): no PYSPARK_PYTHON, and no directory on PATH whose
+    python3 is this Python."""
+    def this_python(folder: str) -> bool:
+        return os.path.realpath(os.path.join(folder, "python3")) == os.path.realpath(sys.executable)
+
+    path = os.pathsep.join(folder for folder in os.environ["PATH"].split(os.pathsep) if not this_python(folder))
+    return {**{k: v for k, v in os.environ.items() if k != "PYSPARK_PYTHON"}, "PATH": path}
+
+
+def start_kernel(*, interactive: bool = False, **env: str | None):
     """A python3 kernel started through jupyter_client, as VS Code starts one (no JPY_SESSION_NAME);
     return (manager, client), the kernel ready. ``interactive``: HVDMAGIC_NONINTERACTIVE is left
     out, so hvdmagic shows its widgets; else it is 1 (text views). ``env`` adds to the kernel's
-    environment, never to this process's."""
+    environment (None: leaves that variable out), never to this process's."""
     from jupyter_client.manager import start_new_kernel
 
     kernel_env = {k: v for k, v in os.environ.items() if k not in ("JPY_SESSION_NAME", "HVDMAGIC_NONINTERACTIVE")}
     if not interactive:
         kernel_env["HVDMAGIC_NONINTERACTIVE"] = "1"
     kernel_env.update(env)
+    kernel_env = {name: value for name, value in kernel_env.items() if value is not None}
     return start_new_kernel(kernel_name="python3", env=kernel_env)
 
 

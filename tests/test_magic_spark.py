@@ -7,7 +7,7 @@ import sys
 
 import pytest
 from conftest import run
-from helpers import stop_active_session
+from helpers import execute, stop_active_session, users_shell
 from procs import rank_processes
 
 from hvdmagic.errors import JobFailed, JobTimeout, LaunchError
@@ -221,6 +221,24 @@ def test_sparks_task_failure_log_stays_out_of_the_cell_on_the_users_own_session(
         context.getConfiguration().removeLogger(TASK_FAILURE_LOGGERS[0])
         context.updateLoggers()
         stop_active_session()
+
+
+def test_the_users_own_local_session_in_a_virtualenv_kernel_just_works(kernel_factory):
+    """A virtualenv's kernel, PYSPARK_PYTHON unset and the virtualenv not on PATH (as Jupyter starts a
+    registered kernel): the user's own local session, made after %load_ext, runs a cell, because its
+    executors run the kernel's Python (launch.spark_session.prefer_this_python), not PATH's python3,
+    which has no pyarrow, torch or hvdmagic."""
+    _, client = kernel_factory(PYSPARK_PYTHON=None, PATH=users_shell()["PATH"])
+    cells = ["%load_ext hvdmagic",
+             "import os\nfrom pyspark.sql import SparkSession\n"
+             "spark = (SparkSession.builder.master('local[2]').config('spark.driver.host', '127.0.0.1')\n"
+             "         .config('spark.ui.enabled', 'false').getOrCreate())",
+             "%%horovod --np 2 --out size\nimport horovod.torch as hvd\nhvd.init()\nhvd.size()",
+             "print(size, os.environ['PYSPARK_PYTHON'] == __import__('sys').executable)"]
+    for cell in cells:
+        reply, texts = execute(client, cell, timeout=240)
+        assert reply["status"] == "ok", "".join(texts)[-3000:]
+    assert texts[-1] == "2 True\n", texts
 
 
 def test_output_reaches_the_driver_while_the_job_runs(tmp_path):

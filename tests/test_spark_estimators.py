@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import sys
@@ -11,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from digits_mnist import write_libsvm
-from helpers import record_slot_waits
+from helpers import record_slot_waits, users_shell
 
 import hvdmagic
 from hvdmagic.spark.common.backend import SparkBackend
@@ -161,9 +160,9 @@ def test_horovods_pytorch_spark_mnist_example_runs_with_only_its_import_changed(
     done = subprocess.run([sys.executable, str(script), "--num-proc", "2", "--epochs", "8", "--batch-size", "64",
                            "--work-dir", str(tmp_path / "work"), "--data-dir", str(tmp_path)],
                           capture_output=True, text=True, timeout=600, cwd=tmp_path,
-                          # The script makes its own SparkSession: its executors run this Python, as a cluster's
-                          # would run the one hvdmagic is installed in.
-                          env={**os.environ, "PYSPARK_PYTHON": sys.executable})
+                          # As `.venv/bin/python script.py` from a shell: no PYSPARK_PYTHON, the venv not on PATH;
+                          # its SparkSession's executors run this Python (import hvdmagic.spark sees to it).
+                          env=users_shell())
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
     accuracy = float(re.search(r"Test accuracy: ([\d.]+)", done.stdout).group(1))
     assert accuracy > 0.6, f"test accuracy {accuracy} (0.1 is a model that learned nothing)\n{done.stdout[-3000:]}"

@@ -3,7 +3,6 @@ KerasModel predicts on the executors; horovod's Keras example runs with only its
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import sys
@@ -12,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from digits_mnist import write_libsvm
+from helpers import users_shell
 from test_spark_estimators import _embedded_spark, _regression
 
 import hvdmagic
@@ -103,7 +103,9 @@ def test_horovods_keras_spark_mnist_example_runs_with_only_its_import_changed(tm
     done = subprocess.run([sys.executable, str(script), "--num-proc", "2", "--epochs", "2", "--batch-size", "64",
                            "--work-dir", str(tmp_path / "work"), "--data-dir", str(tmp_path)],
                           capture_output=True, text=True, timeout=900, cwd=tmp_path,
-                          env={**os.environ, "PYSPARK_PYTHON": sys.executable})
+                          # As `.venv/bin/python script.py` from a shell: no PYSPARK_PYTHON, the venv not on PATH;
+                          # its SparkSession's executors run this Python (import hvdmagic.spark sees to it).
+                          env=users_shell())
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
     accuracy = float(re.search(r"Test accuracy: ([\d.]+)", done.stdout).group(1))
     assert accuracy > 0.6, f"test accuracy {accuracy} (0.1 is a model that learned nothing)\n{done.stdout[-3000:]}"

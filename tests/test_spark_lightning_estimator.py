@@ -4,7 +4,6 @@ torch.distributed ranks), PyTorch Lightning 1.x modules and callbacks included, 
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import sys
@@ -15,6 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from digits_mnist import write_libsvm
+from helpers import users_shell
 from test_spark_estimators import _embedded_spark
 
 import hvdmagic
@@ -265,9 +265,9 @@ def test_horovods_pytorch_lightning_spark_mnist_example_runs_with_only_its_impor
     done = subprocess.run([sys.executable, str(script), "--num-proc", "2", "--epochs", "5", "--batch-size", "32",
                            "--work-dir", str(tmp_path / "work"), "--data-dir", str(tmp_path)],
                           capture_output=True, text=True, timeout=600, cwd=tmp_path,
-                          # The script makes its own SparkSession: its executors run this Python, as a cluster's
-                          # would run the one hvdmagic is installed in.
-                          env={**os.environ, "PYSPARK_PYTHON": sys.executable})
+                          # As `.venv/bin/python script.py` from a shell: no PYSPARK_PYTHON, the venv not on PATH;
+                          # its SparkSession's executors run this Python (import hvdmagic.spark sees to it).
+                          env=users_shell())
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
     assert "Skip test" not in done.stdout, done.stdout[-3000:]
     accuracy = float(re.search(r"Test accuracy: ([\d.]+)", done.stdout).group(1))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import shlex
 import socket
@@ -483,3 +484,34 @@ def test_the_benchmarks_start_their_kernels_in_one_place():
     benchmarks = Path(__file__).resolve().parents[1] / "benchmarks"
     starting = sorted(path.name for path in benchmarks.glob("*.py") if "start_new_kernel" in path.read_text())
     assert starting == ["_common.py"], starting
+
+
+def test_the_executors_python_is_this_one_where_nothing_else_is_said(monkeypatch, tmp_path):
+    """launch.spark_session.prefer_this_python: what %load_ext and import hvdmagic.spark do before the
+    user's own SparkSession, for its local-mode executors."""
+    import sys
+
+    from hvdmagic.launch import spark_session
+
+    for name in ("PYSPARK_PYTHON", "SPARK_REMOTE", "MASTER", "PYSPARK_SUBMIT_ARGS"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("SPARK_CONF_DIR", str(tmp_path))
+    context = getattr(sys.modules.get("pyspark"), "SparkContext", None)
+    if context is not None:  # a test before this one may have left a context: none runs in this one
+        monkeypatch.setattr(context, "_active_spark_context", None)
+    assert spark_session.prefer_this_python() and os.environ["PYSPARK_PYTHON"] == sys.executable
+    monkeypatch.setenv("PYSPARK_PYTHON", "/opt/their/python")  # the user's, or the runtime's, is theirs
+    assert not spark_session.prefer_this_python() and os.environ["PYSPARK_PYTHON"] == "/opt/their/python"
+    for name, value in (("MASTER", "yarn"), ("PYSPARK_SUBMIT_ARGS", "--master spark://head:7077 pyspark-shell")):
+        monkeypatch.delenv("PYSPARK_PYTHON", raising=False)
+        monkeypatch.setenv(name, value)
+        assert not spark_session.prefer_this_python() and "PYSPARK_PYTHON" not in os.environ, name
+        monkeypatch.delenv(name)
+    (tmp_path / "spark-defaults.conf").write_text("spark.executor.memory 4g\nspark.master   k8s://https://api:6443\n")
+    assert not spark_session.prefer_this_python() and "PYSPARK_PYTHON" not in os.environ
+    (tmp_path / "spark-defaults.conf").write_text("spark.master local[4]\n")
+    assert spark_session.prefer_this_python()
+    monkeypatch.delenv("PYSPARK_PYTHON")
+    if context is not None:
+        monkeypatch.setattr(context, "_active_spark_context", object())  # a session runs: too late to change
+        assert not spark_session.prefer_this_python() and "PYSPARK_PYTHON" not in os.environ

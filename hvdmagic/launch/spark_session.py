@@ -175,6 +175,37 @@ def _java_check() -> None:
         )
 
 
+def prefer_this_python() -> bool:
+    """Make PYSPARK_PYTHON this process's Python where it is unset, no SparkContext runs yet and
+    nothing says that the session to come runs on a cluster. A local-mode session's executors
+    otherwise start the ``python3`` on PATH: from a virtualenv kernel (or ``.venv/bin/python
+    script.py``, not activated) one without pyarrow, torch or hvdmagic, which no error can fix
+    without a restart. A cluster's master (``MASTER``, ``--master`` in ``PYSPARK_SUBMIT_ARGS``,
+    ``spark.master`` in ``$SPARK_HOME/conf/spark-defaults.conf``) leaves it alone: its workers may
+    have no such path. Returns whether it set it. Called by ``%load_ext hvdmagic`` and ``import
+    hvdmagic.spark``; imports nothing."""
+    if os.environ.get("PYSPARK_PYTHON") or os.environ.get("SPARK_REMOTE") or _master_named_elsewhere():
+        return False
+    context = getattr(sys.modules.get("pyspark"), "SparkContext", None)
+    if context is not None and context._active_spark_context is not None:
+        return False  # too late: the executors' Python is fixed (first_line's advice says so if it is wrong)
+    os.environ["PYSPARK_PYTHON"] = sys.executable
+    return True
+
+
+def _master_named_elsewhere() -> bool:
+    """Whether a non-local master is named outside the notebook's code, where a session would find it."""
+    masters = [os.environ.get("MASTER", "")]
+    if found := re.search(r"--master[= ](\S+)", os.environ.get("PYSPARK_SUBMIT_ARGS", "")):
+        masters.append(found.group(1))
+    defaults = Path(os.environ.get("SPARK_CONF_DIR") or Path(os.environ.get("SPARK_HOME", "/nonexistent")) / "conf")
+    with contextlib.suppress(OSError):
+        for line in (defaults / "spark-defaults.conf").read_text().splitlines():
+            if found := re.match(r"\s*spark\.master[\s=]+(\S+)", line):
+                masters.append(found.group(1))
+    return any(master and not master.startswith("local") for master in masters)
+
+
 def start_embedded(slots: int, archive_option: str | None = None):
     """A new embedded ``local[slots]`` session; its JVM maps the class-data archive (``jvm_archive``)
     when one has been made, or ``archive_option`` says otherwise."""

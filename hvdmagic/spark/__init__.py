@@ -27,3 +27,9 @@ reports in ``hvdmagic.task.batch_inference`` and ``transform_reports`` (an execu
 Modules here may import pyspark, ``hvdmagic.kernel`` (the launcher's Python API), and what
 travels to the ranks and executors; nothing below imports them.
 """
+
+from hvdmagic.launch.spark_session import prefer_this_python
+
+# A script or notebook that imports the estimators makes its SparkSession next: on one machine, its
+# executors run this Python (launch.spark_session.prefer_this_python says when, and why).
+prefer_this_python()
