@@ -88,7 +88,7 @@ class Held(torch.utils.data.Dataset):  # a plain torch Dataset for the evaluatio
 
 args = TrainingArguments(output_dir=tempfile.mkdtemp(), per_device_train_batch_size=16, num_train_epochs=2,
                          learning_rate=5e-3, logging_steps=2, eval_strategy="steps", eval_steps=4,
-                         save_strategy="no", report_to=[], use_cpu=True, seed=0)
+                         save_strategy="no", report_to=[], seed=0)
 trainer = Trainer(model=model, args=args, train_dataset=train, eval_dataset=Held())
 trainer.train().training_loss
 """
@@ -114,6 +114,20 @@ def test_hugging_face_trainer_drives_the_rows_and_its_logs_are_metrics_with_no_c
     assert list(rows.dropna(subset=["loss"])["step"]) == list(range(2, steps + 1, 2)), "the Trainer's global steps"
     assert eval_loss.iloc[-1] < eval_loss.iloc[0], f"the evaluation loss should fall: {list(eval_loss)}"
     assert isinstance(result, float) and result == pytest.approx(rows["train_loss"].dropna().iloc[-1])
+
+
+def test_a_trainer_told_to_run_alone_in_a_cell_of_two_ranks_is_not_shown_as_healthy(ip):
+    """The cell's environment says ACCELERATE_USE_CPU=false: hvdmagic keeps it, so each rank's Trainer
+    runs NOT_PARALLEL, and a note says that each rank trains its own copy on all the data."""
+    pytest.importorskip("transformers", reason="the README's set-up installs transformers")
+    cell = HF_CELL.replace("import tempfile\n", "import os, tempfile\nos.environ['ACCELERATE_USE_CPU'] = 'false'\n")
+    cell = cell.replace("num_train_epochs=2,", "max_steps=2,").replace('eval_strategy="steps"', 'eval_strategy="no"')
+    _, error = run(ip, cell)
+    assert error is None, error
+    notes = [note for note in hvdmagic.last_run().notes if "runs alone" in note]
+    assert len(notes) == 1 and "the Trainer of ranks 0, 1 runs alone" in notes[0], hvdmagic.last_run().notes
+    assert "world size 1) in a cell of 2 ranks: each rank trains its own copy" in notes[0], \
+        hvdmagic.last_run().notes
 
 
 LIGHTNING_TRAINERS = """
@@ -148,7 +162,7 @@ import torch
 from accelerate import Accelerator, notebook_launcher
 
 def training_function():
-    accelerator = Accelerator(cpu=True)
+    accelerator = Accelerator()
     torch.manual_seed(0)
     x = torch.rand(128, 4)
     data = torch.utils.data.TensorDataset(x, x.sum(dim=1, keepdim=True))

@@ -20,6 +20,9 @@ the rank's row and what they log becomes the rank's metrics, with no hvdmagic ca
   rank; accelerate's trackers log the main process's). ``notebook_launcher`` in a rank runs its
   function in place and returns its value: the cell's ranks are the processes it would have started.
 - **Hugging Face's ``TrainingArguments``** that need a GPU, in a rank that has none, fail saying so.
+  On CPU ranks, they and ``Accelerator()`` train across the cell's ranks without ``use_cpu=True``
+  or ``cpu=True`` (accelerate would otherwise run each rank alone); a Trainer still alone in a cell
+  of several ranks says so in a note.
 - **Other launchers' habits.** A Lightning ``Trainer`` whose strategy would spawn or fork
   (``ddp_spawn``, ``ddp_fork``, ``ddp_notebook``), or whose ``devices`` and ``num_nodes`` do not
   match the cell's layout, and ``torch.multiprocessing.spawn`` / ``start_processes`` called from
@@ -175,6 +178,13 @@ def adopt_transformers(module) -> None:
 
         def on_train_begin(self, args, state, control, **kwargs):
             telemetry.progress(state.global_step, state.max_steps, "step")
+            layout = _torchrun_layout()
+            if layout and layout[0] > 1 and args.world_size == 1:  # never shown as healthy
+                telemetry.emit(protocol.note(
+                    f"hvdmagic: the Trainer of {{ranks}} runs alone ({args.parallel_mode}, world size 1) in a "
+                    f"cell of {layout[0]} ranks: each rank trains its own copy on all the data. Leave "
+                    "ACCELERATE_USE_CPU unset (or give TrainingArguments use_cpu=True on CPU ranks) so that it "
+                    "trains across them.", rank=int(os.environ.get("RANK", 0)), ranked=True))
 
         def on_epoch_begin(self, args, state, control, **kwargs):
             telemetry.progress(int(state.epoch or 0), self.epochs(state), "epoch")
@@ -209,10 +219,28 @@ def adopt_transformers(module) -> None:
     setattr(module, _ADOPTED, True)
 
 
+def _cpu_ranks_train_together() -> None:
+    """In a ``%%torchrun`` cell of several ranks without GPUs, Hugging Face's ``TrainingArguments``
+    and accelerate's ``Accelerator`` not given ``use_cpu=True`` / ``cpu=True`` would run NOT_PARALLEL:
+    accelerate picks its distributed type from the devices it finds, and takes the CPU's (gloo) only
+    when told. Each rank then trained a copy of its own on all the data, and looked healthy.
+    ``ACCELERATE_USE_CPU``, which ``accelerate launch --cpu`` sets, is what both read; a value the
+    cell's environment gives is kept."""
+    layout = _torchrun_layout()
+    if layout is None or layout[0] < 2 or "ACCELERATE_USE_CPU" in os.environ:
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ["ACCELERATE_USE_CPU"] = "true"
+
+
 def adopt_training_arguments(module) -> None:
     """A ``TrainingArguments`` that needs a GPU (``bf16=True`` without ``use_cpu``), made in a rank
     without one, fails saying that the rank has none and what to give instead: a notebook moved from
-    a GPU machine to a cell's CPU ranks brings such arguments."""
+    a GPU machine to a cell's CPU ranks brings such arguments. On CPU ranks, the arguments train
+    across the cell's ranks (``_cpu_ranks_train_together``)."""
+    _cpu_ranks_train_together()
     cls = module.TrainingArguments
     if cls.__dict__.get(_ADOPTED):
         return
@@ -241,7 +269,9 @@ def adopt_training_arguments(module) -> None:
 
 
 def adopt_accelerator(module) -> None:
-    """``Accelerator.log(values, step)`` also logs ``values``' numbers as this rank's metrics."""
+    """``Accelerator.log(values, step)`` also logs ``values``' numbers as this rank's metrics; on CPU
+    ranks, an ``Accelerator()`` trains across the cell's ranks (``_cpu_ranks_train_together``)."""
+    _cpu_ranks_train_together()
     cls = module.Accelerator
     if cls.__dict__.get(_ADOPTED):
         return
