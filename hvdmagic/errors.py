@@ -35,6 +35,14 @@ class LaunchError(HvdmagicError, RuntimeError):
         self.details = details
 
 
+class BadArgument(HvdmagicError, ValueError):
+    """An argument that cannot work (an estimator's, a store's path): the message says what to give."""
+
+
+class BadArgumentType(HvdmagicError, TypeError):
+    """An argument of a kind, or a name, that the callee does not take."""
+
+
 class CaptureError(HvdmagicError, ValueError):
     """The cell could not be turned into something the ranks can run."""
 

@@ -9,10 +9,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import run
 from digits_mnist import write_libsvm
 from helpers import record_slot_waits, users_shell
 
 import hvdmagic
+from hvdmagic.errors import HvdmagicError
 from hvdmagic.spark.common.backend import SparkBackend
 from hvdmagic.spark.common.store import Store
 from hvdmagic.spark.torch import TorchEstimator, TorchModel
@@ -242,6 +244,8 @@ def _fails_before_any_rank(estimator, df, match: str) -> None:
         estimator.fit(df)
     message = str(caught.value)
     assert re.search(match, message), message
+    # In a notebook, the paragraph alone, as a cell's errors show (no frames of pyspark or hvdmagic).
+    assert isinstance(caught.value, HvdmagicError), type(caught.value)
     assert "\n" not in message.strip() and "at org.apache" not in message, message
     record = hvdmagic.last_run()
     assert record is runs or not record.ranks or all(not rank.logs for rank in record.ranks), "a rank started"
@@ -272,6 +276,16 @@ def test_bad_input_fails_in_one_paragraph_naming_the_column_or_param(monkeypatch
     assert [(w.coming, w.waited_for, w.ran_out) for w in waits] == [(None, None, False)], waits
     nulls = df.withColumn("features", F.when(F.col("x0") > 1, None).otherwise(F.col("features")))
     _fails_before_any_rank(_linear_estimator(), nulls, r"feature column features has a null value")
+
+
+def test_an_estimator_mistake_in_a_notebook_cell_shows_one_paragraph(ip, capfd):
+    ip.user_ns.update(df=_regression(_embedded_spark(), rows=64), estimator=_linear_estimator(feature_cols=["nope"]))
+    capfd.readouterr()
+    _, error = run(ip, "estimator.fit(df)")
+    shown = "".join(capfd.readouterr())
+    assert error is not None
+    assert shown.strip() == f"ColumnError: {error}", shown
+    assert "no feature column 'nope'" in shown and "pyspark/ml/base.py" not in shown, shown
 
 
 # -- MLflow ---------------------------------------------------------------------------------------------------

@@ -8,6 +8,8 @@ anything; the others are accepted so that existing code runs unchanged.
 
 from __future__ import annotations
 
+from hvdmagic.errors import BadArgument
+
 
 class SparkBackend:
     """The processes a fit runs on.
@@ -24,7 +26,7 @@ class SparkBackend:
     def __init__(self, num_proc: int | None = None, env: dict | None = None, stdout=None, stderr=None,
                  prefix_output_with_timestamp: bool = False, verbose: int = 1, **kwargs):
         if num_proc is not None and (not isinstance(num_proc, int) or num_proc < 1):
-            raise ValueError(f"SparkBackend(num_proc=...) takes a positive number of processes, not {num_proc!r}.")
+            raise BadArgument(f"SparkBackend(num_proc=...) takes a positive number of processes, not {num_proc!r}.")
         self._num_proc = num_proc
         self.env = dict(env or {})
 
@@ -33,7 +35,7 @@ class SparkBackend:
         if self._num_proc is not None:
             return self._num_proc
         if session is None:
-            raise ValueError("SparkBackend() without num_proc needs a SparkSession to count its slots")
+            raise BadArgument("SparkBackend() without num_proc needs a SparkSession to count its slots")
         from hvdmagic.launch import spark_connect
 
         if spark_connect.is_connect(session):

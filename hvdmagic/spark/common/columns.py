@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pyspark.sql import functions as F
 from pyspark.sql import types as T
 
+from hvdmagic.errors import HvdmagicError
 from hvdmagic.rank.estimator_data import VALIDATION_COLUMN
 
 _NUMERIC = (T.ByteType, T.ShortType, T.IntegerType, T.LongType, T.FloatType, T.DoubleType, T.DecimalType,
@@ -24,7 +25,7 @@ _NULL = "has a null value; drop or fill those rows (df.na.drop(subset=[...]))"
 _RAISED_NULL = re.compile(r"hvdmagic: (\w[\w ]* column \S+ " + re.escape(_NULL) + ")")
 
 
-class ColumnError(ValueError):
+class ColumnError(HvdmagicError, ValueError):
     """A column the estimator cannot use; the message names it and says why."""
 
 

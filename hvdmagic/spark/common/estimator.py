@@ -27,6 +27,7 @@ import time
 from pyspark.ml import Estimator, Model
 from pyspark.sql import functions as F
 
+from hvdmagic.errors import HvdmagicError
 from hvdmagic.launch.spark import check_slots, kernel_host
 from hvdmagic.rank.estimator_data import FitSpec
 from hvdmagic.spark.common import columns, model_delivery, tracking, transform_progress
@@ -39,8 +40,9 @@ def horovod_available() -> bool:
     return importlib.util.find_spec("horovod") is not None and importlib.util.find_spec("horovod.torch") is not None
 
 
-class FitFailed(RuntimeError):
-    """A fit that could not start: the message says what to change."""
+class FitFailed(HvdmagicError, RuntimeError):
+    """A fit that could not start: the message says what to change, in one paragraph as a cell's
+    errors do (no frames of pyspark's or hvdmagic's)."""
 
 
 class HorovodEstimator(Estimator, EstimatorParams):

@@ -12,6 +12,8 @@ import difflib
 
 from pyspark.ml.param import Param, Params, TypeConverters
 
+from hvdmagic.errors import BadArgumentType
+
 
 def _param(name: str, doc: str, converter=None) -> Param:
     return Param(Params._dummy(), name, doc, typeConverter=converter)
@@ -99,8 +101,8 @@ class EstimatorParams(Params):
             known = [p.name for p in self.params] + list(PETASTORM_ONLY)
             hints = [f"{name!r} (did you mean {close[0]!r}?)" if (close := difflib.get_close_matches(name, known, 1))
                      else repr(name) for name in unknown]
-            raise TypeError(f"{type(self).__name__} got unknown argument(s) {', '.join(hints)}; its params are "
-                            f"{', '.join(sorted(p.name for p in self.params))}.")
+            raise BadArgumentType(f"{type(self).__name__} got unknown argument(s) {', '.join(hints)}; its params "
+                                  f"are {', '.join(sorted(p.name for p in self.params))}.")
         self._ignored = sorted(name for name in kwargs if name in PETASTORM_ONLY)
         self._set(**{name: value for name, value in kwargs.items() if self.hasParam(name) and value is not None})
 

@@ -22,8 +22,14 @@ from pathlib import Path
 
 from pyspark.ml.util import MLReadable, MLReader, MLWritable, MLWriter
 
+from hvdmagic.errors import HvdmagicError
+
 _NOT_SAVED = ("store", "backend")
 _CLASS_KEY = "class"
+
+
+class PathExists(HvdmagicError, FileExistsError):
+    """A save over what is there, without overwrite(): Spark ML's own rule, in one paragraph."""
 
 
 def _jsonable(value) -> bool:
@@ -51,7 +57,7 @@ class StageWriter(MLWriter):
         root = Path(path)
         if root.exists():
             if not self.shouldOverwrite:
-                raise FileExistsError(f"{path} exists already: write().overwrite().save(path) replaces it.")
+                raise PathExists(f"{path} exists already: write().overwrite().save(path) replaces it.")
             shutil.rmtree(root)
         root.mkdir(parents=True)
         stage = self.instance

@@ -17,6 +17,8 @@ import os
 import uuid
 from pathlib import Path
 
+from hvdmagic.errors import BadArgument
+
 _REMOTE_SCHEMES = ("hdfs://", "s3://", "s3a://", "abfss://", "gs://", "dbfs:/", "wasbs://")
 
 
@@ -40,9 +42,9 @@ class Store:
         if text.startswith(_REMOTE_SCHEMES):
             fuse = "/dbfs/" + text.split(":/", 1)[1].lstrip("/") if text.startswith("dbfs:/") else None
             instead = f" (here: {fuse})" if fuse else " (e.g. /dbfs/... on Databricks)"
-            raise ValueError(f"Store.create({str(prefix_path)!r}): hvdmagic's store is a local path or a FUSE mount "
-                             f"that every host sees{instead}; it does not speak {text.split(':', 1)[0]}:// itself. "
-                             "The training data never goes through the store: only checkpoints and logs do.")
+            raise BadArgument(f"Store.create({str(prefix_path)!r}): hvdmagic's store is a local path or a FUSE mount "
+                              f"that every host sees{instead}; it does not speak {text.split(':', 1)[0]}:// itself. "
+                              "The training data never goes through the store: only checkpoints and logs do.")
         return Store(Path(text).expanduser().absolute())
 
     # -- horovod.spark's names --------------------------------------------------
