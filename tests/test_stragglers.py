@@ -438,12 +438,15 @@ def test_a_rank_that_sleeps_longer_each_step_is_flagged_and_only_it(ip, capfd):
 
 # Ranks in step, as in data-parallel training: an allreduce every step. Rank 2 does 0.1 s of work a
 # step and the others 0.02 s, so they wait for it in the allreduce and all make the same steps a second.
+# Balanced, 250 steps of 0.02 s: over two of the detector's windows (WINDOW_SECONDS), so that it
+# compares the ranks even when they start a second apart on a loaded machine (100 steps, one window,
+# once left it nothing to compare).
 _IN_STEP = """%%horovod --np -3
 import os, time, torch, hvdmagic
 import horovod.torch as hvd
 hvd.init()
 work = 0.1 if hvd.rank() == 2 and {straggle} else 0.02
-for step in hvdmagic.track(range(100), desc="train"):
+for step in hvdmagic.track(range(100 if {straggle} else 250), desc="train"):
     time.sleep(work)
     hvd.allreduce(torch.ones(4), name="grad")
 """

@@ -46,6 +46,9 @@ RECENT_PROGRESS = 10.0  # a rank silent for longer than this is named as "stoppe
 # Seconds the job loop waits, once every task has ended, for rank ends still on their way before it calls the
 # ranks lost: a task ends only after the kernel acknowledged its last event, so this is only the loop's own lag.
 TASKS_ENDED_WAIT = 1.0
+# Seconds a rank whose task's connection closed waits for the backend to say why (a Spark task's
+# failure names its cause) before the rank fails with the closed connection as the reason.
+CLOSED_WAIT = 10.0
 
 
 @dataclass
@@ -83,6 +86,9 @@ class JobState:
     rows: dict[int, tuple[int, int]] = field(default_factory=dict)  # --data: (rows, padding) by rank
     stacks: dict[int, str] = field(default_factory=dict)  # by rank: where it was when the watchdog fired
     ended_at: float | None = None  # when the backend's tasks had all ended, while some rank's end had not come
+    # By rank: when its task's connection closed (a FIN: its process ended) before the rank's end came,
+    # and the GONE event that said so. Its Spark task's failure usually explains it a moment later.
+    closed: dict[int, tuple[float, dict]] = field(default_factory=dict)
 
     @property
     def clean(self) -> bool:
@@ -254,7 +260,7 @@ class Job:
                     aborted_at = now
                 elif error := self.backend.failure() or (self.mpi and self.mpi.failure()):
                     raise LaunchError(error, details=self.backend.failure_details)
-                elif self._tasks_ended_unheard(server, state, now):
+                elif self._tasks_ended_unheard(server, state, now) or self._closed_unexplained(state, now):
                     continue  # failures recorded: the next turn stops the rest
             elif now - aborted_at > ABORT_GRACE:
                 break
@@ -370,9 +376,19 @@ class Job:
                 "task lost its connection to the kernel, or was ended", "", state.hosts.get(rank, "")))
         return True
 
+    def _closed_unexplained(self, state: JobState, now: float) -> bool:
+        """Fail the ranks whose task's connection closed CLOSED_WAIT ago while the backend has said
+        nothing of it since (a task that ended without failing, a backend that cannot tell)."""
+        due = [rank for rank, (at, _) in state.closed.items() if rank not in state.exits and now - at > CLOSED_WAIT]
+        for rank in due:
+            state.exits[rank] = -1
+            state.failures.append(RankFailure(rank, lost_contact(state.closed[rank][1]), "", state.hosts.get(rank, "")))
+        return bool(due)
+
     def _contact(self, link, event: dict, state: JobState) -> None:
         """A task's connection broke or came back (CONTACT), or the task is gone (GONE): the first two
-        are shown on its rank's row; the last fails that rank, unless its end had arrived."""
+        are shown on its rank's row; the last fails that rank, unless its end had arrived; at once past
+        the grace, after CLOSED_WAIT for a connection that closed (``_closed_unexplained``)."""
         task = next((task for task, (peer, _) in state.hellos.items() if peer is link), None)
         slot = state.slots.get(task) if task is not None else None
         if slot is None:
@@ -383,6 +399,8 @@ class Job:
         rank = slot.rank
         if event.get("type") == Event.CONTACT:
             self.on_event({**event, **protocol.contact(rank=rank, host=state.hosts.get(rank, ""))})
+        elif event.get("why") == "closed":  # its process ended: the backend says why in a moment
+            state.closed.setdefault(rank, (time.monotonic(), event))
         elif rank not in state.exits:
             state.exits[rank] = -1
             state.failures.append(RankFailure(rank, lost_contact(event), "", state.hosts.get(rank, "")))
