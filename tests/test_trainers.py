@@ -3,6 +3,7 @@ reach the dashboard with no hvdmagic callback in the cell (``hvdmagic/rank/train
 
 from __future__ import annotations
 
+import dataclasses
 import textwrap
 
 import pytest
@@ -10,6 +11,7 @@ from conftest import run
 from test_framework_bars import TQDM_TEXT, run_as_rank
 
 import hvdmagic
+from hvdmagic.kernel.ui.progress_text import pick_bars
 
 LIGHTNING_CELL = """%%torchrun --np -2
 import torch
@@ -105,6 +107,12 @@ def test_hugging_face_trainer_drives_the_rows_and_its_logs_are_metrics_with_no_c
         bars = {desc: (bar.step, bar.total) for desc, bar in rank.bars.items()}
         # 32 evaluation rows, 8 a batch, half on each rank: 2 batches a rank an evaluation.
         assert bars == {"epoch": (2, 2), "step": (steps, steps), "evaluate": (2, 2)}, f"rank {rank.rank}: {bars}"
+        # While it trains (epoch 1 of 2, before any evaluation), the row's bar is the step and its
+        # counter the epoch: "epoch 1/2 ... step 5/16".
+        training = {desc: dataclasses.replace(bar, step=1) if desc == "epoch" else bar
+                    for desc, bar in rank.bars.items() if desc != "evaluate"}  # in the row's own order
+        outer, inner = pick_bars(training)
+        assert outer and (outer[0], inner[0]) == ("epoch", "step"), [(d, b.first_time, b.time, b.step, b.total) for d, b in training.items()]
         logs = record.logs[rank.rank]
         assert "{'loss'" not in logs and not TQDM_TEXT.search(logs), f"the Trainer's text:\n{logs}"
     rows = record.metrics[record.metrics["rank"] == 0]

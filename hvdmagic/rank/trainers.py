@@ -177,7 +177,7 @@ def adopt_transformers(module) -> None:
             return math.ceil(state.num_train_epochs) if state.num_train_epochs < 1e9 else None
 
         def on_train_begin(self, args, state, control, **kwargs):
-            telemetry.progress(state.global_step, state.max_steps, "step")
+            self.on_epoch_begin(args, state, control)
             layout = _torchrun_layout()
             if layout and layout[0] > 1 and args.world_size == 1:  # never shown as healthy
                 telemetry.emit(protocol.note(
@@ -187,7 +187,11 @@ def adopt_transformers(module) -> None:
                     "trains across them.", rank=int(os.environ.get("RANK", 0)), ranked=True))
 
         def on_epoch_begin(self, args, state, control, **kwargs):
+            # The step after the epoch, each time: the row's bar is the one first reported last
+            # (``progress_text.pick_bars``), and the step is the bar to watch, the epoch its counter
+            # ("epoch 1/2 ... step 5/16"); a report carries each bar's latest call.
             telemetry.progress(int(state.epoch or 0), self.epochs(state), "epoch")
+            telemetry.progress(state.global_step, state.max_steps, "step")
 
         def on_step_end(self, args, state, control, **kwargs):
             telemetry.progress(state.global_step, state.max_steps, "step")
