@@ -151,7 +151,20 @@ class JobFailed(HvdmagicError, RuntimeError):
 
 
 class JobTimeout(JobFailed, TimeoutError):
-    """--timeout or --stall-timeout ran out; a TimeoutError, so callers can catch it without hvdmagic."""
+    """--timeout or --stall-timeout ran out; a TimeoutError, so callers can catch it without hvdmagic.
+
+    Where the stacks say where the ranks were, that comes first: the rank that does not wait in a
+    collective is the news ("Rank 1 is in `nap` (Cell In[3], line 5); rank 0 waits in `allreduce`
+    ...: rank(s) 0, 1 made no progress for 20 s (--stall-timeout) ...; rank(s) 0, 1 were stopped.")."""
+
+    def _headline(self) -> str:
+        where = rank_stacks.summary(self.stacks)
+        if self.failures or not where:
+            return super()._headline()
+        parts = [self.note.replace(f"({ALIVE_GUESS})", "(alive)")] if self.note else []
+        if self.stopped:
+            parts.append(f"rank(s) {rank_ranges.compress(self.stopped)} were stopped")
+        return f"{where[0].upper()}{where[1:]}: {'; '.join(parts)}." if parts else f"{where[0].upper()}{where[1:]}."
 
 
 class JobInterrupted(HvdmagicError):

@@ -908,6 +908,7 @@ def test_a_hang_names_the_notebook_cells_and_says_where_each_rank_is(lab, browse
     assert re.search(r"[Rr]ank 1 is in `slow_step` \(Cell In\[2\], line 4\)", headline), headline
     assert re.search(r"rank 0 waits in `allreduce` \(Cell In\[3\], line 9\)", headline), headline
     assert "e.g. stuck in a collective" not in headline, "the stacks say where the ranks are: no guess"
+    assert headline.index("Rank 1 is in") < headline.index("made no progress"), "the stuck rank comes first"
     assert re.search(r"Cell In\[2\], line 4 in slow_step\n *time\.sleep\(600\)", error), error
     assert "<horovod-cell>" not in error and "ipykernel_" not in error, error
 

@@ -112,7 +112,7 @@ def test_hugging_face_trainer_drives_the_rows_and_its_logs_are_metrics_with_no_c
         training = {desc: dataclasses.replace(bar, step=1) if desc == "epoch" else bar
                     for desc, bar in rank.bars.items() if desc != "evaluate"}  # in the row's own order
         outer, inner = pick_bars(training)
-        assert outer and (outer[0], inner[0]) == ("epoch", "step"), [(d, b.first_time, b.time, b.step, b.total) for d, b in training.items()]
+        assert outer and (outer[0], inner[0]) == ("epoch", "step"), training
         logs = record.logs[rank.rank]
         assert "{'loss'" not in logs and not TQDM_TEXT.search(logs), f"the Trainer's text:\n{logs}"
     rows = record.metrics[record.metrics["rank"] == 0]
