@@ -21,6 +21,9 @@ os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
 # count only their own processes.
 TEST_PROCESS = f"{os.environ.get('PYTEST_XDIST_WORKER', 'main')}-{os.getpid()}"
 os.environ[TEST_PROCESS_ENV] = TEST_PROCESS
+# pytest's own tmp_path stays where it was (each pytest-xdist worker has its own there already): a
+# longer path would push the AF_UNIX sockets some tests make under tmp_path past their 107 bytes.
+os.environ.setdefault("PYTEST_DEBUG_TEMPROOT", tempfile.gettempdir())
 os.environ["TMPDIR"] = own_temp_dir(TEST_PROCESS)
 tempfile.tempdir = None  # gettempdir() reads TMPDIR again
 
