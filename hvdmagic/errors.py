@@ -159,11 +159,14 @@ class JobTimeout(JobFailed, TimeoutError):
 
     def _headline(self) -> str:
         where = rank_stacks.summary(self.stacks)
-        if self.failures or not where:
+        if not where or any(not failure.is_fallout for failure in self.failures):
             return super()._headline()
         parts = [self.note.replace(f"({ALIVE_GUESS})", "(alive)")] if self.note else []
-        if self.stopped:
-            parts.append(f"rank(s) {rank_ranges.compress(self.stopped)} were stopped")
+        # A collective that failed because the stop ended its peer (Gloo's "Connection reset by peer")
+        # is part of the stop, not news: those ranks count as stopped (their tracebacks follow).
+        stopped = sorted({*self.stopped, *(failure.rank for failure in self.failures)})
+        if stopped:
+            parts.append(f"rank(s) {rank_ranges.compress(stopped)} were stopped")
         return f"{where[0].upper()}{where[1:]}: {'; '.join(parts)}." if parts else f"{where[0].upper()}{where[1:]}."
 
 

@@ -16,7 +16,7 @@ from helpers import wait_until
 
 import hvdmagic
 from hvdmagic import stacks
-from hvdmagic.errors import JobTimeout
+from hvdmagic.errors import JobTimeout, RankFailure
 from hvdmagic.protocol import NATIVE_STACKS_MARK
 from hvdmagic.task import native_stacks
 
@@ -137,7 +137,7 @@ def test_a_stall_shows_where_every_rank_was_before_they_were_stopped(ip):
     assert rank0.rstrip().endswith(f"{cell}, line 7 in <module>\n      hvd.allreduce(torch.ones(1))"), rendered
     assert [line.strip() for line in rank1.strip().splitlines()] == [
         "Current thread:", f"{cell}, line 6 in <module>", "time.sleep(120)"], rendered
-    assert str(error).endswith(f"Rank 1 is at {cell}, line 6; rank 0 waits in `allreduce` ({cell}, line 7)."), error
+    assert str(error).startswith(f"Rank 1 is at {cell}, line 6; rank 0 waits in `allreduce` ({cell}, line 7): "), error
     assert "/hvdmagic/" not in where, rendered
     assert sorted(hvdmagic.last_run().stacks) == [0, 1]
 
@@ -379,6 +379,13 @@ def test_a_timeouts_message_says_where_the_ranks_were_instead_of_guessing():
                           "line 7): rank(s) 0, 1 made no progress for 3 s (--stall-timeout); rank 0 stopped "
                           "progressing 3 s ago (alive); rank(s) 0, 1 were stopped.")
     assert "stuck in a collective" in str(JobTimeout([], [0, 1], note=note))  # no stacks: the guess stays
+    # Rank 0's collective failed as the stop ended its peer: part of the stop, the news stays first.
+    fallout = RankFailure(0, "RuntimeError: [pair.cc:553] Connection reset by peer", "", "vm")
+    named = error.stacks
+    error = JobTimeout([fallout], [1], note=note, stacks=dumps)
+    error.stacks = named  # as the kernel names the cells
+    assert str(error).startswith("Rank 1 is in `slow_step` (Cell In[5], line 4); rank 0 waits in `allreduce` "), error
+    assert str(error).endswith("; rank(s) 0, 1 were stopped."), error
 
 
 @pytest.mark.unit
@@ -405,8 +412,8 @@ def test_a_hang_names_the_notebook_cells_and_says_where_each_rank_is(ip):
     error = hang.error_in_exec
     assert isinstance(error, JobTimeout), error
     other, own = f"Cell In[{defined.execution_count}]", f"Cell In[{hang.execution_count}]"
-    assert str(error).endswith(f"Rank 1 is in `slow_step` ({other}, line 4); "
-                               f"rank 0 waits in `allreduce` ({own}, line 7)."), error
+    assert str(error).startswith(f"Rank 1 is in `slow_step` ({other}, line 4); "
+                                 f"rank 0 waits in `allreduce` ({own}, line 7): "), error
     assert "stuck in a collective" not in str(error), error
     rendered = "\n".join(error._render_traceback_())
     rank1 = _python_part(rendered.split("\nrank 1:\n", 1)[1])
