@@ -13,8 +13,8 @@ demo: setup
 	$(PY) scripts/run_notebook.py notebooks/quickstart.ipynb
 
 # TEST_WORKERS=2: two pytest-xdist workers, each taking whole files (a notebook's cells stay in order on one
-# kernel): 58 min against about 70 on this 2-core machine, but not every test is safe beside another yet
-# (docs/development.md), so CI runs one process.
+# kernel): 34 min against 40 on this 2-core machine (2026-12-06), but three tests still fail under the load
+# two workers make (docs/development.md, "CI's budget"), so CI runs one process.
 TEST_WORKERS ?= 0
 test: setup
 	$(PY) -m ruff check .
