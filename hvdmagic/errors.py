@@ -167,7 +167,8 @@ class JobTimeout(JobFailed, TimeoutError):
         stopped = sorted({*self.stopped, *(failure.rank for failure in self.failures)})
         if stopped:
             parts.append(f"rank(s) {rank_ranges.compress(stopped)} were stopped")
-        return f"{where[0].upper()}{where[1:]}: {'; '.join(parts)}." if parts else f"{where[0].upper()}{where[1:]}."
+        where = f"{where[0].upper()}{where[1:]}"
+        return f"{where}: {'; '.join(parts)}." if parts else f"{where}."
 
 
 class JobInterrupted(HvdmagicError):

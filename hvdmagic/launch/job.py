@@ -97,6 +97,11 @@ class JobState:
     def running(self) -> list[int]:
         return [r for r in range(self.np) if r not in self.exits]
 
+    def lose(self, rank: int, why: str) -> None:
+        """The rank ended without its end reaching the kernel: it failed, for ``why``."""
+        self.exits[rank] = -1
+        self.failures.append(RankFailure(rank, why, "", self.hosts.get(rank, "")))
+
 
 def serve_requests(requests: queue.SimpleQueue, send: Callable[[dict], None]) -> None:
     """Pass on what the views asked for: the ranks' answers come back as events."""
@@ -369,11 +374,9 @@ class Job:
         wall = time.time() - now
         for rank in state.running():
             heard = state.last_heard.get(rank, state.go_at or now)
-            state.exits[rank] = -1
-            state.failures.append(RankFailure(
-                rank, f"{what} ended, but this rank's end never reached the kernel, which last heard from it at "
-                f"{datetime.fromtimestamp(wall + heard).strftime('%H:%M:%S')} ({now - heard:.0f} s before): its "
-                "task lost its connection to the kernel, or was ended", "", state.hosts.get(rank, "")))
+            state.lose(rank, f"{what} ended, but this rank's end never reached the kernel, which last heard from it "
+                             f"at {datetime.fromtimestamp(wall + heard).strftime('%H:%M:%S')} ({now - heard:.0f} s "
+                             "before): its task lost its connection to the kernel, or was ended")
         return True
 
     def _closed_unexplained(self, state: JobState, now: float) -> bool:
@@ -381,8 +384,7 @@ class Job:
         nothing of it since (a task that ended without failing, a backend that cannot tell)."""
         due = [rank for rank, (at, _) in state.closed.items() if rank not in state.exits and now - at > CLOSED_WAIT]
         for rank in due:
-            state.exits[rank] = -1
-            state.failures.append(RankFailure(rank, lost_contact(state.closed[rank][1]), "", state.hosts.get(rank, "")))
+            state.lose(rank, lost_contact(state.closed[rank][1]))
         return bool(due)
 
     def _contact(self, link, event: dict, state: JobState) -> None:
@@ -402,8 +404,7 @@ class Job:
         elif event.get("why") == "closed":  # its process ended: the backend says why in a moment
             state.closed.setdefault(rank, (time.monotonic(), event))
         elif rank not in state.exits:
-            state.exits[rank] = -1
-            state.failures.append(RankFailure(rank, lost_contact(event), "", state.hosts.get(rank, "")))
+            state.lose(rank, lost_contact(event))
 
     def _handle(self, event: dict, state: JobState, rendezvous, link) -> None:
         kind = event.get("type")

@@ -59,8 +59,10 @@ def session_for(np: int, on_stage: Callable[[Stage], None] = lambda stage: None,
     session, new = spark_session.find_or_start(max(np, embedded_slots or 0), on_stage, notes)
     if new:
         return session
-    if spark_session.is_embedded(session) and not held_slots and slot_check.available(session.sparkContext) < np:
-        return spark_session.restart_embedded(max(np, embedded_slots or 0), on_stage)  # no stage of a session there
+    if spark_session.is_embedded(session) and not held_slots:  # no stage of a session there: resize it freely
+        if slot_check.available(session.sparkContext) < np:
+            return spark_session.restart_embedded(max(np, embedded_slots or 0), on_stage)
+        return session
     classic_slots(session, np, on_stage, notes, stop=stop)
     return session
 
