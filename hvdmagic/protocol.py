@@ -70,6 +70,7 @@ class Stage(StrEnum):
     """The stages of a run, in order, as the dashboard names them while it waits."""
 
     SPARK_STARTING = "starting the embedded Spark"  # the kernel's first cell only
+    PREPARING_DATA = "preparing the DataFrame"  # an estimator's checks and counts of its DataFrame
     WAITING_FOR_SLOTS = "waiting for slots"
     SUBMITTED = "stage submitted"
     RANKS_STARTING = "rank processes starting"

@@ -1111,3 +1111,126 @@ def test_rows_fit_a_narrow_output_area_with_the_file_browser_open(lab, browser):
     assert {"rate", "times"} <= set(narrow[1100]["hidden"]), narrow[1100]
     assert not narrow[1600]["hidden"], narrow[1600]
     assert gap < 10, f"{gap:.0f} px between the header and the rows of a cell that drives no bar"
+
+
+# -- a new user's walk on their own SparkSession (issue 59) -----------------------------------
+
+OWN_SESSION_CELL = """\
+from pyspark.sql import SparkSession
+spark = SparkSession.builder.master("local[2]").config("spark.driver.host", "127.0.0.1").getOrCreate()
+"""
+ESTIMATOR_CELL = """\
+import numpy as np, torch
+from hvdmagic.spark.torch import TorchEstimator
+rng = np.random.default_rng(0)
+x = rng.normal(size=(4000, 8))
+df = spark.createDataFrame([([float(v) for v in row], float(row.sum())) for row in x], ["features", "y"])
+model = torch.nn.Linear(8, 1)
+estimator = TorchEstimator(num_proc=2, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.05),
+                           loss=torch.nn.MSELoss(), feature_cols=["features"], label_cols=["y"],
+                           batch_size=16, epochs=6)
+"""
+FIT_CELL = "fitted = estimator.fit(df)"
+FIT_TIMES_CELL = """\
+import hvdmagic
+run = hvdmagic.last_run()
+print(run.state, round(run.stage_reached["preparing the DataFrame"] - run.started, 2))
+"""
+OWN_SESSION_TRAIN_CELL = """\
+%%horovod --np 2
+import time, hvdmagic
+import horovod.torch as hvd
+hvd.init()
+for step in hvdmagic.track(range(400), desc="train"):
+    time.sleep(0.1)
+    if step % 20 == 0:
+        print(f"step {step}")
+"""
+TOO_MANY_CELL = "estimator.copy({estimator.num_proc: 64}).fit(df)"
+WRONG_COLUMN_CELL = 'estimator.copy({estimator.feature_cols: ["feature"]}).fit(df)'
+# The live header's line and the overall bar's row: what overflows, and any text cut without an ellipsis.
+HEADER_FIT = f"""() => {{
+    const board = document.querySelector("{DASHBOARD}");
+    const stage = board?.children[1]?.querySelector(".hvdmagic-stage");
+    const header = stage?.parentElement;  // the header's one line
+    if (!header) return null;{CUT_TEXTS}
+    const box = header.getBoundingClientRect(), staged = stage.getBoundingClientRect();
+    const overall = board.children[3];
+    return {{width: box.width, overflow: header.scrollWidth - header.clientWidth, text: header.innerText,
+             stage: stage.innerText, stageInside: staged.right <= box.right + 0.5,
+             overallOverflow: overall.scrollWidth - overall.clientWidth, overallCut: cutTexts(overall)}};
+}}"""
+
+
+@pytest.mark.timeout(420)
+def test_a_new_users_walk_on_their_own_spark_session(lab, browser):
+    """Issue 59's walk at 1100 px with the file browser open, on the user's own SparkSession made after
+    %load_ext: a fit shows its dashboard at once, with "preparing the DataFrame" whole in its header at
+    1100 px and at about 600 px; no successful cell has red output (no Spark console bar, no worker
+    tracebacks); Stop mid-training ends the cell with one line; too many num_proc and a wrong column
+    are one paragraph each, with no library frames."""
+    path = write_notebook(lab, "own-session.ipynb", LOAD_CELL, OWN_SESSION_CELL, ESTIMATOR_CELL, FIT_CELL,
+                          FIT_TIMES_CELL, OWN_SESSION_TRAIN_CELL, TOO_MANY_CELL, WRONG_COLUMN_CELL)
+    headers = {}
+    try:
+        with new_page(browser, "own-session") as page:
+            page.set_viewport_size({"width": 1100, "height": 900})
+            open_notebook(page, lab, path.name)
+            if not page.evaluate(FILE_BROWSER_OPEN):
+                page.locator(".jp-SideBar [data-id='filebrowser']").click()
+            wait_for(page, FILE_BROWSER_OPEN, timeout=10, failure="The file browser did not open")
+            run_all_cells(page)
+            headers[1100] = wait_for(page, f"() => {{ const h = ({HEADER_FIT})(); "
+                                           "return h && /preparing the DataFrame/.test(h.stage) && h; }",
+                                     timeout=120, failure="The fit's dashboard never showed 'preparing the DataFrame'")
+            page.locator(DASHBOARD).evaluate("e => e.scrollIntoView({block: 'start'})")
+            page.screenshot(path=SCREENSHOTS / "own-session-preparing.png")
+            page.set_viewport_size({"width": 1030, "height": 900})  # an output area of about 600 px
+            headers[1030] = wait_for(page, f"() => {{ const h = ({HEADER_FIT})(); return h && h.width < 660 && h; }}",
+                                     timeout=30, failure="The fit's dashboard lost its stage at about 600 px")
+            page.screenshot(path=SCREENSHOTS / "own-session-narrow.png")
+            page.set_viewport_size({"width": 1100, "height": 900})
+            fit_state = wait_for_snapshot(page, 3, timeout=180, what="The fit did not end")
+            wait_for(page, cell_js(5, f"!!cell?.querySelector('{RANK_BARS}')"), timeout=120,
+                     failure="The %%horovod cell on the user's session showed no bars")
+            wait_for(page, cell_js(5, "/step 40/.test(cell.querySelector('.jp-OutputArea').innerText)"),
+                     timeout=60, failure="The %%horovod cell on the user's session did not train")
+            page.screenshot(path=SCREENSHOTS / "own-session-training.png")
+            page.locator(INTERRUPT_BUTTON).click()
+            stop_state = wait_for_snapshot(page, 5, timeout=60, what="After Stop mid-training")
+            wait_until_idle(page, timeout=60, what="After Stop mid-training")
+            page.locator(f"{NOTEBOOK_CELLS} >> nth=5").evaluate("e => e.scrollIntoView({block: 'start'})")
+            page.screenshot(path=SCREENSHOTS / "own-session-stopped.png")
+            for index, name in ((6, "too-many"), (7, "wrong-column")):  # Run All stopped at the Stop: one by one
+                page.locator(f"{NOTEBOOK_CELLS} >> nth={index}").locator(".jp-InputArea-editor").click()
+                page.keyboard.press("Shift+Enter")
+                wait_for(page, cell_js(index, f"!!cell.querySelector({json.dumps(ERROR_OUTPUT)})"), timeout=60,
+                         failure=f"cell {index + 1} ({name}) gave no error within a minute")
+                wait_until_idle(page, timeout=30, what=f"After cell {index + 1} ({name})")
+                page.locator(f"{NOTEBOOK_CELLS} >> nth={index}").evaluate("e => e.scrollIntoView({block: 'start'})")
+                page.screenshot(path=SCREENSHOTS / f"own-session-{name}.png")
+            red = {index: page.locator(f"{NOTEBOOK_CELLS} >> nth={index}").locator(ERROR_OUTPUT).all_inner_texts()
+                   for index in range(8)}
+            times = cell_text(page, 4)
+            stopped = cell_text(page, 5)
+    finally:
+        shut_down_kernels(lab)
+    print(json.dumps(headers, indent=1), times, red[5], red[6], red[7], sep="\n")
+    for width, header in headers.items():
+        assert header["overflow"] <= 0 and header["stageInside"], f"at {width} px: {header}"
+        assert header["overallOverflow"] <= 0 and not header["overallCut"], f"at {width} px: {header}"
+        assert re.match(r"TorchEstimator\.fit · launching · preparing the DataFrame for 0:\d\d", header["text"]), header
+    assert fit_state == "finished"
+    state, prepared = times.split()
+    assert state == "finished" and float(prepared) < 1.0, times  # the stage shows from the fit's first second
+    assert all(not red[index] for index in range(5)), f"red output in a successful cell: {red}"
+    assert stop_state == "cancelled", stopped
+    assert len(red[5]) == 1 and red[5][0].strip().startswith("JobInterrupted: "), red[5]
+    assert "\n" not in red[5][0].strip() and "Traceback" not in stopped, stopped
+    assert len(red[6]) == 1, red[6]
+    too_many = red[6][0].strip()
+    assert too_many.startswith("LaunchError: num_proc=64 needs 64 barrier task slots at once"), too_many
+    assert "Traceback" not in too_many and "pyspark/" not in too_many, too_many
+    assert len(red[7]) == 1, red[7]
+    wrong = red[7][0].strip()
+    assert wrong == "ColumnError: the DataFrame has no feature column 'feature'; its columns are features, y.", wrong

@@ -333,7 +333,7 @@ def test_the_header_and_rows_show_each_start_up_stage():
     board._draw()
     assert ("starting the embedded Spark, once per kernel, for 0:07 (--np -2 runs on this machine without Spark)"
             in board.header.value), board.header.value
-    for stage in (Stage.WAITING_FOR_SLOTS, Stage.SUBMITTED, Stage.RANKS_STARTING):
+    for stage in (Stage.PREPARING_DATA, Stage.WAITING_FOR_SLOTS, Stage.SUBMITTED, Stage.RANKS_STARTING):
         record.apply({"type": "stage", "stage": stage})
         board._draw()
         assert f'<span class="hvdmagic-stage">{stage} for 0:00</span>' in board.header.value

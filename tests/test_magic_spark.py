@@ -215,6 +215,15 @@ def test_sparks_task_failure_log_stays_out_of_the_cell_on_the_users_own_session(
         assert set(_log_levels(spark)[2]) == {"OFF"}, "the stage still running lost its quiet"
         on_spark_thread(spark_session.restore_task_logs)
         assert _log_levels(spark) == levels
+        # Spark's console progress bar writes to a null stream while hvdmagic's stage runs, then to its own again.
+        bar = spark.sparkContext._jsc.sc().progressBar().get()
+        console = bar.getClass().getDeclaredField("console")
+        console.setAccessible(True)
+        own = console.get(bar)
+        on_spark_thread(spark_session.quiet_task_logs, spark.sparkContext)
+        assert not console.get(bar).equals(own), "Spark's console bar still writes into the cell"
+        on_spark_thread(spark_session.restore_task_logs)
+        assert console.get(bar).equals(own), "Spark's console bar was not given its stream back"
     finally:
         # The JVM outlives the session, and later tests' sessions run in it: without the user's choice.
         context = log4j.LogManager.getContext(False)

@@ -488,3 +488,16 @@ def test_framework_notices_fold_into_one_line_unless_the_rank_failed():
     assert "epoch 1 on rank 0" in finished and finished.count("cpu_feature_guard") == 1  # in the fold only
     assert "framework notices" not in failed and "cpu_feature_guard" in failed  # a failed rank shows them all
     assert len(record.ranks[0].logs) == 3  # nothing lost from the record
+
+
+def test_a_many_rank_run_that_failed_before_any_rank_started_says_so_in_one_line_not_one_per_rank():
+    """A cell or fit whose 64 ranks never started (too few slots) lists no "rank N no output" 64 times."""
+    from hvdmagic.errors import LaunchError
+    from hvdmagic.protocol import Event, Stage
+
+    run = RunRecord(Placement.of(64, name="num_proc"), "TorchEstimator.fit")
+    run.apply({"type": Event.STAGE, "stage": Stage.WAITING_FOR_SLOTS})
+    run.finish(error=LaunchError("num_proc=64 needs 64 barrier task slots at once"))
+    text = visible_text(Snapshot(run)._repr_html_())
+    assert "no rank printed anything" in text, text
+    assert "no output" not in text, text

@@ -130,6 +130,9 @@ class RunRecord:
         self.job_group: str | None = None
         self.started = time.time()
         self.ended: float | None = None
+        # The run ended in its caller's preparation (an estimator's checks of its DataFrame), before its
+        # launch: no rank ever started, and its error says all there is (views add nothing they have not shown).
+        self.ended_before_launch = False
         self.ranks = [RankRecord(r) for r in range(self.np)]
         self.history = MetricHistory()
         # The merged log, kept incrementally so a redraw never rescans every rank's.

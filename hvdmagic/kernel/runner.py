@@ -5,15 +5,20 @@ The magic, ``hvdmagic.run`` and ``HorovodRunner`` all go through ``execute``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
+from hvdmagic import protocol
 from hvdmagic.errors import JobFailed, JobInterrupted
 from hvdmagic.kernel.busy_status import kernel_stays_busy
 from hvdmagic.kernel.cell_frames import CellFrames
 from hvdmagic.kernel.record import RunRecord, set_last
 from hvdmagic.kernel.ui import make_view
 from hvdmagic.launch import Placement, ResultPolicy, UnsentResult, launch
+from hvdmagic.launch.interrupts import interrupted_before_job
 from hvdmagic.launch.shipment import Shipment
+from hvdmagic.protocol import Stage
 from hvdmagic.rank.cell import CELL_FILENAME, CellFunction, session_filename
 
 
@@ -22,7 +27,8 @@ def execute(payload: Shipment, placement: Placement | None, *, timeout: float | 
             results: ResultPolicy = ResultPolicy.ALL, session=None, command: str = "%%horovod",
             captured: str = "", env: dict[str, str] | None = None, charts_expected: bool = False,
             bars_expected: bool = False, cell: CellFunction | None = None,
-            reconnect_grace: float | None = None) -> RunRecord:
+            reconnect_grace: float | None = None, prepare: Callable[[Callable[[Stage], None]], Any] | None = None,
+            ) -> RunRecord:
     """Run a packed ``(fn, args, kwargs)`` (``launch.shipment.pack``) where ``placement`` says; return its record.
 
     ``timeline``: a path where rank 0 records a Horovod Timeline. ``results``: which
@@ -40,6 +46,9 @@ def execute(payload: Shipment, placement: Placement | None, *, timeout: float | 
     ``cell``: the %%horovod cell the payload runs, so that the ranks' stacks name its frames as the
     notebook does (``kernel.cell_frames``). ``reconnect_grace``: seconds a task whose connection
     to the kernel broke may take to come back (``--reconnect-grace``); a new job's only.
+    ``prepare``: the caller's work before the launch, run with the dashboard already up and its stages
+    shown (an estimator's checks and counts of its DataFrame take seconds of Spark jobs): called with an
+    ``on_stage`` callback, it returns the ``data`` to launch with; what it raises is the run's error.
     """
     if session is not None:
         placement = session.placement
@@ -57,17 +66,30 @@ def execute(payload: Shipment, placement: Placement | None, *, timeout: float | 
     view = view or make_view(record)
     with kernel_stays_busy():
         return _run(payload, placement, record, view, timeout=timeout, stall_timeout=stall_timeout, env=env,
-                    spark=spark, data=data, results=results, session=session, reconnect_grace=reconnect_grace)
+                    spark=spark, data=data, results=results, session=session, reconnect_grace=reconnect_grace,
+                    prepare=prepare)
 
 
 def _run(payload, placement, record, view, *, timeout, stall_timeout, env, spark, data, results, session,
-         reconnect_grace):
+         reconnect_grace, prepare):
     def on_event(event: dict) -> None:
         record.apply(event)
         view.on_event(event)
 
+    def on_stage(stage: Stage) -> None:
+        on_event(protocol.stage_reached(stage))
+
     view.start()
     try:
+        if prepare is not None:
+            try:
+                data = prepare(on_stage)
+            except KeyboardInterrupt:
+                record.ended_before_launch = True
+                raise JobInterrupted(interrupted_before_job(record.stage)) from None
+            except BaseException:
+                record.ended_before_launch = True
+                raise
         if session is not None:
             values = session.run_cell(payload, on_event, timeout=timeout, stall_timeout=stall_timeout,
                                       requests=record.requests)

@@ -13,6 +13,7 @@ _BEFORE_JOB = {
     None: "before anything was started",
     Stage.SPARK_STARTING: ("while the embedded Spark was starting; it finishes starting in the background, "
                            "and the next cell uses it"),
+    Stage.PREPARING_DATA: "while the DataFrame was being prepared; no rank was started",
     Stage.WAITING_FOR_SLOTS: "while waiting for Spark slots; nothing was submitted",
 }
 

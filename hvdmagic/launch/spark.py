@@ -153,11 +153,11 @@ def connect_slots(session, np: int, on_stage: Callable[[Stage], None], notes: li
                         asked=asked)
 
 
-def check_slots(session, np: int, asked: str) -> None:
+def check_slots(session, np: int, asked: str, on_stage: Callable[[Stage], None] = lambda stage: None) -> None:
     """The launch's slot check, now: for a caller with work to do before its launch (an estimator
     prepares and counts its DataFrame first), so that too few slots are what it reports first."""
     check = connect_slots if spark_connect.is_connect(session) else classic_slots
-    SparkBackend._checking_slots(check, session, np, lambda stage: None, [], asked)
+    SparkBackend._checking_slots(check, session, np, on_stage, [], asked)
 
 
 def kernel_host(session) -> str:

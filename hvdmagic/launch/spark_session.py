@@ -36,6 +36,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from hvdmagic.errors import LaunchError
+from hvdmagic.launch import spark_connect
 from hvdmagic.protocol import Stage
 
 _LOG4J = Path(__file__).with_name("log4j2.properties")
@@ -95,7 +96,8 @@ TASK_FAILURE_LOGGERS = (
 
 
 class _QuietTaskLogs:
-    """TASK_FAILURE_LOGGERS turned off in one JVM while any of hvdmagic's stages runs there.
+    """TASK_FAILURE_LOGGERS turned off, and Spark's console progress bar silenced, in one JVM while
+    any of hvdmagic's stages runs there.
 
     Counted, because a warm session's stage and a cell's may overlap: the first stage turns
     them off, the last one to end restores them as they were, and only those loggers. Each
@@ -108,14 +110,17 @@ class _QuietTaskLogs:
         self.holders = 0
         self.jvm = None
         self.saved: dict[str, object] = {}  # logger name: its own level before, None where it had none
+        self.progress_console = None  # (the bar, its own stream) while the bar is silenced
 
-    def quiet(self, jvm) -> None:
+    def quiet(self, sc) -> None:
+        jvm = sc._jvm
         if self.holders and jvm is not self.jvm:  # a new JVM (the last one died): nothing to restore in the old
-            self.holders, self.saved = 0, {}
+            self.holders, self.saved, self.progress_console = 0, {}, None
         self.holders += 1
         if self.holders > 1:
             return
         self.jvm = jvm
+        self._silence_progress_bar(sc)
         log4j = jvm.org.apache.logging.log4j
         try:
             context = log4j.LogManager.getContext(False)
@@ -131,6 +136,25 @@ class _QuietTaskLogs:
         except Exception:  # not log4j 2 (or not reachable): Spark's lines reach the cell as before
             pass
 
+    def _silence_progress_bar(self, sc) -> None:
+        """Spark's console progress bar (on in any session pyspark starts, spark.ui.showConsoleProgress)
+        writes "[Stage 5:>   (0 + 2) / 2]" to the JVM's stderr, the kernel's: the cell keeps it as a red
+        box, blank once Spark clears the line. hvdmagic's dashboard shows its own stages, so the bar's
+        stream (its ``console`` field, Spark 4's) becomes a null stream until the last stage ends.
+        Where the bar or that field is missing, nothing changes."""
+        try:
+            bar = sc._jsc.sc().progressBar()
+            if not bar.isDefined():
+                return
+            bar = bar.get()
+            field = bar.getClass().getDeclaredField("console")
+            field.setAccessible(True)
+            own = field.get(bar)
+            field.set(bar, self.jvm.java.io.PrintStream(self.jvm.java.io.OutputStream.nullOutputStream()))
+            self.progress_console = (bar, own)
+        except Exception:  # no such field (an older Spark), or no bar: as before
+            pass
+
     def restore(self) -> None:
         if not self.holders:
             return
@@ -138,7 +162,13 @@ class _QuietTaskLogs:
         if self.holders:
             return
         saved, self.saved = self.saved, {}
+        progress_console, self.progress_console = self.progress_console, None
         with contextlib.suppress(Exception):  # the JVM may be gone, and its loggers with it
+            if progress_console is not None:
+                bar, own = progress_console
+                field = bar.getClass().getDeclaredField("console")
+                field.setAccessible(True)
+                field.set(bar, own)
             context = self.jvm.org.apache.logging.log4j.LogManager.getContext(False)
             config = context.getConfiguration()
             for name, level in saved.items():
@@ -153,15 +183,32 @@ _quiet_task_logs = _QuietTaskLogs()
 
 
 def quiet_task_logs(sc) -> None:
-    """Keep Spark's log of failed and killed tasks (TASK_FAILURE_LOGGERS) out of the cell while
-    hvdmagic's stage runs on ``sc``, until ``restore_task_logs``. Only a session of the user's
-    own needs it: the embedded session's JVM writes to ``jvm_log()``. Runs on the Spark thread."""
-    _quiet_task_logs.quiet(sc._jvm)
+    """Keep Spark's log of failed and killed tasks (TASK_FAILURE_LOGGERS) and its console progress
+    bar out of the cell while hvdmagic's stage runs on ``sc``, until ``restore_task_logs``. Only a
+    session of the user's own needs it: the embedded session's JVM writes to ``jvm_log()``, with no
+    progress bar. Runs on the Spark thread."""
+    _quiet_task_logs.quiet(sc)
 
 
 def restore_task_logs() -> None:
-    """The loggers as ``quiet_task_logs`` found them, once no stage of hvdmagic's runs. Runs on the Spark thread."""
+    """The loggers and the progress bar as ``quiet_task_logs`` found them, once no stage of
+    hvdmagic's runs. Runs on the Spark thread."""
     _quiet_task_logs.restore()
+
+
+@contextlib.contextmanager
+def spark_output_quiet(session):
+    """``quiet_task_logs`` for the whole of a run that starts Spark jobs of its own before its stage
+    (an estimator's fit checks and counts its DataFrame): nothing of Spark's console output in its
+    cell. A classic session of the user's own only; the Spark thread's calls are its own."""
+    if spark_connect.is_connect(session) or is_embedded(session):
+        yield
+        return
+    on_spark_thread(quiet_task_logs, session.sparkContext)
+    try:
+        yield
+    finally:
+        on_spark_thread(restore_task_logs)
 
 
 def _java_check() -> None:

@@ -419,12 +419,14 @@ class Dashboard:
         self.hangs = widgets.HTML(layout=widgets.Layout(display="none"))
         self._drawn_hangs: tuple | None = None
         self.overall_bar = widgets.FloatProgress(value=0, min=0, max=1, layout=widgets.Layout(width="300px"))
-        self.overall_text = widgets.HTML()
+        # The rest of the row, and no more: in a narrow output area its one line ends in an ellipsis.
+        self.overall_text = widgets.HTML(layout=widgets.Layout(flex="1 1 auto", min_width="0", overflow="hidden"),
+                                         _dom_classes=["hvdmagic-overall-text"])
         # The overall bar's row: from the first frame where the cell looks like it drives bars (kernel.magic),
         # with a line that says what will come, so nothing below it moves when it does; else once a rank steps.
         if record.bars_expected:
-            self.overall_text.value = ('<span style="color:#999;font-size:12px">the run\'s progress shows here '
-                                       "once the ranks step</span>")
+            self.overall_text.value = (f'<div style="color:#999;font-size:12px;{_ONE_LINE}">the run\'s progress '
+                                       "shows here once the ranks step</div>")
         self.overall = widgets.HBox(
             [widgets.HTML("<b>overall</b>", layout=widgets.Layout(width="120px")), self.overall_bar,
              self.overall_text],

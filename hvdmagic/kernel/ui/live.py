@@ -71,6 +71,8 @@ class LiveView:
         if board is not None:
             board.close()
             return
+        if self.record.ended_before_launch:  # nothing was shown, no rank started: the error is all
+            return
         from IPython.display import display
 
         from hvdmagic.kernel.ui.snapshot import Snapshot

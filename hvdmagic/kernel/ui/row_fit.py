@@ -53,7 +53,9 @@ def breaks(columns: Columns) -> list[tuple[str, float]]:
 
 def css(scope: str, columns: Columns) -> str:
     """The style that makes ``scope``'s rows (``.hvdmagic-rank``) give way: a container query a column."""
-    rules = [f".{scope} .hvdmagic-rank {{ container-type: inline-size; }}"]
+    rules = [f".{scope} .hvdmagic-rank {{ container-type: inline-size; }}",
+             # The overall row's text: its widget's content box may shrink, so that its line ends in an ellipsis.
+             f".{scope} .hvdmagic-overall-text .widget-html-content {{ min-width: 0; }}"]
     rules += [f"@container (max-width: {px}px) {{ .{scope} .hvdmagic-{name} {{ display: none; }} }}"
               for name, px in breaks(columns)]
     return "<style>" + "\n".join(rules) + "</style>"

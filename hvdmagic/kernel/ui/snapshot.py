@@ -258,7 +258,8 @@ class Snapshot:
         items = [f"<b>{html.escape(record.command)}</b>", state]
         items += [progress_text.elapsed_text(record.elapsed), html.escape(progress_text.size_text(record))]
         if record.job_group:
-            items.append(f"Spark job group <code>{html.escape(record.job_group)}</code>")
+            items.append('<span style="white-space:nowrap">Spark job group '
+                         f'<code>{html.escape(record.job_group)}</code></span>')
         header = ('<div class="hvdmagic-snapshot-header" style="font-size:14px;margin-bottom:4px">'
                   + " · ".join(items) + "</div>")
         stages = record.timings.get("stages") or {}
@@ -313,6 +314,9 @@ class Snapshot:
         if not grouping.is_grouped(record):
             return self._rank_logs()
         blocks, left_out = grouping.grouped_lines(record, per_rank=TAIL_LINES, limit=GROUPED_LINES)
+        if not blocks and not any(rank.logs for rank in record.ranks):  # one line, not a "no output" per rank
+            noun = "task" if record.elastic else "rank"
+            return f'<div style="font-size:11px;color:#888;margin:2px 0">no {noun} printed anything</div>'
         if not blocks:
             return self._rank_logs()
         caption = (f"each rank's last {TAIL_LINES} lines, every distinct line once"

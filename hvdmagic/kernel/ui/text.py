@@ -211,6 +211,8 @@ class TextView:
             hang_timer.cancel()
         self._say_hangs()  # a notice whose window had not ended yet
         self._after_the_failure()
+        if self.record.ended_before_launch:  # no rank started: the error is all there is to say
+            return
         text = Snapshot(self.record).text(output=False)  # the lines were printed as they came
         if self.record.timeline:
             text += describe(self.record.timeline) + "\n"

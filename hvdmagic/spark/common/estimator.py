@@ -29,6 +29,8 @@ from pyspark.sql import functions as F
 
 from hvdmagic.errors import HvdmagicError
 from hvdmagic.launch.spark import check_slots, kernel_host
+from hvdmagic.launch.spark_session import spark_output_quiet
+from hvdmagic.protocol import Stage
 from hvdmagic.rank.estimator_data import FitSpec
 from hvdmagic.spark.common import columns, model_delivery, tracking, transform_progress
 from hvdmagic.spark.common.params import EstimatorParams
@@ -95,24 +97,32 @@ class HorovodEstimator(Estimator, EstimatorParams):
         session = df.sparkSession
         num_proc = self._num_proc(session)
         self._check_model()
-        check_slots(session, num_proc, "num_proc")  # before the DataFrame's work, and its rows' check
         batch_size = self.getOrDefault("batch_size")
         if batch_size < 1:
             raise FitFailed(f"batch_size must be 1 or more, not {batch_size}.")
         feature_cols, label_cols = self._columns("feature_cols"), self._columns("label_cols")
-        prepared = columns.training_frame(df, feature_cols, label_cols, self.getOrDefault("sample_weight_col"),
-                                          self.getOrDefault("validation"), self.getOrDefault("random_seed"))
-        needed = num_proc * batch_size
-        rows, sizes = columns.first_rows_summary(prepared, needed)
-        if rows == 0:
-            raise FitFailed("the DataFrame is empty: there is nothing to train on.")
-        if rows < needed:
-            raise FitFailed(f"the DataFrame has {rows} row(s), fewer than num_proc × batch_size = {num_proc} × "
-                            f"{batch_size} = {needed}: every rank needs at least one full batch. Lower batch_size "
-                            "or num_proc.")
-        columns.check_shapes(sizes, prepared.kinds, feature_cols, self._input_shapes())
         spec = self._spec()
-        result = self._run(spec, num_proc, prepared.frame)
+
+        def prepare(on_stage):
+            """The checks and counts that take Spark jobs, under the run's dashboard: the slots first
+            (too few is what to report first), then the DataFrame's columns, rows and shapes."""
+            check_slots(session, num_proc, "num_proc", on_stage)
+            on_stage(Stage.PREPARING_DATA)
+            prepared = columns.training_frame(df, feature_cols, label_cols, self.getOrDefault("sample_weight_col"),
+                                              self.getOrDefault("validation"), self.getOrDefault("random_seed"))
+            needed = num_proc * batch_size
+            rows, sizes = columns.first_rows_summary(prepared, needed)
+            if rows == 0:
+                raise FitFailed("the DataFrame is empty: there is nothing to train on.")
+            if rows < needed:
+                raise FitFailed(f"the DataFrame has {rows} row(s), fewer than num_proc × batch_size = {num_proc} × "
+                                f"{batch_size} = {needed}: every rank needs at least one full batch. Lower "
+                                "batch_size or num_proc.")
+            columns.check_shapes(sizes, prepared.kinds, feature_cols, self._input_shapes())
+            return prepared.frame
+
+        with spark_output_quiet(session):  # Spark's console bar: the dashboard shows the stages
+            result = self._run(spec, num_proc, prepare)
         fitted = self._model_from(result, df, spec, num_proc, time.monotonic() - started)
         tracking.log_fit(self, fitted)
         return fitted
@@ -158,8 +168,9 @@ class HorovodEstimator(Estimator, EstimatorParams):
                    "DataFrame reaches the ranks as Arrow shards, so they change nothing"] if self._ignored else [],
         )
 
-    def _run(self, spec: FitSpec, num_proc: int, frame) -> dict:
-        """The training on ``num_proc`` ranks, through the launcher cells use; rank 0's result."""
+    def _run(self, spec: FitSpec, num_proc: int, prepare) -> dict:
+        """The training on ``num_proc`` ranks, through the launcher cells use, on the DataFrame that
+        ``prepare`` returns (``kernel.runner.execute``'s); rank 0's result."""
         from hvdmagic.kernel.api import pack_call
         from hvdmagic.kernel.runner import execute
         from hvdmagic.launch import Placement, ResultPolicy
@@ -175,7 +186,7 @@ class HorovodEstimator(Estimator, EstimatorParams):
                             "notebook travels, an open file, lock or connection does not.") from None
         backend = self.getOrDefault("backend")
         env = {**self._rank_environment(), **(backend.env if backend is not None else {})}
-        return execute(payload, placement, data=frame, results=ResultPolicy.RANK0, env=env or None,
+        return execute(payload, placement, prepare=prepare, results=ResultPolicy.RANK0, env=env or None,
                        command=f"{type(self).__name__}.fit", charts_expected=True,
                        bars_expected=True).result
 
