@@ -12,7 +12,9 @@ From Python:
 
 - ``run(fn, np)``: call ``fn`` on every rank and return their results;
 - ``HorovodRunner``: a drop-in for Databricks' ``sparkdl.HorovodRunner``;
-- ``TorchDistributor``: a drop-in for pyspark's ``TorchDistributor``;
+- ``TorchDistributor`` and ``DeepspeedTorchDistributor``: drop-ins for pyspark's;
+- ``distributed``: a drop-in for Databricks' serverless GPU ``@distributed`` (``install_serverless_gpu()``
+  lets its unchanged imports work where Databricks' package is not installed);
 - ``session(np)``: a session of warm ranks for ``run(fn, session=s)``;
 - ``last_run()``: the record of the latest run (metrics, logs, timings, result).
 
@@ -41,7 +43,7 @@ its modules and what they may import. Imports go one way, top to bottom:
 - ``build_horovod`` stands apart: a command that builds a horovod wheel.
 
 Importing this package in a rank stays cheap: it imports only ``rank``'s user-facing
-functions, and the kernel's API (``run``, ``HorovodRunner``, ``TorchDistributor``,
+functions, and the kernel's API (``run``, ``HorovodRunner``, ``TorchDistributor``, ``distributed``,
 ``session``, ``last_run``) is imported on first use.
 """
 
@@ -52,12 +54,15 @@ from hvdmagic.rank.telemetry import log_metrics, progress, track
 from hvdmagic.rank.training import load_checkpoint, save_checkpoint, scale_lr
 
 __version__ = "0.1.0"
-__all__ = ["HorovodRunner", "TorchDistributor", "last_run", "load_checkpoint", "log_metrics", "progress", "run",
-           "save_checkpoint", "scale_lr", "session", "shard", "track", "where"]
+__all__ = ["DeepspeedTorchDistributor", "HorovodRunner", "TorchDistributor", "distributed", "install_serverless_gpu",
+           "last_run", "load_checkpoint", "log_metrics", "progress", "run", "save_checkpoint", "scale_lr", "session",
+           "shard", "track", "where"]
 
 _KERNEL_API = {"run": "hvdmagic.kernel.api", "HorovodRunner": "hvdmagic.kernel.api",
-               "TorchDistributor": "hvdmagic.kernel.api", "session": "hvdmagic.kernel.warm_sessions",
-               "last_run": "hvdmagic.kernel.record", "where": "hvdmagic.kernel.api"}
+               "TorchDistributor": "hvdmagic.kernel.api", "DeepspeedTorchDistributor": "hvdmagic.kernel.api",
+               "distributed": "hvdmagic.kernel.serverless_gpu", "session": "hvdmagic.kernel.warm_sessions",
+               "install_serverless_gpu": "hvdmagic.kernel.serverless_gpu", "last_run": "hvdmagic.kernel.record",
+               "where": "hvdmagic.kernel.api"}
 
 
 def load_ipython_extension(ipython) -> None:

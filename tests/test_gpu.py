@@ -519,3 +519,43 @@ def test_the_torch_estimator_fits_and_transforms_on_the_tasks_gpu(gpu_cluster, t
     print("TorchEstimator on Spark's GPU:", outcome.result)
     assert device == "cuda:0" and last_loss < 0.05, outcome.result
     assert 999.8 < low <= high < 1000.2, f"every prediction made on the GPU (+1000) and close: {outcome.result}"
+
+
+# -- Databricks' serverless @distributed and pyspark's DeepspeedTorchDistributor, on the GPU (issue 62) ---------
+def _nccl_on_the_gpu() -> tuple:
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("nccl")  # as Databricks' examples write it: no gloo here
+    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    total = torch.ones(1, device="cuda")
+    dist.all_reduce(total)
+    return dist.get_backend(), str(total.device), total.item(), torch.cuda.get_device_name()
+
+
+def test_distributed_as_databricks_writes_it_runs_nccl_on_this_machines_gpu_and_names_another_type(capsys):
+    results = hvdmagic.distributed(gpus=1, gpu_type="A10", remote=False)(_nccl_on_the_gpu).distributed()
+    print("@distributed(gpus=1) on the GPU:", results)
+    [(backend, device, total, name)] = results
+    assert (backend, device, total) == ("nccl", "cuda:0", 1.0), results
+    logs = hvdmagic.last_run().logs[0]
+    if "A10" not in name:  # the type asked for is not this machine's: one line says so, the run goes on
+        assert f"gpu_type='A10' was asked for; this run's GPUs are {name}." in logs, logs
+    assert "run on the CPU" not in capsys.readouterr().out
+
+
+def test_distributed_on_spark_gets_the_tasks_gpu(gpu_cluster):
+    results = hvdmagic.distributed(num_accelerators=1)(_nccl_on_the_gpu).distributed()
+    assert results[0][:3] == ("nccl", "cuda:0", 1.0) and hvdmagic.last_run().mode != "local", results
+
+
+@pytest.mark.timeout(600)  # DeepSpeed's import and its first initialize take a while
+def test_the_deepspeed_distributor_trains_zero_2_on_the_gpu_as_pyspark_writes_it():
+    pytest.importorskip("deepspeed", reason="scripts/gpu_check.sh installs DeepSpeed")
+    from test_databricks_apis import DEEPSPEED_CONFIG, deepspeed_train
+
+    stage, _, first, last, device = hvdmagic.DeepspeedTorchDistributor(numGpus=1, useGpu=True).run(
+        deepspeed_train, 1e-2, {**DEEPSPEED_CONFIG, "bf16": {"enabled": True}})
+    assert device.startswith("cuda") and stage == 2 and last < first / 4, (device, stage, first, last)

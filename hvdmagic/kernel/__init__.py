@@ -5,7 +5,8 @@ Entry points, each handing a run to ``runner``:
 - ``magic``: the ``%%horovod`` and ``%%torchrun`` cell magics: arguments, capture, hand-off;
 - ``warm_sessions``: ``%horovod start|stop|status`` (and ``%torchrun``'s), ``hvdmagic.session``, and
   the registry of this kernel's warm sessions, one per magic;
-- ``api``: ``hvdmagic.run``, and the ``HorovodRunner`` and ``TorchDistributor`` drop-ins.
+- ``api``: ``hvdmagic.run``, and the ``HorovodRunner``, ``TorchDistributor`` and ``DeepspeedTorchDistributor`` drop-ins.
+- ``serverless_gpu``: Databricks' serverless GPU ``@distributed`` as a drop-in, and its imports' stand-in.
 
 What a run goes through:
 

@@ -1,4 +1,5 @@
-"""The Python API: ``hvdmagic.run``, and drop-ins for ``HorovodRunner`` and ``TorchDistributor``.
+"""The Python API: ``hvdmagic.run``, and drop-ins for ``HorovodRunner``, ``TorchDistributor`` and
+``DeepspeedTorchDistributor``.
 
 All go through the same runner as the magics: one launcher core, the same
 streaming, dashboard and error reporting.
@@ -16,6 +17,7 @@ from hvdmagic.kernel.runner import execute
 from hvdmagic.launch import Elastic, Placement, ResultPolicy, Where, shipment
 from hvdmagic.launch.shipment import Shipment
 from hvdmagic.protocol import Framework
+from hvdmagic.rank.databricks_apis import run_deepspeed_script
 from hvdmagic.rank.scripts import run_script
 
 _VERBOSITIES = ("all", "log_callback_only")
@@ -241,10 +243,54 @@ class TorchDistributor:
             if kwargs:
                 raise TypeError("a script takes command-line arguments only, not keyword arguments")
             train_object, args = run_script, (train_object, *map(str, args))
+        return self._run(train_object, args, kwargs)
+
+    def _run(self, fn: Callable, args: tuple, kwargs: dict) -> Any:
         placement = Placement(self.num_processes, Where.LOCAL if self.local_mode else Where.SPARK, Framework.TORCH,
                               gpus=self.use_gpu)
-        payload = pack_call((train_object, args, kwargs), train_object)
-        return execute(payload, placement, results=ResultPolicy.RANK0, command="TorchDistributor").result
+        payload = pack_call((fn, args, kwargs), fn)
+        return execute(payload, placement, results=ResultPolicy.RANK0, command=type(self).__name__).result
+
+
+class DeepspeedTorchDistributor(TorchDistributor):
+    """pyspark's ``DeepspeedTorchDistributor``, as a drop-in: change only the import line.
+
+    ``DeepspeedTorchDistributor(numGpus=2, nnodes=1, localMode=True, useGpu=False,
+    deepspeedConfig={...}).run(train_object, *args)`` runs ``numGpus × nnodes`` processes as
+    ``TorchDistributor`` does, with hvdmagic's live view, errors that name the rank, and Stop.
+
+    As pyspark's: a script (``train_object`` a path) gets its arguments, then ``--deepspeed`` and
+    ``--deepspeed_config PATH`` (a dict config is written to a JSON file, on each rank's own host
+    here); a function gets its arguments only, and calls ``deepspeed.initialize(config=...)`` itself.
+
+    Args:
+        numGpus: processes per node (one GPU each with ``useGpu``).
+        nnodes: nodes; ``numGpus × nnodes`` processes in all, which Spark places on its executors.
+        localMode: True (the default) runs them on the driver without Spark; False on the executors.
+        useGpu: True (the default) gives each process a GPU; without GPUs it fails before starting.
+        deepspeedConfig: a dict, the path of a JSON file, or None (DeepSpeed's defaults).
+    """
+
+    def __init__(self, numGpus: int = 1, nnodes: int = 1, localMode: bool = True, useGpu: bool = True,
+                 deepspeedConfig: dict | str | None = None):
+        for name, value in (("numGpus", numGpus), ("nnodes", nnodes)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, not {value!r}")
+        if deepspeedConfig is not None and not isinstance(deepspeedConfig, (dict, str)):
+            raise TypeError(f"deepspeedConfig must be a dict, the path of a JSON file or None, not "
+                            f"{type(deepspeedConfig).__name__}")
+        super().__init__(numGpus * nnodes, localMode, useGpu)
+        self.deepspeed_config = deepspeedConfig
+
+    def run(self, train_object: Callable | str, *args: Any, **kwargs: Any) -> Any:
+        """Run ``train_object`` on every process; rank 0's value (None for a script)."""
+        if isinstance(train_object, str):
+            if kwargs:
+                raise ValueError("DeepspeedTorchDistributor with a script takes command-line arguments only, "
+                                 "not keyword arguments")
+            return self._run(run_deepspeed_script, (train_object, [str(a) for a in args], self.deepspeed_config),
+                             {})
+        return self._run(train_object, args, kwargs)
 
 
 def where(timeout: float = 10.0) -> str:

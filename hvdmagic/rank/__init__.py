@@ -16,6 +16,7 @@ forked from its host's template (``python -m hvdmagic.rank --template``).
 - ``template``: the host's rank template: imports the ranks' frameworks, forks ranks on request
   once it has checked a fork is safe, and turns each child into a rank.
 - ``scripts``: runs a script as ``__main__`` (the TorchDistributor drop-in's scripts).
+- ``databricks_apis``: ``@distributed``'s call and ``DeepspeedTorchDistributor``'s script start.
 - ``crash_hold``: keeps a rank that a crash signal kills alive until its supervisor has read
   its native frames (py-spy), where its supervisor asks for that.
 

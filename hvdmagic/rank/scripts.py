@@ -14,3 +14,4 @@ def run_script(path: str, *args: str) -> None:
         runpy.run_path(path, run_name="__main__")
     finally:
         sys.argv = saved
+
