@@ -103,8 +103,10 @@ def fsdp_train(steps: int) -> tuple:
     return type(model[0].weight).__name__, shard, loss.item()
 
 
-def test_the_fsdp_example_runs_sharded_on_local_processes():
-    results = distributed(num_accelerators=2, remote=False)(fsdp_train).distributed(60)
+@pytest.mark.parametrize("remote", [False, True], ids=["local", "spark"])
+def test_the_fsdp_example_runs_sharded(remote):
+    results = distributed(num_accelerators=2, remote=remote)(fsdp_train).distributed(60)
+    assert hvdmagic.last_run().mode == ("spark" if remote else "local")
     assert [(kind, shard) for kind, shard, _ in results] == [("DTensor", (16, 8))] * 2, "each rank holds half"
     assert all(loss < 0.5 for *_, loss in results), results
 
