@@ -43,6 +43,7 @@ import nbformat
 import pytest
 from browser.jupyter import JupyterLab, launch_chromium, missing_chromium
 from ipykernel.kernelbase import Kernel
+from test_trainers import HF_CELL
 
 pytestmark = pytest.mark.browser
 
@@ -1136,6 +1137,10 @@ import hvdmagic
 run = hvdmagic.last_run()
 print(run.state, round(run.stage_reached["preparing the DataFrame"] - run.started, 2))
 """
+# A Hugging Face Trainer as written, on the user's session's 2 slots (issue 59, point 2: it distributes).
+TRAINER_CELL = (HF_CELL.replace("%%torchrun --np -2", "%%torchrun --np 2")
+                .replace("trainer.train().training_loss", "trainer.train()\n(trainer.state.global_step, "
+                         "trainer.args.parallel_mode.value)"))
 OWN_SESSION_TRAIN_CELL = """\
 %%horovod --np 2
 import time, hvdmagic
@@ -1167,10 +1172,12 @@ def test_a_new_users_walk_on_their_own_spark_session(lab, browser):
     """Issue 59's walk at 1100 px with the file browser open, on the user's own SparkSession made after
     %load_ext: a fit shows its dashboard at once, with "preparing the DataFrame" whole in its header at
     1100 px and at about 600 px; no successful cell has red output (no Spark console bar, no worker
-    tracebacks); Stop mid-training ends the cell with one line; too many num_proc and a wrong column
+    tracebacks); a Hugging Face Trainer as written trains distributed, its step the bar and its epoch the
+    counter; Stop mid-training ends the cell with one line; too many num_proc and a wrong column
     are one paragraph each, with no library frames."""
     path = write_notebook(lab, "own-session.ipynb", LOAD_CELL, OWN_SESSION_CELL, ESTIMATOR_CELL, FIT_CELL,
-                          FIT_TIMES_CELL, OWN_SESSION_TRAIN_CELL, TOO_MANY_CELL, WRONG_COLUMN_CELL)
+                          FIT_TIMES_CELL, TRAINER_CELL, OWN_SESSION_TRAIN_CELL, TOO_MANY_CELL,
+                          WRONG_COLUMN_CELL)
     headers = {}
     try:
         with new_page(browser, "own-session") as page:
@@ -1191,17 +1198,20 @@ def test_a_new_users_walk_on_their_own_spark_session(lab, browser):
             page.screenshot(path=SCREENSHOTS / "own-session-narrow.png")
             page.set_viewport_size({"width": 1100, "height": 900})
             fit_state = wait_for_snapshot(page, 3, timeout=180, what="The fit did not end")
-            wait_for(page, cell_js(5, f"!!cell?.querySelector('{RANK_BARS}')"), timeout=120,
+            trainer_state = wait_for_snapshot(page, 5, timeout=300, what="The Trainer did not end")
+            wait_for(page, cell_js(6, f"!!cell?.querySelector('{RANK_BARS}')"), timeout=120,
                      failure="The %%horovod cell on the user's session showed no bars")
-            wait_for(page, cell_js(5, "/step 40/.test(cell.querySelector('.jp-OutputArea').innerText)"),
+            # In view: JupyterLab does not lay out the cells out of view, whose innerText then reads empty.
+            page.locator(f"{NOTEBOOK_CELLS} >> nth=6").evaluate("e => e.scrollIntoView({block: 'start'})")
+            wait_for(page, cell_js(6, "/step 40/.test(cell.querySelector('.jp-OutputArea').textContent)"),
                      timeout=60, failure="The %%horovod cell on the user's session did not train")
             page.screenshot(path=SCREENSHOTS / "own-session-training.png")
             page.locator(INTERRUPT_BUTTON).click()
-            stop_state = wait_for_snapshot(page, 5, timeout=60, what="After Stop mid-training")
+            stop_state = wait_for_snapshot(page, 6, timeout=60, what="After Stop mid-training")
             wait_until_idle(page, timeout=60, what="After Stop mid-training")
-            page.locator(f"{NOTEBOOK_CELLS} >> nth=5").evaluate("e => e.scrollIntoView({block: 'start'})")
+            page.locator(f"{NOTEBOOK_CELLS} >> nth=6").evaluate("e => e.scrollIntoView({block: 'start'})")
             page.screenshot(path=SCREENSHOTS / "own-session-stopped.png")
-            for index, name in ((6, "too-many"), (7, "wrong-column")):  # Run All stopped at the Stop: one by one
+            for index, name in ((7, "too-many"), (8, "wrong-column")):  # Run All stopped at the Stop: one by one
                 page.locator(f"{NOTEBOOK_CELLS} >> nth={index}").locator(".jp-InputArea-editor").click()
                 page.keyboard.press("Shift+Enter")
                 wait_for(page, cell_js(index, f"!!cell.querySelector({json.dumps(ERROR_OUTPUT)})"), timeout=60,
@@ -1209,13 +1219,15 @@ def test_a_new_users_walk_on_their_own_spark_session(lab, browser):
                 wait_until_idle(page, timeout=30, what=f"After cell {index + 1} ({name})")
                 page.locator(f"{NOTEBOOK_CELLS} >> nth={index}").evaluate("e => e.scrollIntoView({block: 'start'})")
                 page.screenshot(path=SCREENSHOTS / f"own-session-{name}.png")
-            red = {index: page.locator(f"{NOTEBOOK_CELLS} >> nth={index}").locator(ERROR_OUTPUT).all_inner_texts()
-                   for index in range(8)}
-            times = cell_text(page, 4)
-            stopped = cell_text(page, 5)
+            red, texts = {}, {}
+            for index in range(9):  # each in view: JupyterLab lays out no cell out of view (innerText reads "")
+                cell = page.locator(f"{NOTEBOOK_CELLS} >> nth={index}")
+                cell.evaluate("e => e.scrollIntoView({block: 'start'})")
+                red[index], texts[index] = cell.locator(ERROR_OUTPUT).all_inner_texts(), cell_text(page, index)
+            times, trainer, stopped = texts[4], texts[5], texts[6]
     finally:
         shut_down_kernels(lab)
-    print(json.dumps(headers, indent=1), times, red[5], red[6], red[7], sep="\n")
+    print(json.dumps(headers, indent=1), times, trainer, red[6], red[7], red[8], sep="\n")
     for width, header in headers.items():
         assert header["overflow"] <= 0 and header["stageInside"], f"at {width} px: {header}"
         assert header["overallOverflow"] <= 0 and not header["overallCut"], f"at {width} px: {header}"
@@ -1223,14 +1235,16 @@ def test_a_new_users_walk_on_their_own_spark_session(lab, browser):
     assert fit_state == "finished"
     state, prepared = times.split()
     assert state == "finished" and float(prepared) < 1.0, times  # the stage shows from the fit's first second
-    assert all(not red[index] for index in range(5)), f"red output in a successful cell: {red}"
+    assert all(not red[index] for index in range(6)), f"red output in a successful cell: {red}"
+    # The Trainer ran distributed: 256 rows over 2 ranks, 16 a batch, 2 epochs; alone, each would take 32 steps.
+    assert trainer_state == "finished" and "(16, 'distributed')" in trainer, trainer
     assert stop_state == "cancelled", stopped
-    assert len(red[5]) == 1 and red[5][0].strip().startswith("JobInterrupted: "), red[5]
-    assert "\n" not in red[5][0].strip() and "Traceback" not in stopped, stopped
-    assert len(red[6]) == 1, red[6]
-    too_many = red[6][0].strip()
+    assert len(red[6]) == 1 and red[6][0].strip().startswith("JobInterrupted: "), red[6]
+    assert "\n" not in red[6][0].strip() and "Traceback" not in stopped, stopped
+    assert len(red[7]) == 1, red[7]
+    too_many = red[7][0].strip()
     assert too_many.startswith("LaunchError: num_proc=64 needs 64 barrier task slots at once"), too_many
     assert "Traceback" not in too_many and "pyspark/" not in too_many, too_many
-    assert len(red[7]) == 1, red[7]
-    wrong = red[7][0].strip()
+    assert len(red[8]) == 1, red[8]
+    wrong = red[8][0].strip()
     assert wrong == "ColumnError: the DataFrame has no feature column 'feature'; its columns are features, y.", wrong
