@@ -222,6 +222,76 @@ def test_a_saved_model_loads_without_a_store_or_spark_and_keeps_its_optimizer(tm
     fitted.write().overwrite().save(str(tmp_path / "m"))
 
 
+@pytest.mark.unit
+def test_spark_mls_conventions_signature_set_params_and_what_a_save_keeps_as_set(tmp_path):
+    """Issue 60: the constructor's params show in inspect.signature (help(), IDEs), setParams sets them by
+    name, a save keeps the params the user set apart from the defaults (isSet survives the round trip), and
+    load checks the saved class."""
+    import inspect
+
+    from hvdmagic.spark.common.persistence import StageIOError
+    from hvdmagic.spark.lightning import TorchEstimator as LightningEstimator
+
+    signature = inspect.signature(TorchEstimator)
+    assert signature.parameters["batch_size"].default == 32 and signature.parameters["epochs"].default == 1
+    assert all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in signature.parameters.values())
+    assert "profiler" in inspect.signature(LightningEstimator).parameters  # a framework's own params too
+    estimator = TorchEstimator(feature_cols=["f"], label_cols=["y"])
+    assert estimator.setParams(batch_size=64, shuffle=False) is estimator and estimator.getBatchSize() == 64
+    with pytest.raises(HvdmagicError, match=r"'epoch' \(did you mean 'epochs'\?\)"):
+        estimator.setParams(epoch=3)
+    estimator.write().save(str(tmp_path / "estimator"))
+    loaded = TorchEstimator.load(str(tmp_path / "estimator"))
+    assert loaded.uid == estimator.uid
+    assert loaded.isSet(loaded.batch_size) and loaded.getBatchSize() == 64 and not loaded.getShuffle()
+    assert not loaded.isSet(loaded.epochs) and loaded.getEpochs() == 1, "a default came back as set"
+    with pytest.raises(StageIOError, match=r"holds a hvdmagic\.spark\.torch\.estimator\.TorchEstimator, not a "
+                                           r"hvdmagic\.spark\.torch\.estimator\.TorchModel"):
+        TorchModel.load(str(tmp_path / "estimator"))
+
+
+def test_a_model_and_a_pipeline_model_save_to_any_url_sparks_file_systems_take(tmp_path, monkeypatch):
+    """Issue 60: a URL is written where Spark writes it (here a Hadoop ViewFs mount, a real non-local scheme
+    whose files land in tmp_path), never as a local directory named after its scheme; a URL Spark cannot write
+    fails with the file system's own reason, in one paragraph."""
+    import torch
+    from pyspark.ml import PipelineModel
+    from pyspark.ml.feature import VectorAssembler
+
+    from hvdmagic.spark.common.persistence import StageIOError
+
+    spark = _embedded_spark()
+    mounted = tmp_path / "mounted"
+    mounted.mkdir()
+    spark.sparkContext._jsc.hadoopConfiguration().set("fs.viewfs.mounttable.hvdmagictest.link./models",
+                                                      mounted.as_uri())
+    torch.manual_seed(0)
+    model = TorchModel(history={"loss": [1.0, 0.5]}, output_sizes=[1])
+    model._set(model=torch.nn.Linear(2, 1), feature_cols=["features"], label_cols=["y"])
+    pipeline = PipelineModel(stages=[VectorAssembler(inputCols=["x0", "x1"], outputCol="features"), model])
+    monkeypatch.chdir(tmp_path)  # where a URL taken for a local path would have become a directory
+    pipeline.write().save("viewfs://hvdmagictest/models/pipeline")
+    model.write().save("viewfs://hvdmagictest/models/model")
+    assert sorted(p.name for p in mounted.iterdir()) == ["model", "pipeline"]
+    assert (mounted / "model" / "model.pt").exists() and not (tmp_path / "viewfs:").exists()
+    with pytest.raises(FileExistsError, match="overwrite"):
+        model.write().save("viewfs://hvdmagictest/models/model")
+    model.write().overwrite().save("viewfs://hvdmagictest/models/model")
+
+    df = _regression(spark, rows=8).drop("features")
+    loaded = PipelineModel.load("viewfs://hvdmagictest/models/pipeline")
+    before, after = ([np.asarray(v) for v in stages.transform(df).select("y__output").toPandas()["y__output"]]
+                     for stages in (pipeline, loaded))
+    assert np.allclose(before, after) and TorchModel.load("viewfs://hvdmagictest/models/model").uid == model.uid
+
+    with pytest.raises(StageIOError) as raised:
+        model.write().save("nofs://bucket/model")
+    message = str(raised.value)
+    assert message.startswith("nofs://bucket/model: Spark's file system says ") and 'scheme "nofs"' in message, \
+        message
+    assert "\n" not in message and not (tmp_path / "nofs:").exists()
+
+
 def test_a_train_validation_split_over_epochs_picks_the_longer_training():
     """CrossValidator runs in notebooks/13_spark_ml_pipeline.ipynb; the same grid through TrainValidationSplit."""
     from pyspark.ml.evaluation import RegressionEvaluator
@@ -235,6 +305,7 @@ def test_a_train_validation_split_over_epochs_picks_the_longer_training():
     model = search.fit(df)
     assert model.validationMetrics[1] < model.validationMetrics[0] / 2, model.validationMetrics
     assert model.bestModel.getEpochs() == 6 and len(model.bestModel.getHistory()["loss"]) == 6
+    assert model.bestModel.uid == estimator.uid, "Spark ML's rule: a model has its estimator's uid"
 
 
 # -- bad input: one paragraph, before any rank starts -----------------------------------------------------

@@ -86,7 +86,9 @@ def test_bad_keras_input_fails_in_one_paragraph_before_any_rank_starts():
     for params, message in cases:
         with pytest.raises((FitFailed, ValueError), match=message):
             _linear_estimator(tf_keras, **params).fit(df)
-    assert hvdmagic.last_run() is runs, "a bad fit started ranks"
+        # The DataFrame's checks run under the fit's dashboard (its first stage), and end it before its launch.
+        record = hvdmagic.last_run()
+        assert record is runs or record.ended_before_launch, f"a bad fit started ranks: {params}"
 
 
 @pytest.mark.timeout(900)  # TensorFlow starts in the script, two ranks and the executors: minutes on 2 cores

@@ -202,6 +202,7 @@ class HorovodEstimator(Estimator, EstimatorParams):
                                        "epochs_run": result["epochs_run"], "seconds": round(seconds, 2),
                                        "training_seconds": round(result["training_seconds"], 2),
                                        "device": result["device"], "run_id": spec.run_id})
+        fitted._resetUid(self.uid)  # Spark ML's rule: a model has its estimator's uid
         self._copyValues(fitted)
         fitted._set(**objects, run_id=spec.run_id)
         return fitted

@@ -94,6 +94,14 @@ class EstimatorParams(Params):
                          num_proc=None, backend=None, store=None, optimizer=None, loss=None)
         self._ignored: list[str] = []  # the Petastorm-only arguments this estimator was given
 
+    def setParams(self, **kwargs):
+        """Set params by name, as the constructor takes them (``est.setParams(epochs=5, batch_size=64)``);
+        returns the estimator, for chaining."""
+        ignored = list(self._ignored)
+        self._set_arguments(kwargs)
+        self._ignored = sorted({*ignored, *self._ignored})
+        return self
+
     def _set_arguments(self, kwargs: dict) -> None:
         """The constructor's keyword arguments: params, Petastorm's ignored knobs, or a clear error."""
         unknown = [name for name in kwargs if not self.hasParam(name) and name not in PETASTORM_ONLY]
@@ -105,6 +113,20 @@ class EstimatorParams(Params):
                                   f"are {', '.join(sorted(p.name for p in self.params))}.")
         self._ignored = sorted(name for name in kwargs if name in PETASTORM_ONLY)
         self._set(**{name: value for name, value in kwargs.items() if self.hasParam(name) and value is not None})
+
+
+def keyword_signature(cls: type) -> type:
+    """A class decorator: ``inspect.signature``, ``help()`` and IDEs that read it show ``cls``'s params as
+    keyword arguments with their defaults, as Spark ML's ``@keyword_only`` constructors declare theirs, from
+    the params declared once here (and a framework's own), not written out again in every constructor."""
+    import inspect
+
+    instance = cls()
+    defaults = {param.name: value for param, value in instance._defaultParamMap.items()}
+    parameters = [inspect.Parameter(param.name, inspect.Parameter.KEYWORD_ONLY, default=defaults.get(param.name))
+                  for param in sorted(instance.params, key=lambda param: param.name)]
+    cls.__signature__ = inspect.Signature(parameters)
+    return cls
 
 
 def _camel(name: str) -> str:

@@ -8,17 +8,27 @@ A saved stage is a directory:
     <the framework's>     the weights in the framework's own format (``model.pt``, a state_dict;
                           ``model.keras``), written by the class's ``_save_weights``
 
-It is written with plain file I/O, so a path is local or a FUSE mount (``/dbfs/...``), as the
-store's is, and the same on a classic and a Spark Connect session. The store and the backend are
-not saved (horovod.spark's rule): a loaded model needs neither, nor a GPU.
+A local path, a ``file://`` URL or a FUSE mount (``/dbfs/...``, ``/Volumes/...``) is written with plain
+file I/O, the same on a classic and a Spark Connect session and with no session at all. Any other URL
+(``hdfs://``, ``s3a://``, ``abfss://``, ``gs://``, ``dbfs:/``) goes where the session's Spark writes it:
+the stage is written to a local temporary directory, then copied there through the classic session's
+Hadoop file systems, as Spark ML's own stages are (``load`` copies it back first). A URL never becomes a
+local directory named after its scheme; one that Spark cannot write fails with the file system's own
+reason, in one paragraph. The metadata keeps Spark ML's conventions: the params the user set in
+``paramMap``, the defaults apart in ``defaultParamMap``, and the class, which ``load`` checks. The store
+and the backend are not saved (horovod.spark's rule): a loaded model needs neither, nor a GPU.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
+import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from urllib.parse import urlparse
 
 from pyspark.ml.util import MLReadable, MLReader, MLWritable, MLWriter
 
@@ -30,6 +40,73 @@ _CLASS_KEY = "class"
 
 class PathExists(HvdmagicError, FileExistsError):
     """A save over what is there, without overwrite(): Spark ML's own rule, in one paragraph."""
+
+
+class StageIOError(HvdmagicError, OSError):
+    """A stage that could not be saved or loaded where its path says: the file system's reason, or what to
+    use instead, in one paragraph."""
+
+
+def _url_scheme(path: str) -> str | None:
+    """The scheme of a URL that is not this machine's own file system (``hdfs``, ``s3a``, ``dbfs``); None for a
+    local path or a ``file:`` URL."""
+    scheme = urlparse(path).scheme
+    return scheme if len(scheme) > 1 and scheme != "file" else None  # one letter: a Windows drive
+
+
+def _local(path: str) -> Path:
+    return Path(urlparse(path).path) if urlparse(path).scheme == "file" else Path(path)
+
+
+class _HadoopFiles:
+    """The classic session's Hadoop file system of one URL, through py4j: what Spark ML's writers use."""
+
+    def __init__(self, url: str, scheme: str):
+        from pyspark.sql import SparkSession
+
+        from hvdmagic.launch import spark_connect
+
+        session = SparkSession.getActiveSession()
+        if session is None or spark_connect.is_connect(session):
+            why = "this Spark Connect session lends none to the client" if session else "no SparkSession is active"
+            raise StageIOError(
+                f"{url} is a {scheme}: URL, which hvdmagic writes through a classic SparkSession's Hadoop file "
+                f"systems, and {why}: save to a local path or a FUSE mount (/dbfs/..., /Volumes/...), or from a "
+                "classic session.")
+        jvm = session.sparkContext._jvm
+        self.jvm, self.url = jvm, url
+        self.path = jvm.org.apache.hadoop.fs.Path(url)
+        self.fs = self._call(lambda: self.path.getFileSystem(session.sparkContext._jsc.hadoopConfiguration()))
+
+    def _call(self, action):
+        from py4j.protocol import Py4JJavaError
+
+        try:
+            return action()
+        except Py4JJavaError as exc:
+            reason = str(exc.java_exception.toString()) if exc.java_exception is not None else str(exc)
+            raise StageIOError(f"{self.url}: Spark's file system says {reason}") from None
+
+    def exists(self) -> bool:
+        return bool(self._call(lambda: self.fs.exists(self.path)))
+
+    def delete(self) -> None:
+        self._call(lambda: self.fs.delete(self.path, True))
+
+    def upload(self, local: Path) -> None:
+        self._call(lambda: self.fs.copyFromLocalFile(False, True, self.jvm.org.apache.hadoop.fs.Path(local.as_uri()),
+                                                     self.path))
+
+    def download(self, local: Path) -> None:
+        self._call(lambda: self.fs.copyToLocalFile(False, self.path, self.jvm.org.apache.hadoop.fs.Path(
+            local.as_uri()), True))
+
+
+@contextlib.contextmanager
+def _staged(prefix: str) -> Iterator[Path]:
+    """A local temporary directory for a stage on its way to or from a URL."""
+    with tempfile.TemporaryDirectory(prefix=prefix) as folder:
+        yield Path(folder) / "stage"
 
 
 def _jsonable(value) -> bool:
@@ -46,9 +123,20 @@ class StageWriter(MLWriter):
         self.instance = instance
 
     def save(self, path: str) -> None:
-        """MLWriter's, without its overwrite through the JVM (no SparkContext on Connect, or at all):
-        ``saveImpl`` replaces an existing directory itself."""
-        self.saveImpl(path)
+        """MLWriter's, without its overwrite through the JVM (no SparkContext on Connect, or at all): a local
+        path is replaced here, a URL through its Hadoop file system."""
+        scheme = _url_scheme(path)
+        if scheme is None:
+            self.saveImpl(str(_local(path)))
+            return
+        files = _HadoopFiles(path, scheme)
+        if files.exists():
+            if not self.shouldOverwrite:
+                raise PathExists(f"{path} exists already: write().overwrite().save(path) replaces it.")
+            files.delete()
+        with _staged("hvdmagic-save-") as local:
+            self.saveImpl(str(local))
+            files.upload(local)
 
     def saveImpl(self, path: str) -> None:
         import cloudpickle
@@ -61,14 +149,15 @@ class StageWriter(MLWriter):
             shutil.rmtree(root)
         root.mkdir(parents=True)
         stage = self.instance
-        plain, objects = {}, {}
-        for param, value in stage.extractParamMap().items():
-            if param.name in _NOT_SAVED or param.name in stage.saved_by_framework:
-                continue
-            (plain if _jsonable(value) else objects)[param.name] = value
-        metadata = {_CLASS_KEY: f"{type(stage).__module__}.{type(stage).__qualname__}",
-                    "timestamp": int(time.time() * 1000),
-                    "sparkVersion": pyspark.__version__, "uid": stage.uid, "paramMap": plain, "defaultParamMap": {},
+        plain: dict[str, dict] = {"paramMap": {}, "defaultParamMap": {}}
+        objects: dict[str, dict] = {"paramMap": {}, "defaultParamMap": {}}
+        for kind, values in (("paramMap", stage._paramMap), ("defaultParamMap", stage._defaultParamMap)):
+            for param, value in values.items():
+                if param.name in _NOT_SAVED or param.name in stage.saved_by_framework:
+                    continue
+                (plain if _jsonable(value) else objects)[kind][param.name] = value
+        metadata = {_CLASS_KEY: _class_name(type(stage)), "timestamp": int(time.time() * 1000),
+                    "sparkVersion": pyspark.__version__, "uid": stage.uid, **plain,
                     "language": "Python", "hvdmagic": stage._extra_metadata()}
         (root / "metadata").mkdir()
         (root / "metadata" / "part-00000").write_text(json.dumps(metadata) + "\n")
@@ -77,22 +166,39 @@ class StageWriter(MLWriter):
         stage._save_weights(root)
 
 
+def _class_name(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
 class StageReader(MLReader):
     def __init__(self, cls):
         super().__init__()
         self.cls = cls
 
     def load(self, path: str):
+        scheme = _url_scheme(path)
+        if scheme is None:
+            return self._load(str(_local(path)), path)
+        files = _HadoopFiles(path, scheme)
+        with _staged("hvdmagic-load-") as local:
+            files.download(local)
+            return self._load(str(local), path)
+
+    def _load(self, folder: str, path: str):
         import cloudpickle
 
-        root = Path(path)
-        text = (root / "metadata" / "part-00000").read_text()
-        metadata = json.loads(text)
+        root = Path(folder)
+        metadata = json.loads((root / "metadata" / "part-00000").read_text())
+        saved, expected = metadata.get(_CLASS_KEY), _class_name(self.cls)
+        if saved != expected:
+            raise StageIOError(f"{path} holds a {saved}, not a {expected}: load it with that class's load(), or "
+                               "with PipelineModel.load for a whole pipeline.")
         stage = self.cls._from_saved(root, metadata.get("hvdmagic", {}))
         stage._resetUid(metadata["uid"])
-        values = dict(metadata["paramMap"])
-        values.update(cloudpickle.loads((root / "objects.pkl").read_bytes()))
-        stage._set(**{name: value for name, value in values.items() if stage.hasParam(name)})
+        objects = cloudpickle.loads((root / "objects.pkl").read_bytes())
+        for kind, put in (("defaultParamMap", stage._setDefault), ("paramMap", stage._set)):
+            values = {**metadata.get(kind, {}), **objects.get(kind, {})}
+            put(**{name: value for name, value in values.items() if stage.hasParam(name)})
         return stage
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from hvdmagic.keras_archive import Archived, keras_package, load_file
 from hvdmagic.spark.common.estimator import FitFailed, HorovodEstimator, HorovodModel
-from hvdmagic.spark.common.params import add_accessors
+from hvdmagic.spark.common.params import add_accessors, keyword_signature
 from hvdmagic.spark.common.persistence import Persistent
 
 
@@ -68,6 +68,7 @@ class _KerasPersistent(Persistent):
         return objects
 
 
+@keyword_signature
 @add_accessors
 class KerasEstimator(HorovodEstimator, _KerasPersistent):
     """Spark ML estimator for a Keras model, with horovod.spark.keras.KerasEstimator's params.

@@ -20,7 +20,7 @@ from pyspark.ml.param import Param, Params, TypeConverters
 
 from hvdmagic.rank.estimator_lightning import lightning_package
 from hvdmagic.spark.common.estimator import FitFailed, HorovodEstimator
-from hvdmagic.spark.common.params import add_accessors
+from hvdmagic.spark.common.params import add_accessors, keyword_signature
 from hvdmagic.spark.common.persistence import Persistent
 from hvdmagic.spark.torch.estimator import TorchModel as _PlainTorchModel
 
@@ -33,6 +33,7 @@ def _lightning_installed() -> bool:
     return any(importlib.util.find_spec(name) is not None for name in ("lightning", "pytorch_lightning"))
 
 
+@keyword_signature
 @add_accessors
 class TorchEstimator(HorovodEstimator, Persistent):
     """Spark ML estimator for a PyTorch Lightning module, with horovod.spark.lightning.TorchEstimator's params.

@@ -10,10 +10,11 @@ import copy
 from pathlib import Path
 
 from hvdmagic.spark.common.estimator import FitFailed, HorovodEstimator, HorovodModel
-from hvdmagic.spark.common.params import add_accessors
+from hvdmagic.spark.common.params import add_accessors, keyword_signature
 from hvdmagic.spark.common.persistence import Persistent
 
 
+@keyword_signature
 @add_accessors
 class TorchEstimator(HorovodEstimator, Persistent):
     """Spark ML estimator for a PyTorch model, with horovod.spark.torch.TorchEstimator's params.
