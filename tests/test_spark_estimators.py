@@ -236,6 +236,7 @@ def test_spark_mls_conventions_signature_set_params_and_what_a_save_keeps_as_set
     assert signature.parameters["batch_size"].default == 32 and signature.parameters["epochs"].default == 1
     assert all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in signature.parameters.values())
     assert "profiler" in inspect.signature(LightningEstimator).parameters  # a framework's own params too
+    assert "\n    batch_size: rows per batch and rank (default: 32)\n" in TorchEstimator.__doc__  # help()'s Args
     estimator = TorchEstimator(feature_cols=["f"], label_cols=["y"])
     assert estimator.setParams(batch_size=64, shuffle=False) is estimator and estimator.getBatchSize() == 64
     with pytest.raises(HvdmagicError, match=r"'epoch' \(did you mean 'epochs'\?\)"):

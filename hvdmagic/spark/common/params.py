@@ -126,6 +126,10 @@ def keyword_signature(cls: type) -> type:
     parameters = [inspect.Parameter(param.name, inspect.Parameter.KEYWORD_ONLY, default=defaults.get(param.name))
                   for param in sorted(instance.params, key=lambda param: param.name)]
     cls.__signature__ = inspect.Signature(parameters)
+    described = "\n".join(f"    {param.name}: {param.doc}" + ("" if "default" in param.doc else
+                                                                 f" (default: {defaults.get(param.name)!r})")
+                          for param in sorted(instance.params, key=lambda param: param.name))
+    cls.__doc__ = f"{(cls.__doc__ or '').rstrip()}\n\nArgs:\n{described}\n"
     return cls
 
 
