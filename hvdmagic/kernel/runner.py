@@ -84,11 +84,10 @@ def _run(payload, placement, record, view, *, timeout, stall_timeout, env, spark
         if prepare is not None:
             try:
                 data = prepare(on_stage)
-            except KeyboardInterrupt:
+            except BaseException as exc:
                 record.ended_before_launch = True
-                raise JobInterrupted(interrupted_before_job(record.stage)) from None
-            except BaseException:
-                record.ended_before_launch = True
+                if isinstance(exc, KeyboardInterrupt):
+                    raise JobInterrupted(interrupted_before_job(record.stage)) from None
                 raise
         if session is not None:
             values = session.run_cell(payload, on_event, timeout=timeout, stall_timeout=stall_timeout,

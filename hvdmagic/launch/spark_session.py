@@ -110,7 +110,7 @@ class _QuietTaskLogs:
         self.holders = 0
         self.jvm = None
         self.saved: dict[str, object] = {}  # logger name: its own level before, None where it had none
-        self.progress_console = None  # (the bar, its own stream) while the bar is silenced
+        self.progress_console = None  # (the bar, its console field, its own stream) while the bar is silenced
 
     def quiet(self, sc) -> None:
         jvm = sc._jvm
@@ -151,7 +151,7 @@ class _QuietTaskLogs:
             field.setAccessible(True)
             own = field.get(bar)
             field.set(bar, self.jvm.java.io.PrintStream(self.jvm.java.io.OutputStream.nullOutputStream()))
-            self.progress_console = (bar, own)
+            self.progress_console = (bar, field, own)
         except Exception:  # no such field (an older Spark), or no bar: as before
             pass
 
@@ -165,9 +165,7 @@ class _QuietTaskLogs:
         progress_console, self.progress_console = self.progress_console, None
         with contextlib.suppress(Exception):  # the JVM may be gone, and its loggers with it
             if progress_console is not None:
-                bar, own = progress_console
-                field = bar.getClass().getDeclaredField("console")
-                field.setAccessible(True)
+                bar, field, own = progress_console
                 field.set(bar, own)
             context = self.jvm.org.apache.logging.log4j.LogManager.getContext(False)
             config = context.getConfiguration()
