@@ -188,8 +188,10 @@ def test_sparks_task_failure_log_stays_out_of_the_cell_on_the_users_own_session(
     python.chmod(0o755)
     stop_active_session()  # one SparkContext per process: this test needs one with that Python
     monkeypatch.setenv("PYSPARK_PYTHON", str(python))
+    # The console bar on, as in a session pyspark's launcher starts in a fresh kernel (this process's JVM may
+    # be one another session started with it off).
     spark = (SparkSession.builder.master("local[2]").config("spark.driver.host", "127.0.0.1")
-             .config("spark.ui.enabled", "false").getOrCreate())
+             .config("spark.ui.enabled", "false").config("spark.ui.showConsoleProgress", "true").getOrCreate())
     log4j = spark.sparkContext._jvm.org.apache.logging.log4j
     try:
         spark.sparkContext.setLogLevel("WARN")  # the user's choices, which let task failures through
