@@ -16,9 +16,12 @@ demo: setup
 # kernel): 34 min against 40 on this 2-core machine (2026-12-06), but three tests still fail under the load
 # two workers make (docs/development.md, "CI's budget"), so CI runs one process.
 TEST_WORKERS ?= 0
+# DURATIONS=0: every test's setup, call and teardown time (docs/development.md's table of where the time goes).
+DURATIONS ?= 20
 test: setup
 	$(PY) -m ruff check .
-	$(PY) -m pytest -p no:cacheprovider -ra --durations=20 -n $(TEST_WORKERS) --dist loadfile --nbval-lax tests notebooks
+	$(PY) -m pytest -p no:cacheprovider -ra --durations=$(DURATIONS) -n $(TEST_WORKERS) --dist loadfile --nbval-lax \
+		tests notebooks
 
 # The unit tier only (tests/conftest.py's TIERS): no Spark, no rank process, no kernel; seconds.
 test-fast: setup
