@@ -1057,6 +1057,15 @@ ROWS_FIT = f"""() => {{
     }});
 }}"""
 FILE_BROWSER_OPEN = "() => !!document.querySelector('#filebrowser:not(.lm-mod-hidden)')"
+
+
+def open_narrow_with_the_file_browser(page, lab: JupyterLab, name: str) -> None:
+    """The notebook at 1100 px with JupyterLab's file browser open: an output area of about 670 px."""
+    page.set_viewport_size({"width": 1100, "height": 900})
+    open_notebook(page, lab, name)
+    if not page.evaluate(FILE_BROWSER_OPEN):
+        page.locator(".jp-SideBar [data-id='filebrowser']").click()
+    wait_for(page, FILE_BROWSER_OPEN, timeout=10, failure="The file browser did not open")
 # A cell that drives no bar: its dashboard keeps no room for an overall bar (issue 48: a 35 px gap).
 NO_BARS_CELL = "%%horovod --np -2\nimport time\ntime.sleep(4)\nprint('done')\n"
 # The px between the bottom of the live dashboard's header and the top of its first rank row.
@@ -1076,11 +1085,7 @@ def test_rows_fit_a_narrow_output_area_with_the_file_browser_open(lab, browser):
     seen: dict[int, list] = {}
     try:
         with new_page(browser, "narrow") as page:
-            page.set_viewport_size({"width": 1100, "height": 900})
-            open_notebook(page, lab, path.name)
-            if not page.evaluate(FILE_BROWSER_OPEN):
-                page.locator(".jp-SideBar [data-id='filebrowser']").click()
-            wait_for(page, FILE_BROWSER_OPEN, timeout=10, failure="The file browser did not open")
+            open_narrow_with_the_file_browser(page, lab, path.name)
             run_all_cells(page)
             wait_for(page, f"""() => {{
                     const rows = ({ROWS_FIT})();
@@ -1181,11 +1186,7 @@ def test_a_new_users_walk_on_their_own_spark_session(lab, browser):
     headers = {}
     try:
         with new_page(browser, "own-session") as page:
-            page.set_viewport_size({"width": 1100, "height": 900})
-            open_notebook(page, lab, path.name)
-            if not page.evaluate(FILE_BROWSER_OPEN):
-                page.locator(".jp-SideBar [data-id='filebrowser']").click()
-            wait_for(page, FILE_BROWSER_OPEN, timeout=10, failure="The file browser did not open")
+            open_narrow_with_the_file_browser(page, lab, path.name)
             run_all_cells(page)
             headers[1100] = wait_for(page, f"() => {{ const h = ({HEADER_FIT})(); "
                                            "return h && /preparing the DataFrame/.test(h.stage) && h; }",
