@@ -112,12 +112,10 @@ def _driver_has_gpus(processes: int) -> bool:
 
 
 def _spark_gives_gpus() -> bool:
-    """Whether the notebook's active session gives its tasks GPUs; the embedded one hvdmagic starts gives none."""
-    try:
-        from pyspark.sql import SparkSession
-    except ImportError:
-        return False
-    session = SparkSession.getActiveSession()
+    """Whether the notebook's session gives its tasks GPUs; the embedded one hvdmagic starts gives none."""
+    from hvdmagic.launch.spark_session import users_session
+
+    session = users_session()
     if session is None:
         return False
     try:

@@ -220,6 +220,15 @@ def _java_check() -> None:
         )
 
 
+def users_session():
+    """The notebook's session as a launch finds it: its Spark Connect one, else its classic one; None
+    when it has neither (a launch would start the embedded one). Imports pyspark only if it is imported."""
+    if (connect := spark_connect.active_session()) is not None:
+        return connect
+    classic = sys.modules.get("pyspark.sql")
+    return classic.SparkSession.getActiveSession() if classic is not None else None
+
+
 def prefer_this_python() -> bool:
     """Make PYSPARK_PYTHON this process's Python where it is unset, no SparkContext runs yet and
     nothing says that the session to come runs on a cluster. A local-mode session's executors

@@ -62,11 +62,10 @@ class _HadoopFiles:
     """The classic session's Hadoop file system of one URL, through py4j: what Spark ML's writers use."""
 
     def __init__(self, url: str, scheme: str):
-        from pyspark.sql import SparkSession
-
         from hvdmagic.launch import spark_connect
+        from hvdmagic.launch.spark_session import users_session
 
-        session = SparkSession.getActiveSession()
+        session = users_session()
         if session is None or spark_connect.is_connect(session):
             why = "this Spark Connect session lends none to the client" if session else "no SparkSession is active"
             raise StageIOError(
