@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 from hvdmagic import protocol
+from hvdmagic.file_urls import Folder
 from hvdmagic.keras_archive import keras_package
 from hvdmagic.rank import telemetry
 from hvdmagic.rank.estimator_data import FitSpec, ShardRows, shaped
@@ -233,7 +234,7 @@ def _checkpoint(keras, directory: str, history: dict):
         def on_epoch_end(self, epoch, logs=None):
             state = {"weights": self.model.get_weights(), "history": history,
                      "optimizer": [variable.numpy() for variable in self.model.optimizer.variables]}
-            write_checkpoint(Path(directory), f"epoch-{epoch}.pkl", _CHECKPOINT, 1,
+            write_checkpoint(Folder(directory), f"epoch-{epoch}.pkl", _CHECKPOINT, 1,
                              lambda path: path.write_bytes(pickle.dumps(state)))
 
     return Checkpoint()
@@ -241,9 +242,10 @@ def _checkpoint(keras, directory: str, history: dict):
 
 def _newest_checkpoint(directory: str | None):
     """(epoch, state) of the newest checkpoint in ``directory``, or None."""
-    epochs = checkpoint_steps(Path(directory), _CHECKPOINT) if directory else {}
+    folder = Folder(directory) if directory else None
+    epochs = checkpoint_steps(folder, _CHECKPOINT) if folder else {}
     if not epochs:
         return None
     newest = max(epochs)
-    return newest, pickle.loads(epochs[newest].read_bytes())
+    return newest, folder.read(epochs[newest], lambda path: pickle.loads(path.read_bytes()))
 

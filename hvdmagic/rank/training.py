@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from hvdmagic import protocol
+from hvdmagic.file_urls import Folder
 from hvdmagic.rank.telemetry import emit
 
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)\.pt$")
@@ -50,7 +51,8 @@ def _broadcast_from_rank0(obj):
     return obj
 
 
-def save_checkpoint(state: Any, directory: str | os.PathLike, step: int, keep: int = 3) -> Path | None:
+def save_checkpoint(state: Any, directory: str | os.PathLike, step: int, keep: int = 3,
+                    storage_options: dict | None = None) -> str | None:
     """Save ``state`` (e.g. model and optimizer state dicts) as step ``step``, on rank 0 only.
 
     The file is written beside its final name, then renamed, so a run killed
@@ -61,13 +63,17 @@ def save_checkpoint(state: Any, directory: str | os.PathLike, step: int, keep: i
     Args:
         state: what to save; anything ``torch.save`` can pickle.
         directory: where ``checkpoint-STEP.pt`` goes; created if missing. On a cluster it
-            need only be visible to rank 0's host (``load_checkpoint`` reads it there).
+            need only be visible to rank 0's host (``load_checkpoint`` reads it there). A URL
+            (``s3://bucket/ckpt``, ``gs://``, ``abfs://``...) goes through fsspec's driver for its
+            scheme, which rank 0's host must have (s3fs, gcsfs, adlfs).
+        storage_options: for a URL, the fsspec driver's options (``endpoint_url``, ``key``...);
+            None reads the host's own credentials, as the driver does.
         step: the step (or epoch) this state is from; the highest is the newest.
         keep: how many of the newest checkpoints to keep (default 3); older ones are
             deleted. 0 keeps them all.
 
     Returns:
-        The checkpoint's path on rank 0; None on the other ranks.
+        The checkpoint's path (or URL) on rank 0; None on the other ranks.
 
     Example::
 
@@ -81,34 +87,27 @@ def save_checkpoint(state: Any, directory: str | os.PathLike, step: int, keep: i
 
     if _rank_and_size()[0] != 0:
         return None
-    return write_checkpoint(Path(directory), f"checkpoint-{step}.pt", _CHECKPOINT, keep,
+    return write_checkpoint(Folder(directory, storage_options), f"checkpoint-{step}.pt", _CHECKPOINT, keep,
                             lambda path: torch.save({"step": step, "state": state}, path))
 
 
-def write_checkpoint(directory: Path, name: str, pattern: re.Pattern, keep: int,
-                     write: Callable[[Path], None]) -> Path:
-    """``write(path)`` a checkpoint beside its final name ``name`` in ``directory``, then rename it,
-    so a run killed mid-write never leaves a half checkpoint for the next run to load; then keep
-    the ``keep`` newest checkpoints (``pattern``'s group 1 is a file's step; 0 keeps them all)."""
-    directory.mkdir(parents=True, exist_ok=True)
-    final = directory / name
-    partial = directory / f".{name}.partial"
-    write(partial)
-    os.replace(partial, final)
-    steps = checkpoint_steps(directory, pattern)
+def write_checkpoint(folder: Folder, name: str, pattern: re.Pattern, keep: int, write: Callable[[Path], None]) -> str:
+    """``write(path)`` the checkpoint ``name`` whole into ``folder`` (``Folder.write``: a run killed
+    mid-write never leaves a half checkpoint for the next run to load); then keep the ``keep``
+    newest checkpoints (``pattern``'s group 1 is a file's step; 0 keeps them all)."""
+    final = folder.write(name, write)
+    steps = checkpoint_steps(folder, pattern)
     for old in sorted(steps)[:-keep] if keep else []:
-        steps[old].unlink(missing_ok=True)
+        folder.delete(steps[old])
     return final
 
 
-def checkpoint_steps(directory: Path, pattern: re.Pattern = _CHECKPOINT) -> dict[int, Path]:
-    """The checkpoints in ``directory`` by step (none if it does not exist)."""
-    if not directory.is_dir():
-        return {}
-    return {int(m.group(1)): path for path in directory.iterdir() if (m := pattern.match(path.name))}
+def checkpoint_steps(folder: Folder, pattern: re.Pattern = _CHECKPOINT) -> dict[int, str]:
+    """The checkpoints' names in ``folder`` by step (none if it does not exist)."""
+    return {int(m.group(1)): name for name in folder.names() if (m := pattern.match(name))}
 
 
-def load_checkpoint(directory: str | os.PathLike) -> tuple[Any, int | None]:
+def load_checkpoint(directory: str | os.PathLike, storage_options: dict | None = None) -> tuple[Any, int | None]:
     """The newest checkpoint's ``(state, step)``, loaded by rank 0 and broadcast to every rank.
 
     Only rank 0 needs to see the directory, as with ``save_checkpoint``. With more than
@@ -117,7 +116,8 @@ def load_checkpoint(directory: str | os.PathLike) -> tuple[Any, int | None]:
     The file is unpickled in full (``weights_only=False``): load only your own checkpoints.
 
     Args:
-        directory: the directory ``save_checkpoint`` wrote to; it may not exist yet.
+        directory: the directory (or URL) ``save_checkpoint`` wrote to; it may not exist yet.
+        storage_options: for a URL, as ``save_checkpoint``'s.
 
     Returns:
         ``(state, step)`` of the checkpoint with the highest step, on every rank;
@@ -136,9 +136,9 @@ def load_checkpoint(directory: str | os.PathLike) -> tuple[Any, int | None]:
 
     found = None
     if _rank_and_size()[0] == 0:
-        steps = checkpoint_steps(Path(directory))
-        if steps:
-            found = torch.load(steps[max(steps)], weights_only=False)
+        folder = Folder(directory, storage_options)
+        if steps := checkpoint_steps(folder):
+            found = folder.read(steps[max(steps)], lambda path: torch.load(path, weights_only=False))
     found = _broadcast_from_rank0(found)
     return (found["state"], found["step"]) if found else (None, None)
 

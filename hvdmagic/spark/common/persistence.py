@@ -12,11 +12,14 @@ A local path, a ``file://`` URL or a FUSE mount (``/dbfs/...``, ``/Volumes/...``
 file I/O, the same on a classic and a Spark Connect session and with no session at all. Any other URL
 (``hdfs://``, ``s3a://``, ``abfss://``, ``gs://``, ``dbfs:/``) goes where the session's Spark writes it:
 the stage is written to a local temporary directory, then copied there through the classic session's
-Hadoop file systems, as Spark ML's own stages are (``load`` copies it back first). A URL never becomes a
-local directory named after its scheme; one that Spark cannot write fails with the file system's own
-reason, in one paragraph. The metadata keeps Spark ML's conventions: the params the user set in
-``paramMap``, the defaults apart in ``defaultParamMap``, and the class, which ``load`` checks. The store
-and the backend are not saved (horovod.spark's rule): a loaded model needs neither, nor a GPU.
+Hadoop file systems, as Spark ML's own stages are (``load`` copies it back first). Where Spark has no file
+system for the scheme (a Spark Connect client lends none; a laptop's Spark has no ``s3://``), fsspec's
+driver for it copies the stage instead (``file_urls.Tree``: s3fs, gcsfs, adlfs). The weights go through a
+file on the driver's disk, never through its memory twice. A URL never becomes a local directory named after
+its scheme; one that neither can write fails with the file system's own reason, in one paragraph. The
+metadata keeps Spark ML's conventions: the params the user set in ``paramMap``, the defaults apart in
+``defaultParamMap``, and the class, which ``load`` checks. The store and the backend are not saved
+(horovod.spark's rule): a loaded model needs neither, nor a GPU.
 """
 
 from __future__ import annotations
@@ -28,10 +31,10 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from urllib.parse import urlparse
 
 from pyspark.ml.util import MLReadable, MLReader, MLWritable, MLWriter
 
+from hvdmagic import file_urls
 from hvdmagic.errors import HvdmagicError
 
 _NOT_SAVED = ("store", "backend")
@@ -47,17 +50,6 @@ class StageIOError(HvdmagicError, OSError):
     use instead, in one paragraph."""
 
 
-def _url_scheme(path: str) -> str | None:
-    """The scheme of a URL that is not this machine's own file system (``hdfs``, ``s3a``, ``dbfs``); None for a
-    local path or a ``file:`` URL."""
-    scheme = urlparse(path).scheme
-    return scheme if len(scheme) > 1 and scheme != "file" else None  # one letter: a Windows drive
-
-
-def _local(path: str) -> Path:
-    return Path(urlparse(path).path) if urlparse(path).scheme == "file" else Path(path)
-
-
 class _HadoopFiles:
     """The classic session's Hadoop file system of one URL, through py4j: what Spark ML's writers use."""
 
@@ -67,11 +59,8 @@ class _HadoopFiles:
 
         session = users_session()
         if session is None or spark_connect.is_connect(session):
-            why = "this Spark Connect session lends none to the client" if session else "no SparkSession is active"
-            raise StageIOError(
-                f"{url} is a {scheme}: URL, which hvdmagic writes through a classic SparkSession's Hadoop file "
-                f"systems, and {why}: save to a local path or a FUSE mount (/dbfs/..., /Volumes/...), or from a "
-                "classic session.")
+            raise _NoHadoopFileSystem("a Spark Connect client has no Hadoop file systems" if session
+                                      else "no SparkSession is active")
         jvm = session.sparkContext._jvm
         self.jvm, self.url = jvm, url
         self.path = jvm.org.apache.hadoop.fs.Path(url)
@@ -84,6 +73,8 @@ class _HadoopFiles:
             return action()
         except Py4JJavaError as exc:
             reason = str(exc.java_exception.toString()) if exc.java_exception is not None else str(exc)
+            if "UnsupportedFileSystemException" in reason:
+                raise _NoHadoopFileSystem(f"Spark has none: {reason}") from None
             raise StageIOError(f"{self.url}: Spark's file system says {reason}") from None
 
     def exists(self) -> bool:
@@ -99,6 +90,50 @@ class _HadoopFiles:
     def download(self, local: Path) -> None:
         self._call(lambda: self.fs.copyToLocalFile(False, self.path, self.jvm.org.apache.hadoop.fs.Path(
             local.as_uri()), True))
+
+
+class _NoHadoopFileSystem(Exception):
+    """No Hadoop file system for a URL here: fsspec's driver may copy the stage instead."""
+
+
+class _FsspecFiles:
+    """fsspec's driver for a URL's scheme, where Spark has no file system for it; its errors in one paragraph."""
+
+    def __init__(self, url: str):
+        self.tree = file_urls.Tree(url)
+
+    def _call(self, action, *args):
+        try:
+            return action(*args)
+        except OSError as exc:
+            raise StageIOError(f"{self.tree.url}: {type(self.tree.fs).__name__} says {type(exc).__name__}: "
+                               f"{exc}") from None
+
+    def exists(self) -> bool:
+        return self._call(self.tree.exists)
+
+    def delete(self) -> None:
+        self._call(self.tree.delete)
+
+    def upload(self, local: Path) -> None:
+        self._call(self.tree.upload, local)
+
+    def download(self, local: Path) -> None:
+        self._call(self.tree.download, local)
+
+
+def _remote_files(url: str, scheme: str):
+    """The session's Hadoop file system for ``url``, as Spark ML's own stages use; else fsspec's driver for its
+    scheme; else one paragraph saying why neither."""
+    try:
+        return _HadoopFiles(url, scheme)
+    except _NoHadoopFileSystem as no_hadoop:
+        try:
+            return _FsspecFiles(url)
+        except file_urls.MissingDriver as no_driver:
+            raise StageIOError(f"{url}: no file system here writes {scheme}:// (Spark: {no_hadoop}; fsspec: "
+                               f"{no_driver.reason}); {no_driver.install} or add Spark's file system for it, or save "
+                               "to a local path or a FUSE mount every host sees (/dbfs/..., /Volumes/...).") from None
 
 
 @contextlib.contextmanager
@@ -124,11 +159,11 @@ class StageWriter(MLWriter):
     def save(self, path: str) -> None:
         """MLWriter's, without its overwrite through the JVM (no SparkContext on Connect, or at all): a local
         path is replaced here, a URL through its Hadoop file system."""
-        scheme = _url_scheme(path)
+        scheme = file_urls.url_scheme(path)
         if scheme is None:
-            self.saveImpl(str(_local(path)))
+            self.saveImpl(str(file_urls.local_path(path)))
             return
-        files = _HadoopFiles(path, scheme)
+        files = _remote_files(path, scheme)
         if files.exists():
             if not self.shouldOverwrite:
                 raise PathExists(f"{path} exists already: write().overwrite().save(path) replaces it.")
@@ -175,10 +210,10 @@ class StageReader(MLReader):
         self.cls = cls
 
     def load(self, path: str):
-        scheme = _url_scheme(path)
+        scheme = file_urls.url_scheme(path)
         if scheme is None:
-            return self._load(str(_local(path)), path)
-        files = _HadoopFiles(path, scheme)
+            return self._load(str(file_urls.local_path(path)), path)
+        files = _remote_files(path, scheme)
         with _staged("hvdmagic-load-") as local:
             files.download(local)
             return self._load(str(local), path)
