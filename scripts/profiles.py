@@ -50,7 +50,9 @@ TABLE_BEGIN, TABLE_END = "<!-- profiles:begin -->", "<!-- profiles:end -->"
 # The tests marked `profile`, and these notebooks (the notebook tier, of the paths named here only).
 PROFILE_TESTS = ["-m", "profile or notebook", "tests", "notebooks/quickstart.ipynb", "notebooks/07_keras_mnist.ipynb",
                  "notebooks/13_spark_ml_pipeline.ipynb"]
-TEST_TOOLS = ["pytest>=8", "pytest-timeout>=2", "nbval>=0.11", "nbclient>=0.7", "playwright>=1.50", "hypothesis>=6"]
+# s3fs and moto's server: the profile tests that save to s3:// (tests/s3_server.py).
+TEST_TOOLS = ["pytest>=8", "pytest-timeout>=2", "nbval>=0.11", "nbclient>=0.7", "playwright>=1.50", "hypothesis>=6",
+              "s3fs", "moto[s3]>=5", "flask", "flask-cors"]
 # The browser tests' front end. ipywidgets 8's is JupyterLab 4 with jupyterlab_widgets 3, installed beside
 # the kernel as in the main virtualenv. ipywidgets 7's is jupyterlab_widgets 1, a JupyterLab 3 extension:
 # JupyterLab 3.6 serves it from a virtualenv of its own (LAB3), and runs the profile's kernel, as a

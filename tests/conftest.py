@@ -12,6 +12,7 @@ import pytest
 from connect_server import ConnectServer, missing_server
 from helpers import kernel, kernel_factory  # noqa: F401 (fixtures: a real Jupyter kernel, for every module)
 from procs import TEST_PROCESS_ENV, own_temp_dir, rank_processes
+from s3_server import s3_bucket, s3_endpoint  # noqa: F401 (fixtures: moto's S3 server on loopback)
 
 os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
 

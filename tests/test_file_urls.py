@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from s3_server import s3_bucket, s3_endpoint  # noqa: F401 (fixtures)
 
 from hvdmagic.file_urls import Folder
 from hvdmagic.rank import training
