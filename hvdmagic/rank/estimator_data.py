@@ -1,5 +1,5 @@
-"""A Spark ML estimator's fit, the rank's side of its data: what the kernel sends (``FitSpec``) and the
-rank's shard read as batches, the same number of them on every rank.
+"""A Spark ML estimator's fit, as the kernel and the ranks exchange it: what the kernel sends every rank
+(``FitSpec``), what rank 0 sends back (``FitResult``), and the rank's shard read as batches.
 
 The shard is the Arrow IPC file the rank's task wrote from its partition of the prepared DataFrame
 (``hvdmagic.task.shards``), memory-mapped: a batch is taken from it row by row (``Table.take``) and
@@ -7,25 +7,28 @@ converted on its own, so a rank holds one batch at a time, not its shard, and a 
 the rank's memory streams from the page cache. The limit is the executor's local disk, where the
 shard lies.
 
-Every rank runs the same number of steps an epoch: the most any rank's rows need, a rank with fewer
-rows going round its own rows again, as horovod.spark's endless Petastorm reader does. No rank then
-waits in an allreduce for another's extra batch.
+Every rank runs the same number of steps an epoch (``hvdmagic.rank.estimator_fit``): the most any
+rank's rows need, a rank with fewer rows going round its own rows again, as horovod.spark's endless
+Petastorm reader does. No rank then waits in an allreduce for another's extra batch.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 # Columns the kernel adds to the prepared DataFrame (hvdmagic.spark.common.estimator).
 VALIDATION_COLUMN = "__hvdmagic_validation"  # true for a validation row
 
 
-@dataclass
+@dataclass(kw_only=True)
 class FitSpec:
-    """What one fit sends every rank: the estimator's params as plain values, and its objects."""
+    """What one fit sends every rank: the estimator's params as plain values, and its objects.
+
+    A field named as a param takes that param's value (``HorovodEstimator._spec``); the defaults are the
+    params' own, declared once in ``hvdmagic.spark.common.params``, so none is written here."""
 
     framework: str  # "torch", "keras" or "lightning"
     collectives: str  # "horovod" or "torch" (torch.distributed)
@@ -33,33 +36,47 @@ class FitSpec:
     model: Any
     feature_cols: list[str]
     label_cols: list[str]
-    input_shapes: list[list[int]] | None = None
-    label_shapes: list[list[int]] | None = None
-    sample_weight_col: str | None = None
-    validation: bool = False  # VALIDATION_COLUMN marks the validation rows
-    optimizer: Any = None
-    loss: Any = None
-    loss_constructors: list | None = None
-    loss_weights: list[float] | None = None
-    metrics: list | None = None
-    custom_objects: dict | None = None
-    gradient_compression: Any = None
-    callbacks: list = field(default_factory=list)
-    batch_size: int = 32
-    val_batch_size: int | None = None
-    epochs: int = 1
-    train_steps_per_epoch: int | None = None
-    validation_steps_per_epoch: int | None = None
-    shuffle: bool = True
-    random_seed: int | None = None
-    verbose: int = 1
-    backward_passes_per_step: int = 1
-    transformation_fn: Callable | None = None
-    train_minibatch_fn: Callable | None = None
-    trainer_args: dict | None = None
-    use_gpu: bool | None = None
-    checkpoint_dir: str | None = None  # the store's checkpoint directory of this run_id
-    notes: list[str] = field(default_factory=list)  # for the run's notes, said by rank 0
+    input_shapes: list[list[int]] | None
+    label_shapes: list[list[int]] | None
+    sample_weight_col: str | None
+    validation: bool  # VALIDATION_COLUMN marks the validation rows
+    optimizer: Any
+    loss: Any
+    loss_constructors: list | None
+    loss_weights: list[float] | None
+    metrics: list | None
+    custom_objects: dict | None
+    gradient_compression: Any
+    callbacks: list
+    batch_size: int
+    val_batch_size: int | None
+    epochs: int
+    train_steps_per_epoch: int | None
+    validation_steps_per_epoch: int | None
+    shuffle: bool
+    random_seed: int | None
+    verbose: int
+    backward_passes_per_step: int
+    transformation_fn: Callable | None
+    train_minibatch_fn: Callable | None
+    trainer_args: dict | None
+    use_gpu: bool | None
+    checkpoint_dir: str | None  # the store's checkpoint directory of this run_id
+    notes: list[str]  # for the run's notes, said by rank 0
+
+
+@dataclass(kw_only=True)
+class FitResult:
+    """What rank 0 sends back from a fit: the trained weights in its framework's form, and how the fit went."""
+
+    weights: Any  # torch and Lightning: the module's state_dict; Keras: model.get_weights()
+    optimizer_state: dict | None  # torch's optimizer state_dict (Keras and Lightning make their optimizer anew)
+    history: dict[str, list[float]]  # per epoch, averaged over the ranks; "val_" names the validation ones
+    output_sizes: list[int]  # each output's values per row: the prediction columns' sizes
+    collectives: str  # "horovod" or "torch.distributed"
+    epochs_run: int  # this fit's epochs, not a resumed run's earlier ones
+    device: str  # what rank 0 trained on ("cpu", "cuda:0", "gpu")
+    training_seconds: float  # the epochs themselves, without the start and the result
 
 
 class ShardRows:
@@ -77,10 +94,6 @@ class ShardRows:
             self.train, self.val = np.arange(table.num_rows), np.arange(0)
         self.columns = [*spec.feature_cols, *spec.label_cols,
                         *([spec.sample_weight_col] if spec.sample_weight_col else [])]
-
-    def steps(self, most_rows: int, batch_size: int, asked: int | None) -> int:
-        """Batches an epoch: ``asked`` (train_steps_per_epoch) or what the rank with ``most_rows`` needs."""
-        return asked if asked else math.ceil(most_rows / batch_size)
 
     def batches(self, indices, batch_size: int, steps: int, rng=None) -> Iterator[dict[str, Any]]:
         """``steps`` batches of ``indices`` (reshuffled by ``rng`` when given), going round them as needed."""
@@ -123,6 +136,10 @@ def column_array(column, name: str):
     return array.to_numpy(zero_copy_only=False)
 
 
-def shaped(values, shape: list[int] | None):
-    """``values`` reshaped to a column's ``input_shapes`` entry (-1 for the batch), or as it is."""
+def as_float32(values, shape: list[int] | None = None):
+    """A batch's column as float32, as horovod.spark gives every column (a copy where the batch is a view of
+    the memory-mapped shard, which is read-only), reshaped to ``shape`` (-1 for the batch) where given."""
+    import numpy as np
+
+    values = np.require(values, np.float32, ["C", "W"])
     return values.reshape(shape) if shape else values

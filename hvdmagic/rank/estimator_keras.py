@@ -17,21 +17,19 @@ from __future__ import annotations
 
 import pickle
 import re
-import time
 from pathlib import Path
 
-from hvdmagic import protocol
 from hvdmagic.file_urls import Folder
 from hvdmagic.keras_archive import keras_package
-from hvdmagic.rank import telemetry
-from hvdmagic.rank.estimator_data import FitSpec, ShardRows, shaped
+from hvdmagic.rank.estimator_data import FitResult, FitSpec, ShardRows, as_float32
+from hvdmagic.rank.estimator_fit import RankFit
 from hvdmagic.rank.shards import shard
 from hvdmagic.rank.training import checkpoint_steps, write_checkpoint
 
 _CHECKPOINT = re.compile(r"^epoch-(\d+)\.pkl$")
 
 
-def fit(spec: FitSpec) -> dict | None:
+def fit(spec: FitSpec) -> FitResult | None:
     """Train ``spec.model`` on this rank's shard; rank 0 returns the weights, history and output sizes."""
     import horovod.tensorflow as hvd
     import numpy as np
@@ -41,18 +39,12 @@ def fit(spec: FitSpec) -> dict | None:
     device = _pin_device(tf, spec, hvd.local_rank())
     keras = keras_package(spec.model)
     model = spec.model
-    if hvd.rank() == 0:
-        for text in [*spec.notes, f"hvdmagic: training on {hvd.size()} rank(s) with horovod's collectives, on "
-                     f"{device} ({keras.__name__} {keras.__version__})"]:
-            telemetry.emit(protocol.note(text))
-    if spec.random_seed is not None:
-        tf.random.set_seed(spec.random_seed)
+    group = _Horovod(hvd, tf)
+    run = RankFit(spec, group, device, tf.random.set_seed, about=f"{keras.__name__} {keras.__version__}")
 
-    history: dict[str, list[float]] = {}
     # Rank 0's view of the store, so that every rank resumes from the same epoch (a store only its host sees).
     saved = hvd.broadcast_object(_newest_checkpoint(spec.checkpoint_dir) if hvd.rank() == 0 else None, root_rank=0,
                                  name="hvdmagic.checkpoint")
-    start = 0
     config = dict(spec.optimizer["config"])
     if saved is None:
         config["learning_rate"] = _scaled(config.get("learning_rate"), hvd.size())
@@ -65,48 +57,56 @@ def fit(spec: FitSpec) -> dict | None:
         optimizer.build(model.trainable_variables)
         for variable, value in zip(optimizer.variables, state["optimizer"]):
             variable.assign(value)
-        history, start = state["history"], epoch + 1
-        if hvd.rank() == 0:
-            print(f"resuming from the checkpoint of epoch {epoch + 1} in {spec.checkpoint_dir}", flush=True)
+        run.resumed(epoch, state["history"])
 
     rows = ShardRows(shard(), spec)
-    largest = _largest(hvd, tf)
-    train_steps = rows.steps(largest(len(rows.train)), spec.batch_size, spec.train_steps_per_epoch)
-    val_batch = spec.val_batch_size or spec.batch_size
-    val_steps = rows.steps(largest(len(rows.val)), val_batch, spec.validation_steps_per_epoch) \
-        if spec.validation else 0
+    steps = run.epoch_steps(rows)
     output_shapes = [list(output.shape) for output in model.outputs]
-    rng = np.random.default_rng(None if spec.random_seed is None else spec.random_seed + hvd.rank())
 
-    def batches(indices, size, steps, shuffled):
-        """Every epoch's batches, one epoch after another: Keras takes ``steps`` of them each epoch."""
+    def batches(indices, size, count, shuffles):
+        """Every epoch's batches, one epoch after another: Keras takes ``count`` of them each epoch."""
         while True:
-            for arrays in rows.batches(indices, size, steps, rng if shuffled else None):
+            for arrays in rows.batches(indices, size, count, shuffles):
                 yield _keras_batch(arrays, spec, output_shapes)
 
-    callbacks = [_dashboard(keras, hvd, spec, train_steps, history)]
+    callbacks = [_dashboard(keras, run)]
     callbacks += [c for c in spec.callbacks if hvd.rank() == 0 or not isinstance(c, keras.callbacks.TensorBoard)]
     if hvd.rank() == 0 and spec.checkpoint_dir:
         for callback in callbacks:
             if isinstance(callback, keras.callbacks.TensorBoard):
                 callback.log_dir = str(Path(spec.checkpoint_dir).parent / "logs")
-        callbacks.append(_checkpoint(keras, spec.checkpoint_dir, history))
-    started = time.monotonic()
-    if start < spec.epochs:
-        model.fit(batches(rows.train, spec.batch_size, train_steps, spec.shuffle), steps_per_epoch=train_steps,
-                  epochs=spec.epochs, initial_epoch=start, callbacks=callbacks, verbose=0, shuffle=False,
-                  validation_data=batches(rows.val, val_batch, val_steps, False) if val_steps else None,
-                  validation_steps=val_steps or None)
-    training_seconds = time.monotonic() - started
+        callbacks.append(_checkpoint(keras, spec.checkpoint_dir, run.history))
+    with run.training():
+        if run.start < spec.epochs:
+            model.fit(batches(rows.train, spec.batch_size, steps.train, run.shuffles), steps_per_epoch=steps.train,
+                      epochs=spec.epochs, initial_epoch=run.start, callbacks=callbacks, verbose=0, shuffle=False,
+                      validation_data=batches(rows.val, steps.val_batch_size, steps.val, None) if steps.val else None,
+                      validation_steps=steps.val or None)
     if hvd.rank() != 0:
         return None
     inputs, _ = _keras_batch(next(rows.batches(rows.train, 1, 1)), spec, output_shapes)[:2]
     outputs = model(inputs, training=False)
     outputs = outputs if isinstance(outputs, (list, tuple)) else [outputs]
-    return {"weights": model.get_weights(), "history": history,
-            "output_sizes": [int(np.prod(output.shape[1:])) for output in outputs],
-            "collectives": "horovod", "epochs_run": spec.epochs - start, "device": device,
-            "training_seconds": training_seconds}
+    return run.result(model.get_weights(), None, [int(np.prod(output.shape[1:])) for output in outputs])
+
+
+class _Horovod:
+    """Horovod's TensorFlow collectives, for the skeleton's reductions (``RankGroup``)."""
+
+    name = "horovod"
+
+    def __init__(self, hvd, tf):
+        self.hvd, self.tf = hvd, tf
+        self.rank, self.size = hvd.rank(), hvd.size()
+
+    def largest(self, values: list[int]) -> list[int]:
+        tensor = self.tf.constant(values, dtype=self.tf.int64)
+        return self.hvd.allreduce(tensor, op=self.hvd.Max, name="hvdmagic.rows").numpy().tolist()
+
+    def mean(self, metrics: dict[str, float]) -> dict[str, float]:
+        tensor = self.tf.constant(list(metrics.values()), dtype=self.tf.float64)
+        averaged = self.hvd.allreduce(tensor, op=self.hvd.Average, name="hvdmagic.metrics")
+        return dict(zip(metrics, averaged.numpy().tolist()))
 
 
 def _pin_device(tf, spec: FitSpec, local_rank: int) -> str:
@@ -168,60 +168,39 @@ def _metrics(spec: FitSpec):
     return [list(spec.metrics) for _ in spec.label_cols]  # each output gets them all, as horovod.spark does
 
 
-def _largest(hvd, tf):
-    def largest(value: int) -> int:
-        return int(hvd.allreduce(tf.constant([value], dtype=tf.int64), op=hvd.Max, name="hvdmagic.rows").numpy()[0])
-
-    return largest
-
-
 def _keras_batch(arrays, spec: FitSpec, output_shapes):
     """(inputs, labels[, sample weights]) as Keras' fit takes them, float32, each reshaped to its input's or
     output's shape."""
     import numpy as np
 
-    def floats(values):
-        return np.require(values, np.float32, ["C", "W"])
-
     shapes = spec.input_shapes or [None] * len(spec.feature_cols)
-    inputs = [shaped(floats(arrays[c]), shape) for c, shape in zip(spec.feature_cols, shapes)]
+    inputs = [as_float32(arrays[c], shape) for c, shape in zip(spec.feature_cols, shapes)]
     labels = []
     for name, shape in zip(spec.label_cols, output_shapes):
-        values = floats(arrays[name])
+        values = as_float32(arrays[name])
         per_row = int(np.prod([d for d in shape[1:] if d])) if len(shape) > 1 else 1
         labels.append(values.reshape([len(values), *shape[1:]]) if values.size == len(values) * per_row
                       and None not in shape[1:] else values)
     batch = (inputs[0] if len(inputs) == 1 else inputs, labels[0] if len(labels) == 1 else labels)
-    return (*batch, floats(arrays[spec.sample_weight_col])) if spec.sample_weight_col else batch
+    return (*batch, as_float32(arrays[spec.sample_weight_col])) if spec.sample_weight_col else batch
 
 
-def _dashboard(keras, hvd, spec: FitSpec, train_steps: int, history: dict):
-    """First of the callbacks: averages the epoch's numbers over the ranks (in Keras' own ``logs``, so the
-    callbacks after it see the averages), keeps the history, and drives the dashboard's bars and chart."""
+def _dashboard(keras, run: RankFit):
+    """First of the callbacks: the epoch's numbers averaged over the ranks into Keras' own ``logs`` (so the
+    callbacks after it see the averages), and the skeleton's bars, history, chart and line."""
     import numpy as np
 
     class Dashboard(keras.callbacks.Callback):
         def on_epoch_begin(self, epoch, logs=None):
-            self.started = time.monotonic()
-            telemetry.progress(epoch, spec.epochs, "epoch")
+            run.epoch_started(epoch)
 
         def on_train_batch_end(self, batch, logs=None):
-            telemetry.progress(batch + 1, train_steps, "batch")
+            run.batch_done(batch)
 
         def on_epoch_end(self, epoch, logs=None):
-            names = sorted(name for name, value in (logs or {}).items() if np.ndim(value) == 0)
-            values = np.array([float(logs[name]) for name in names], dtype=np.float64)
-            averaged = hvd.allreduce(values, op=hvd.Average, name="hvdmagic.metrics").numpy().tolist()
-            for name, value in zip(names, averaged):
-                logs[name] = value
-                history.setdefault(name, []).append(value)
-            telemetry.progress(epoch + 1, spec.epochs, "epoch")
-            if hvd.rank() == 0:
-                telemetry.log_metrics(step=epoch, **dict(zip(names, averaged)))
-                if spec.verbose:
-                    shown = ", ".join(f"{name} {value:.4g}" for name, value in zip(names, averaged))
-                    print(f"epoch {epoch + 1}/{spec.epochs}: {shown} ({time.monotonic() - self.started:.1f} s)",
-                          flush=True)
+            logs = logs if logs is not None else {}
+            names = sorted(name for name, value in logs.items() if np.ndim(value) == 0)
+            logs.update(run.epoch_done(epoch, {name: float(logs[name]) for name in names}))
 
     return Dashboard()
 

@@ -24,7 +24,9 @@ What the estimator adds to the Trainer, as two callbacks:
   where PL 1.x called them, without changing the user's code: a subclass of the module's class made
   here (the class the kernel holds stays as it was) and a callback placed before all others.
 
-Rank 0 returns what ``hvdmagic.rank.estimator_torch`` returns, so the kernel builds its model the same way.
+What every framework's fit does alike (the steps, the seed, resuming, the epoch's bars, history and line, the
+result) is ``hvdmagic.rank.estimator_fit``'s. Rank 0's ``FitResult`` holds the module's ``state_dict`` as
+``estimator_torch``'s does, so the kernel builds its model the same way.
 """
 
 from __future__ import annotations
@@ -33,15 +35,13 @@ import logging
 import os
 import shutil
 import tempfile
-import time
 import warnings
 from dataclasses import dataclass, field
 
-from hvdmagic import protocol
-from hvdmagic.rank import telemetry, training
-from hvdmagic.rank.estimator_data import FitSpec, ShardRows, shaped
+from hvdmagic.rank import training
+from hvdmagic.rank.estimator_data import FitResult, FitSpec, ShardRows, as_float32
+from hvdmagic.rank.estimator_fit import RankFit
 from hvdmagic.rank.shards import shard
-from hvdmagic.rank.trainers import logged_numbers
 
 # The two names Lightning ships under; a Trainer takes only modules and callbacks of its own package.
 LIGHTNING_PACKAGES = ("lightning.pytorch", "pytorch_lightning")
@@ -69,7 +69,7 @@ def lightning_package(model) -> str | None:
 # The kernel sends the one of these for the module's package. Each names its imports in its own code, so the
 # host's rank template (launch.shipment.framework_imports) imports torch and that Lightning ahead of the ranks:
 # Lightning's import is most of a rank's start otherwise.
-def fit_with_lightning(spec: FitSpec) -> dict | None:
+def fit_with_lightning(spec: FitSpec) -> FitResult | None:
     """``fit`` for a ``lightning.pytorch`` module."""
     import lightning.pytorch as pl
     import torch._dynamo  # noqa: F401  (the optimizer's first step imports it, seconds later)
@@ -77,7 +77,7 @@ def fit_with_lightning(spec: FitSpec) -> dict | None:
     return fit(spec, pl)
 
 
-def fit_with_pytorch_lightning(spec: FitSpec) -> dict | None:
+def fit_with_pytorch_lightning(spec: FitSpec) -> FitResult | None:
     """``fit`` for a ``pytorch_lightning`` module."""
     import pytorch_lightning as pl
     import torch._dynamo  # noqa: F401
@@ -88,9 +88,8 @@ def fit_with_pytorch_lightning(spec: FitSpec) -> dict | None:
 ENTRY_POINTS = {"lightning.pytorch": fit_with_lightning, "pytorch_lightning": fit_with_pytorch_lightning}
 
 
-def fit(spec: FitSpec, pl) -> dict | None:
+def fit(spec: FitSpec, pl) -> FitResult | None:
     """Fit ``spec.model`` with ``pl``'s Trainer on this rank's shard; rank 0 returns the weights and history."""
-    import numpy as np
     import torch
     import torch.distributed as dist
 
@@ -99,65 +98,43 @@ def fit(spec: FitSpec, pl) -> dict | None:
     accelerator = _accelerator(torch, spec, local_size)
     if not dist.is_initialized():  # before the Trainer, for the row counts; Lightning then joins this group
         dist.init_process_group("nccl" if accelerator == "gpu" else "gloo")
-    rank, size = dist.get_rank(), dist.get_world_size()
     _quiet_lightning(spec.verbose)
-
-    legacy = LegacyHooks.find(spec.model, [*spec.callbacks, *(spec.trainer_args or {}).get("callbacks", [])])
-    if rank == 0:
-        notes = [*spec.notes, f"hvdmagic: training on {size} rank(s) with torch.distributed's collectives "
-                 f"(Lightning {pl.__version__}, strategy ddp), on {accelerator}"]
-        if legacy.found:
-            notes.append(f"hvdmagic: PyTorch Lightning 1.x hooks that Lightning {pl.__version__} no longer calls "
-                         f"were bridged, called where 1.x called them: {', '.join(legacy.found)}")
-        for text in notes:
-            telemetry.emit(protocol.note(text))
-    if spec.random_seed is not None:
-        _seed(pl, spec.random_seed)
-
-    rows = ShardRows(shard(), spec)
     device = torch.device("cuda", torch.cuda.current_device()) if accelerator == "gpu" else torch.device("cpu")
 
-    def largest(value: int) -> int:  # every rank runs as many steps as the rank with the most rows needs
-        tensor = torch.tensor([value], device=device)
-        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-        return int(tensor.item())
+    legacy = LegacyHooks.find(spec.model, [*spec.callbacks, *(spec.trainer_args or {}).get("callbacks", [])])
+    bridged = [f"hvdmagic: PyTorch Lightning 1.x hooks that Lightning {pl.__version__} no longer calls were "
+               f"bridged, called where 1.x called them: {', '.join(legacy.found)}"] if legacy.found else []
+    run = RankFit(spec, _GatheredRanks(dist), str(device), lambda seed: _seed(pl, seed),
+                  about=f"Lightning {pl.__version__}, strategy ddp", notes=bridged)
 
-    train_steps = rows.steps(largest(len(rows.train)), spec.batch_size, spec.train_steps_per_epoch)
-    val_batch = spec.val_batch_size or spec.batch_size
-    val_steps = rows.steps(largest(len(rows.val)), val_batch, spec.validation_steps_per_epoch) \
-        if spec.validation else 0
-    rng = np.random.default_rng(None if spec.random_seed is None else spec.random_seed + rank)
-    train_data = _loader(torch, rows, rows.train, spec.batch_size, train_steps, rng if spec.shuffle else None, spec)
-    val_data = _loader(torch, rows, rows.val, val_batch, val_steps, None, spec) if val_steps else None
+    rows = ShardRows(shard(), spec)
+    steps = run.epoch_steps(rows)
+    train_data = _loader(torch, rows, rows.train, spec.batch_size, steps.train, run.shuffles, spec)
+    val_data = _loader(torch, rows, rows.val, steps.val_batch_size, steps.val, None, spec) if steps.val else None
 
     model = spec.model
-    history: dict[str, list[float]] = {}
     resume_from = None
     if spec.checkpoint_dir:
         state, epoch = training.load_checkpoint(spec.checkpoint_dir)
         if state is not None:
-            history = state["history"]
             resume_from = tempfile.mkdtemp(prefix="hvdmagic-lightning-")
             torch.save(state["lightning"], os.path.join(resume_from, "resume.ckpt"))
-            if rank == 0:
-                print(f"resuming from the checkpoint of epoch {epoch + 1} in {spec.checkpoint_dir}", flush=True)
+            run.resumed(epoch, state["history"])
     legacy.bridge(model)
-    recorder = _recorder_class(pl)(spec, history, train_steps, rank)
     try:
-        trainer = _trainer(pl, spec, legacy, accelerator, local_size, hosts, train_steps)
-        trainer.callbacks.append(recorder)  # after the Trainer checked its callbacks: see _trainer
+        trainer = _trainer(pl, spec, legacy, accelerator, local_size, hosts, steps.train)
+        trainer.callbacks.append(_recorder_class(pl)(run))  # after the Trainer checked its callbacks: see _trainer
         options = {}
         if resume_from is not None:
             options["ckpt_path"] = os.path.join(resume_from, "resume.ckpt")
             if "weights_only" in _parameters(trainer.fit):  # our own checkpoint: hyperparameters and loops too
                 options["weights_only"] = False
-        started = time.monotonic()
-        trainer.fit(model, train_dataloaders=train_data, val_dataloaders=val_data, **options)
-        training_seconds = time.monotonic() - started
+        with run.training():
+            trainer.fit(model, train_dataloaders=train_data, val_dataloaders=val_data, **options)
     finally:
         if resume_from is not None:
             shutil.rmtree(resume_from, ignore_errors=True)
-    if rank != 0:
+    if run.group.rank != 0:
         return None
 
     model.eval()
@@ -167,11 +144,34 @@ def fit(spec: FitSpec, pl) -> dict | None:
         inputs = [one[name].to(parameter.device if parameter is not None else "cpu") for name in spec.feature_cols]
         outputs = model(*inputs)
     outputs = outputs if isinstance(outputs, (list, tuple)) else [outputs]
-    return {"model_state": {name: value.detach().cpu() for name, value in model.state_dict().items()},
-            "optimizer_state": None,  # the module's configure_optimizers makes its optimizer (horovod.spark's rule)
-            "history": history, "output_sizes": [int(output[0].numel()) for output in outputs],
-            "collectives": "torch.distributed", "epochs_run": recorder.epochs_run, "device": str(device),
-            "training_seconds": training_seconds}
+    # No optimizer state: the module's configure_optimizers makes its optimizer (horovod.spark's rule).
+    return run.result({name: value.detach().cpu() for name, value in model.state_dict().items()}, None,
+                      [int(output[0].numel()) for output in outputs])
+
+
+class _GatheredRanks:
+    """torch.distributed's group, which Lightning's ddp strategy joins, reduced over Python values gathered from
+    every rank (``RankGroup``): what a module logs need not be the same metrics on every rank."""
+
+    name = "torch.distributed"
+
+    def __init__(self, dist):
+        self.dist = dist
+        self.rank, self.size = dist.get_rank(), dist.get_world_size()
+
+    def _gathered(self, value) -> list:
+        gathered: list = [None] * self.size
+        self.dist.all_gather_object(gathered, value)
+        return gathered
+
+    def largest(self, values: list[int]) -> list[int]:
+        return [max(each) for each in zip(*self._gathered(values))]
+
+    def mean(self, metrics: dict[str, float]) -> dict[str, float]:
+        """The mean of the metrics every rank has."""
+        gathered = self._gathered(metrics)
+        return {name: sum(each[name] for each in gathered) / len(gathered) for name in metrics
+                if all(name in each for each in gathered)}
 
 
 def _accelerator(torch, spec: FitSpec, local_size: int) -> str:
@@ -218,8 +218,6 @@ def _parameters(function) -> set[str]:
 def _loader(torch, rows: ShardRows, indices, batch_size: int, steps: int, rng, spec: FitSpec):
     """A DataLoader of ``steps`` batches of ``indices``, each a dict of float32 tensors (horovod.spark's shape);
     ``rng`` reshuffles them each time it is iterated (each epoch)."""
-    import numpy as np
-
     label_shapes = spec.label_shapes or [None] * len(spec.label_cols)
     shapes = {**dict(zip(spec.feature_cols, spec.input_shapes or [None] * len(spec.feature_cols))),
               **dict(zip(spec.label_cols, label_shapes))}
@@ -230,9 +228,7 @@ def _loader(torch, rows: ShardRows, indices, batch_size: int, steps: int, rng, s
 
         def __iter__(self):
             for arrays in rows.batches(indices, batch_size, steps, rng):
-                # float32, a copy where the batch is a view of the memory-mapped shard (as estimator_torch)
-                yield {name: torch.from_numpy(shaped(np.require(values, np.float32, ["C", "W"]), shapes.get(name)))
-                       for name, values in arrays.items()}
+                yield {name: torch.from_numpy(as_float32(values, shapes.get(name))) for name, values in arrays.items()}
 
     # batch_size=None: the dataset yields whole batches; no sampler, since each rank reads its own shard.
     return torch.utils.data.DataLoader(ShardBatches(), batch_size=None)
@@ -283,39 +279,26 @@ def _recorder_class(pl):
     after the module's own, so what the module logs there reaches the history and the checkpoint."""
 
     class EpochRecorder(pl.callbacks.Checkpoint):
-        """The fit's bars, per-epoch history and metrics, and rank 0's checkpoint after each epoch."""
+        """The skeleton's bars, history, chart and line of each epoch, and rank 0's checkpoint after it."""
 
-        def __init__(self, spec: FitSpec, history: dict[str, list[float]], train_steps: int, rank: int):
-            self.spec, self.history, self.train_steps, self.rank = spec, history, train_steps, rank
-            self.epochs_run = 0
-            self.started = time.monotonic()
+        def __init__(self, run: RankFit):
+            self.run = run
 
         def on_train_epoch_start(self, trainer, module) -> None:
-            self.started = time.monotonic()
-            telemetry.progress(trainer.current_epoch, self.spec.epochs, "epoch")
+            self.run.epoch_started(trainer.current_epoch)
 
         def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx: int) -> None:
-            telemetry.progress(batch_idx + 1, self.train_steps, "batch")
+            self.run.batch_done(batch_idx)
 
         def on_train_epoch_end(self, trainer, module) -> None:
             epoch = trainer.current_epoch
-            metrics = _mean_over_ranks(_numbers(trainer.callback_metrics))
-            for name, value in metrics.items():
-                self.history.setdefault(name, []).append(value)
-            self.epochs_run += 1
-            telemetry.progress(epoch + 1, self.spec.epochs, "epoch")
-            if self.rank == 0:
-                if shown := logged_numbers(metrics):  # inf or nan (an empty epoch's mean) charts nothing
-                    telemetry.log_metrics(step=epoch, **shown)
-                if self.spec.verbose:
-                    text = ", ".join(f"{name} {value:.4g}" for name, value in metrics.items())
-                    print(f"epoch {epoch + 1}/{self.spec.epochs}: {text} ({time.monotonic() - self.started:.1f} s)",
-                          flush=True)
-            if self.spec.checkpoint_dir:
+            self.run.epoch_done(epoch, _numbers(trainer.callback_metrics))
+            if self.run.spec.checkpoint_dir:
                 # Every rank builds the dict (a sharded strategy gathers for it); rank 0 alone writes it.
                 state = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
-                training.save_checkpoint({"lightning": state, "history": {k: list(v) for k, v in self.history.items()}},
-                                         self.spec.checkpoint_dir, step=epoch, keep=1)
+                history = {k: list(v) for k, v in self.run.history.items()}
+                training.save_checkpoint({"lightning": state, "history": history},
+                                         self.run.spec.checkpoint_dir, step=epoch, keep=1)
 
     return EpochRecorder
 
@@ -331,16 +314,6 @@ def _numbers(metrics) -> dict[str, float]:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             out[name] = float(value)
     return out
-
-
-def _mean_over_ranks(metrics: dict[str, float]) -> dict[str, float]:
-    """Each metric's mean over the ranks (as estimator_torch's history), for the metrics every rank has."""
-    import torch.distributed as dist
-
-    gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, metrics)
-    return {name: sum(each[name] for each in gathered) / len(gathered) for name in metrics
-            if all(name in each for each in gathered)}
 
 
 # -- the bridge for PyTorch Lightning 1.x code ----------------------------------------------------------------

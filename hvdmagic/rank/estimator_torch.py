@@ -12,16 +12,18 @@ gloo, or NCCL on GPUs): the estimator works on a runtime without a horovod build
 from __future__ import annotations
 
 import os
-import time
 
 from hvdmagic import protocol
 from hvdmagic.protocol import CUDA_DEVICE_ENV
 from hvdmagic.rank import telemetry, training
-from hvdmagic.rank.estimator_data import FitSpec, ShardRows, shaped
+from hvdmagic.rank.estimator_data import FitResult, FitSpec, ShardRows, as_float32
+from hvdmagic.rank.estimator_fit import RankFit
 from hvdmagic.rank.shards import shard
 
 
 class _Horovod:
+    """Horovod's collectives over torch tensors: the skeleton's reductions (``RankGroup``) and the step's."""
+
     name = "horovod"
 
     def __init__(self, torch):
@@ -30,12 +32,12 @@ class _Horovod:
         self.hvd, self.torch = hvd, torch
         self.rank, self.size, self.local_rank = hvd.rank(), hvd.size(), hvd.local_rank()
 
-    def largest(self, value: int) -> int:
-        return int(self.hvd.allreduce(self.torch.tensor([value]), op=self.hvd.Max, name="hvdmagic.rows").item())
+    def largest(self, values: list[int]) -> list[int]:
+        return self.hvd.allreduce(self.torch.tensor(values), op=self.hvd.Max, name="hvdmagic.rows").tolist()
 
-    def mean(self, values: list[float]) -> list[float]:
-        tensor = self.torch.tensor(values, dtype=self.torch.float64)
-        return self.hvd.allreduce(tensor, op=self.hvd.Average, name="hvdmagic.metrics").tolist()
+    def mean(self, metrics: dict[str, float]) -> dict[str, float]:
+        tensor = self.torch.tensor(list(metrics.values()), dtype=self.torch.float64)
+        return dict(zip(metrics, self.hvd.allreduce(tensor, op=self.hvd.Average, name="hvdmagic.metrics").tolist()))
 
     def distribute(self, model, optimizer, spec: FitSpec):
         self.hvd.broadcast_parameters(model.state_dict(), root_rank=0)
@@ -52,6 +54,8 @@ class _Horovod:
 
 
 class _TorchDistributed:
+    """torch.distributed's collectives (DDP's gradients): the skeleton's reductions (``RankGroup``) and the step's."""
+
     name = "torch.distributed"
 
     def __init__(self, torch, device):
@@ -63,15 +67,15 @@ class _TorchDistributed:
         self.rank, self.size = dist.get_rank(), dist.get_world_size()
         self.local_rank = int(os.environ.get("LOCAL_RANK", 0))
 
-    def largest(self, value: int) -> int:
-        tensor = self.torch.tensor([value], device=self.device)
+    def largest(self, values: list[int]) -> list[int]:
+        tensor = self.torch.tensor(values, device=self.device)
         self.dist.all_reduce(tensor, op=self.dist.ReduceOp.MAX)
-        return int(tensor.item())
+        return tensor.tolist()
 
-    def mean(self, values: list[float]) -> list[float]:
-        tensor = self.torch.tensor(values, dtype=self.torch.float64, device=self.device)
+    def mean(self, metrics: dict[str, float]) -> dict[str, float]:
+        tensor = self.torch.tensor(list(metrics.values()), dtype=self.torch.float64, device=self.device)
         self.dist.all_reduce(tensor)
-        return (tensor / self.size).tolist()
+        return dict(zip(metrics, (tensor / self.size).tolist()))
 
     def distribute(self, model, optimizer, spec: FitSpec):
         from torch.nn.parallel import DistributedDataParallel
@@ -88,9 +92,8 @@ class _TorchDistributed:
         return contextlib.nullcontext() if last else model.no_sync()  # gradients summed locally until the last pass
 
 
-def fit(spec: FitSpec) -> dict | None:
+def fit(spec: FitSpec) -> FitResult | None:
     """Train ``spec.model`` on this rank's shard; rank 0 returns the weights, optimizer state and history."""
-    import numpy as np
     import torch
     import torch._dynamo  # the optimizer's first call imports it (2 s here): named, the host's template imports it
 
@@ -98,119 +101,115 @@ def fit(spec: FitSpec) -> dict | None:
         import horovod.torch  # noqa: F401  (named in fit itself, so that the host's template imports it ahead)
     device = _device(torch, spec)
     group = _Horovod(torch) if spec.collectives == "horovod" else _TorchDistributed(torch, device)
-    if group.rank == 0:
-        for text in [*spec.notes, f"hvdmagic: training on {group.size} rank(s) with {group.name}'s collectives, "
-                     f"on {device.type}"]:
-            telemetry.emit(protocol.note(text))
-    if spec.random_seed is not None:
-        torch.manual_seed(spec.random_seed)
+    run = RankFit(spec, group, str(device), torch.manual_seed)
     model, optimizer = spec.model, spec.optimizer
     if optimizer is None:
         raise ValueError("TorchEstimator needs an optimizer (optimizer=torch.optim.SGD(model.parameters(), lr=...))")
     model.to(device)
     optimizer.load_state_dict(optimizer.state_dict())  # its state onto the parameters' device
-    losses = _losses(spec)
-    weights = spec.loss_weights or [1.0 / len(spec.label_cols)] * len(spec.label_cols)
-
-    history: dict[str, list[float]] = {}
-    start = 0
     if spec.checkpoint_dir:
         state, epoch = training.load_checkpoint(spec.checkpoint_dir)
         if state is not None:
             model.load_state_dict(state["model"])
             optimizer.load_state_dict(state["optimizer"])
-            history, start = state["history"], epoch + 1
-            if group.rank == 0:
-                print(f"resuming from the checkpoint of epoch {epoch + 1} in {spec.checkpoint_dir}", flush=True)
-    if start == 0:
+            run.resumed(epoch, state["history"])
+    if run.start == 0:
         _scale_lr(optimizer.param_groups, group.size)
     model, optimizer = group.distribute(model, optimizer, spec)
 
     rows = ShardRows(shard(), spec)
-    train_steps = rows.steps(group.largest(len(rows.train)), spec.batch_size, spec.train_steps_per_epoch)
-    val_batch = spec.val_batch_size or spec.batch_size
-    val_steps = rows.steps(group.largest(len(rows.val)), val_batch, spec.validation_steps_per_epoch) \
-        if spec.validation else 0
-    # horovod.spark's hook: a function that returns the step function (its 7 arguments, as here).
-    custom_step = spec.train_minibatch_fn() if spec.train_minibatch_fn is not None else None
-    rng = np.random.default_rng(None if spec.random_seed is None else spec.random_seed + group.rank)
+    steps = run.epoch_steps(rows)
+    step = _Step(spec, model, optimizer, group, device)
+    with run.training():
+        for epoch in range(run.start, spec.epochs):
+            run.epoch_started(epoch)
+            model.train()
+            sums = _Sums(spec)
+            for batch, arrays in enumerate(rows.batches(rows.train, spec.batch_size, steps.train, run.shuffles)):
+                sums.add(*step.train(batch, steps.train, arrays))
+                run.batch_done(batch)
+            metrics = dict(zip(sums.names(""), sums.averages()))
+            if steps.val:
+                model.eval()
+                sums = _Sums(spec)
+                with torch.no_grad():
+                    for arrays in rows.batches(rows.val, steps.val_batch_size, steps.val):
+                        sums.add(*step.evaluate(arrays))
+                metrics.update(zip(sums.names("val_"), sums.averages()))
+            run.epoch_done(epoch, metrics)
+            if spec.checkpoint_dir:
+                training.save_checkpoint({"model": _plain(model).state_dict(), "optimizer": optimizer.state_dict(),
+                                          "history": run.history}, spec.checkpoint_dir, step=epoch, keep=1)
+    if group.rank != 0:
+        return None
+    plain = _plain(model)
+    plain.eval()
+    with torch.no_grad():  # what one row gives out: the prediction columns' sizes and types, known in advance
+        inputs, _, _ = step.tensors(next(rows.batches(rows.train, 1, 1)))
+        outputs, _ = _match_outputs(plain(*inputs), [])
+    plain.to("cpu")
+    state = optimizer.state_dict()
+    _scale_lr(state["param_groups"], 1 / group.size)  # as the user gave it: a refit on another size scales it anew
+    return run.result(plain.state_dict(), state, [int(output[0].numel()) for output in outputs])
 
-    def tensor(values, shape=None):
-        # float32, as horovod.spark gives every column; a copy where the batch is a view of the memory-mapped shard
-        return torch.from_numpy(shaped(np.require(values, np.float32, ["C", "W"]), shape)).to(device)
 
-    def batch_tensors(arrays):
+class _Step:
+    """A batch's tensors, the loss over the labels, and one training or validation step on them."""
+
+    def __init__(self, spec: FitSpec, model, optimizer, group, device):
+        self.spec, self.model, self.optimizer, self.group, self.device = spec, model, optimizer, group, device
+        self.losses = _losses(spec)
+        self.weights = spec.loss_weights or [1.0 / len(spec.label_cols)] * len(spec.label_cols)
+        # horovod.spark's hook: a function that returns the step function (its 7 arguments, as in train).
+        self.custom = spec.train_minibatch_fn() if spec.train_minibatch_fn is not None else None
+
+    def tensors(self, arrays):
+        """(inputs, labels, sample weights) of a batch, float32 as horovod.spark gives every column."""
+        import torch
+
+        spec = self.spec
         shapes = spec.input_shapes or [None] * len(spec.feature_cols)
-        inputs = [tensor(arrays[c], shape) for c, shape in zip(spec.feature_cols, shapes)]
-        labels = [tensor(arrays[c]) for c in spec.label_cols]
-        sample_weights = tensor(arrays[spec.sample_weight_col]) if spec.sample_weight_col else None
+        inputs = [torch.from_numpy(as_float32(arrays[c], shape)).to(self.device)
+                  for c, shape in zip(spec.feature_cols, shapes)]
+        labels = [torch.from_numpy(as_float32(arrays[c])).to(self.device) for c in spec.label_cols]
+        sample_weights = torch.from_numpy(as_float32(arrays[spec.sample_weight_col])).to(self.device) \
+            if spec.sample_weight_col else None
         return inputs, labels, sample_weights
 
-    def loss_fn(outputs, labels, sample_weights):
+    def loss(self, outputs, labels, sample_weights):
         total = 0
-        for output, label, loss, weight in zip(outputs, labels, losses, weights):
+        for output, label, loss, weight in zip(outputs, labels, self.losses, self.weights):
             if sample_weights is None:
                 total = total + loss(output, label) * weight
             else:  # per-row losses, each weighted, then their mean (horovod.spark's rule)
                 total = total + (loss(output, label, reduction="none").flatten() * sample_weights).mean() * weight
         return total
 
-    training_started = time.monotonic()
-    for epoch in range(start, spec.epochs):
-        started = time.monotonic()
-        telemetry.progress(epoch, spec.epochs, "epoch")
-        model.train()
-        sums = _Sums(spec)
-        passes = spec.backward_passes_per_step
-        for step, arrays in enumerate(rows.batches(rows.train, spec.batch_size, train_steps,
-                                                   rng if spec.shuffle else None)):
-            inputs, labels, sample_weights = batch_tensors(arrays)
-            last = (step + 1) % passes == 0 or step + 1 == train_steps
-            with group.quietly(model, last):
-                if custom_step is not None:
-                    outputs, loss = custom_step(model, optimizer, _match_outputs, loss_fn, inputs, labels,
-                                                sample_weights)
-                else:
-                    outputs, loss = _train_minibatch(model, optimizer, inputs, labels, sample_weights, loss_fn,
-                                                     step, passes)
-            sums.add(loss, *_match_outputs(outputs, labels))
-            telemetry.progress(step + 1, train_steps, "batch")
-        metrics = dict(zip(sums.names(""), group.mean(sums.averages())))
-        if val_steps:
-            model.eval()
-            sums = _Sums(spec)
-            with torch.no_grad():
-                for arrays in rows.batches(rows.val, val_batch, val_steps):
-                    inputs, labels, sample_weights = batch_tensors(arrays)
-                    outputs, labels = _match_outputs(model(*inputs), labels)
-                    sums.add(loss_fn(outputs, labels, sample_weights), outputs, labels)
-            metrics.update(zip(sums.names("val_"), group.mean(sums.averages())))
-        for name, value in metrics.items():
-            history.setdefault(name, []).append(value)
-        telemetry.progress(epoch + 1, spec.epochs, "epoch")
-        if group.rank == 0:
-            telemetry.log_metrics(step=epoch, **metrics)
-            if spec.verbose:
-                shown = ", ".join(f"{name} {value:.4g}" for name, value in metrics.items())
-                print(f"epoch {epoch + 1}/{spec.epochs}: {shown} ({time.monotonic() - started:.1f} s)", flush=True)
-        if spec.checkpoint_dir:
-            training.save_checkpoint({"model": _plain(model).state_dict(), "optimizer": optimizer.state_dict(),
-                                      "history": history}, spec.checkpoint_dir, step=epoch, keep=1)
-    training_seconds = time.monotonic() - training_started
-    if group.rank != 0:
-        return None
-    plain = _plain(model)
-    plain.eval()
-    with torch.no_grad():  # what one row gives out: the prediction columns' sizes and types, known in advance
-        inputs, _, _ = batch_tensors(next(rows.batches(rows.train, 1, 1)))
-        outputs, _ = _match_outputs(plain(*inputs), [])
-    plain.to("cpu")
-    state = optimizer.state_dict()
-    _scale_lr(state["param_groups"], 1 / group.size)  # as the user gave it: a refit on another size scales it anew
-    return {"model_state": plain.state_dict(), "optimizer_state": state, "history": history,
-            "output_sizes": [int(output[0].numel()) for output in outputs],
-            "collectives": group.name, "epochs_run": spec.epochs - start, "device": str(device),
-            "training_seconds": training_seconds}
+    def train(self, batch: int, steps: int, arrays):
+        """One training step on the ``batch``-th batch of ``steps``: (loss, outputs, labels) for the epoch's sums;
+        the optimizer steps every ``backward_passes_per_step`` batches."""
+        inputs, labels, sample_weights = self.tensors(arrays)
+        passes = self.spec.backward_passes_per_step
+        last = (batch + 1) % passes == 0 or batch + 1 == steps
+        with self.group.quietly(self.model, last):
+            if self.custom is not None:
+                outputs, loss = self.custom(self.model, self.optimizer, _match_outputs, self.loss, inputs, labels,
+                                            sample_weights)
+            else:
+                if batch % passes == 0:
+                    self.optimizer.zero_grad()
+                outputs, labels = _match_outputs(self.model(*inputs), labels)
+                loss = self.loss(outputs, labels, sample_weights)
+                (loss / passes if passes > 1 else loss).backward()
+                if (batch + 1) % passes == 0:
+                    self.optimizer.step()
+        return (loss, *_match_outputs(outputs, labels))
+
+    def evaluate(self, arrays):
+        """(loss, outputs, labels) of a validation batch (under torch.no_grad)."""
+        inputs, labels, sample_weights = self.tensors(arrays)
+        outputs, labels = _match_outputs(self.model(*inputs), labels)
+        return self.loss(outputs, labels, sample_weights), outputs, labels
 
 
 def _device(torch, spec: FitSpec):
@@ -243,18 +242,6 @@ def _match_outputs(outputs, labels):
     labels = [label.reshape(output.shape) if hasattr(output, "shape") and output.shape.numel() == label.numel()
               else label for output, label in zip(outputs, labels)]
     return list(outputs), labels
-
-
-def _train_minibatch(model, optimizer, inputs, labels, sample_weights, loss_fn, step: int, passes: int):
-    """One training step; the optimizer steps every ``passes`` batches (backward_passes_per_step)."""
-    if step % passes == 0:
-        optimizer.zero_grad()
-    outputs, labels = _match_outputs(model(*inputs), labels)
-    loss = loss_fn(outputs, labels, sample_weights)
-    (loss / passes if passes > 1 else loss).backward()
-    if (step + 1) % passes == 0:
-        optimizer.step()
-    return outputs, loss
 
 
 class _Sums:

@@ -20,6 +20,7 @@ that runs the predictions shows their progress under its cell (``transform_progr
 from __future__ import annotations
 
 import copy as copying
+import dataclasses
 import importlib.util
 import pickle
 import time
@@ -31,7 +32,7 @@ from hvdmagic.errors import HvdmagicError
 from hvdmagic.launch.spark import check_slots, kernel_host
 from hvdmagic.launch.spark_session import spark_output_quiet
 from hvdmagic.protocol import Stage
-from hvdmagic.rank.estimator_data import FitSpec
+from hvdmagic.rank.estimator_data import FitResult, FitSpec
 from hvdmagic.spark.common import columns, model_delivery, tracking, transform_progress
 from hvdmagic.spark.common.params import EstimatorParams
 from hvdmagic.spark.common.store import new_run_id
@@ -146,29 +147,23 @@ class HorovodEstimator(Estimator, EstimatorParams):
         return list(self.getOrDefault(name)) if self.isDefined(name) else []
 
     def _spec(self) -> FitSpec:
+        """What the ranks train with: each of FitSpec's fields that a param names takes the param's value, the
+        others are made here."""
         get = self.getOrDefault
         store, run_id = get("store"), get("run_id") or new_run_id()
-        callbacks = get("callbacks")
-        return FitSpec(
-            framework=self.framework, collectives=self._collectives(), run_id=run_id, model=get("model"),
-            feature_cols=list(get("feature_cols")), label_cols=list(get("label_cols")),
-            input_shapes=self._input_shapes(), label_shapes=get("label_shapes"),
-            sample_weight_col=get("sample_weight_col"), validation=bool(get("validation")),
-            optimizer=get("optimizer"), loss=get("loss"), loss_constructors=get("loss_constructors"),
-            loss_weights=get("loss_weights"), metrics=get("metrics"), custom_objects=get("custom_objects"),
-            gradient_compression=get("gradient_compression"), callbacks=list(callbacks or []),
-            batch_size=get("batch_size"), val_batch_size=get("val_batch_size"), epochs=get("epochs"),
-            train_steps_per_epoch=get("train_steps_per_epoch"),
-            validation_steps_per_epoch=get("validation_steps_per_epoch"), shuffle=get("shuffle"),
-            random_seed=get("random_seed"), verbose=get("verbose"),
-            backward_passes_per_step=get("backward_passes_per_step"), transformation_fn=get("transformation_fn"),
-            train_minibatch_fn=get("train_minibatch_fn"), trainer_args=get("trainer_args"), use_gpu=get("use_gpu"),
-            checkpoint_dir=store.get_checkpoint_path(run_id) if store is not None else None,
-            notes=[f"hvdmagic: {', '.join(self._ignored)} tune Petastorm's reader in horovod.spark; here the "
-                   "DataFrame reaches the ranks as Arrow shards, so they change nothing"] if self._ignored else [],
-        )
+        params = {field.name: get(field.name) for field in dataclasses.fields(FitSpec) if self.hasParam(field.name)}
+        return FitSpec(**{
+            **params,
+            "framework": self.framework, "collectives": self._collectives(), "run_id": run_id,
+            "feature_cols": list(get("feature_cols")), "label_cols": list(get("label_cols")),
+            "input_shapes": self._input_shapes(), "validation": bool(get("validation")),
+            "callbacks": list(get("callbacks") or []),
+            "checkpoint_dir": store.get_checkpoint_path(run_id) if store is not None else None,
+            "notes": [f"hvdmagic: {', '.join(self._ignored)} tune Petastorm's reader in horovod.spark; here the "
+                      "DataFrame reaches the ranks as Arrow shards, so they change nothing"] if self._ignored else [],
+        })
 
-    def _run(self, spec: FitSpec, num_proc: int, prepare) -> dict:
+    def _run(self, spec: FitSpec, num_proc: int, prepare) -> FitResult:
         """The training on ``num_proc`` ranks, through the launcher cells use, on the DataFrame that
         ``prepare`` returns (``kernel.runner.execute``'s); rank 0's result."""
         from hvdmagic.kernel.api import pack_call
@@ -190,18 +185,19 @@ class HorovodEstimator(Estimator, EstimatorParams):
                        command=f"{type(self).__name__}.fit", charts_expected=True,
                        bars_expected=True).result
 
-    def _model_from(self, result: dict, df, spec: FitSpec, num_proc: int, seconds: float):
+    def _model_from(self, result: FitResult, df, spec: FitSpec, num_proc: int, seconds: float):
         raise NotImplementedError
 
-    def _fitted(self, model_class, result: dict, df, spec: FitSpec, num_proc: int, seconds: float, **objects):
+    def _fitted(self, model_class, result: FitResult, df, spec: FitSpec, num_proc: int, seconds: float,
+                **objects):
         """The fitted ``model_class`` from rank 0's ``result``: its history, output sizes, label types and
         fit_info, this estimator's params, and ``objects`` (the trained model, its optimizer...)."""
-        fitted = model_class(history=result["history"], output_sizes=result["output_sizes"],
+        fitted = model_class(history=result.history, output_sizes=result.output_sizes,
                              label_types=self._label_types(df),
-                             fit_info={"collectives": result["collectives"], "num_proc": num_proc,
-                                       "epochs_run": result["epochs_run"], "seconds": round(seconds, 2),
-                                       "training_seconds": round(result["training_seconds"], 2),
-                                       "device": result["device"], "run_id": spec.run_id})
+                             fit_info={"collectives": result.collectives, "num_proc": num_proc,
+                                       "epochs_run": result.epochs_run, "seconds": round(seconds, 2),
+                                       "training_seconds": round(result.training_seconds, 2),
+                                       "device": result.device, "run_id": spec.run_id})
         fitted._resetUid(self.uid)  # Spark ML's rule: a model has its estimator's uid
         self._copyValues(fitted)
         fitted._set(**objects, run_id=spec.run_id)

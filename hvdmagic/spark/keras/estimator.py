@@ -17,6 +17,7 @@ import pickle
 from pathlib import Path
 
 from hvdmagic.keras_archive import Archived, keras_package, load_file
+from hvdmagic.rank.estimator_data import FitResult
 from hvdmagic.spark.common.estimator import FitFailed, HorovodEstimator, HorovodModel
 from hvdmagic.spark.common.params import add_accessors, keyword_signature
 from hvdmagic.spark.common.persistence import Persistent
@@ -166,9 +167,9 @@ class KerasEstimator(HorovodEstimator, _KerasPersistent):
             super()._spec(), model=Archived(model, self.getOrDefault("custom_objects")),
             optimizer=_serialized_optimizer(keras_package(model), self.getOrDefault("optimizer")))
 
-    def _model_from(self, result: dict, df, spec, num_proc: int, seconds: float) -> KerasModel:
+    def _model_from(self, result: FitResult, df, spec, num_proc: int, seconds: float) -> KerasModel:
         model = _copy_model(self.getOrDefault("model"), self.getOrDefault("custom_objects"))
-        model.set_weights(result["weights"])
+        model.set_weights(result.weights)
         keras = keras_package(model)
         return self._fitted(KerasModel, result, df, spec, num_proc, seconds, model=model,
                             optimizer=keras.optimizers.deserialize(spec.optimizer), input_shapes=spec.input_shapes)

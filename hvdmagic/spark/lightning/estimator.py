@@ -18,6 +18,7 @@ import importlib.util
 
 from pyspark.ml.param import Param, Params, TypeConverters
 
+from hvdmagic.rank.estimator_data import FitResult
 from hvdmagic.rank.estimator_lightning import lightning_package
 from hvdmagic.spark.common.estimator import FitFailed, HorovodEstimator
 from hvdmagic.spark.common.params import add_accessors, keyword_signature
@@ -123,9 +124,9 @@ class TorchEstimator(HorovodEstimator, Persistent):
                               "training_step and validation_step compute and log what it trains on")
         return spec
 
-    def _model_from(self, result: dict, df, spec, num_proc: int, seconds: float) -> TorchModel:
+    def _model_from(self, result: FitResult, df, spec, num_proc: int, seconds: float) -> TorchModel:
         model = copy.deepcopy(spec.model)
-        model.load_state_dict(result["model_state"])
+        model.load_state_dict(result.weights)
         model.eval()
         return self._fitted(TorchModel, result, df, spec, num_proc, seconds, model=model)
 

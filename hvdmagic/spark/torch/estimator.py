@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 from pathlib import Path
 
+from hvdmagic.rank.estimator_data import FitResult
 from hvdmagic.spark.common.estimator import FitFailed, HorovodEstimator, HorovodModel
 from hvdmagic.spark.common.params import add_accessors, keyword_signature
 from hvdmagic.spark.common.persistence import Persistent
@@ -57,10 +58,10 @@ class TorchEstimator(HorovodEstimator, Persistent):
         if self.getOrDefault("loss") is None and not self.getOrDefault("loss_constructors"):
             raise FitFailed("TorchEstimator needs a loss (loss=torch.nn.MSELoss(), or one per label column).")
 
-    def _model_from(self, result: dict, df, spec, num_proc: int, seconds: float) -> TorchModel:
+    def _model_from(self, result: FitResult, df, spec, num_proc: int, seconds: float) -> TorchModel:
         model, optimizer = copy.deepcopy((spec.model, spec.optimizer))
-        model.load_state_dict(result["model_state"])
-        optimizer.load_state_dict(result["optimizer_state"])
+        model.load_state_dict(result.weights)
+        optimizer.load_state_dict(result.optimizer_state)
         return self._fitted(TorchModel, result, df, spec, num_proc, seconds, model=model, optimizer=optimizer)
 
 
