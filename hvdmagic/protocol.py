@@ -17,7 +17,7 @@ import signal
 import socket
 from dataclasses import asdict, dataclass
 from enum import StrEnum
-from typing import Any, Literal, TypedDict
+from typing import Any, Literal, NamedTuple, TypedDict
 
 
 class Event(StrEnum):
@@ -41,7 +41,7 @@ class Event(StrEnum):
     # driver -> task
     GO = "go"  # the task's slot, devices and rows per rank: start the rank
     ABORT = "abort"  # stop the rank now
-    CELL = "cell"  # a session: run this payload ("id", "payload": a Payload's fields) in the rank's namespace
+    CELL = "cell"  # a session: run this payload ("id", "payload": a Payload's fields; "ranks": which run it)
     INTERRUPT = "interrupt"  # a session: SIGINT to the rank, as Ctrl-C in a terminal
     STOP_RANK = "stop_rank"  # elastic: end this task's rank process; the task stays for a later go
     STACKS = "stacks"  # driver -> task: dump the rank's Python stacks; task -> driver: the dump ("text")
@@ -358,6 +358,7 @@ class Cell(TypedDict):
     type: Literal[Event.CELL]
     id: int
     payload: dict  # Payload.to_json(): its blobs come from the session's blob server
+    ranks: list[int] | None  # the ranks that run it (--ranks); None: every rank. The others stay idle
 
 
 class Exec(TypedDict):
@@ -535,8 +536,8 @@ def slot_of(message: Go) -> Slot:
     return Slot(**message["slot"])
 
 
-def cell(cell_id: int, payload: Payload) -> Cell:
-    return {"type": Event.CELL, "id": cell_id, "payload": payload.to_json()}
+def cell(cell_id: int, payload: Payload, ranks: list[int] | None = None) -> Cell:
+    return {"type": Event.CELL, "id": cell_id, "payload": payload.to_json(), "ranks": ranks}
 
 
 def cell_payload(message: Cell) -> Payload:
@@ -587,21 +588,39 @@ def read_boot(stream) -> Boot | None:
     return None if body is None else pickle.loads(body)
 
 
-def write_payload(stream, payload: Payload, cell_id: int | None = None) -> None:
-    """One payload: its cell's id (None for a one-shot cell) and blob names, then its head."""
-    _write_frame(stream, json.dumps([cell_id, payload.buffers, payload.head_blob]).encode())
+class CellRequest(NamedTuple):
+    """A payload as a rank reads it from its stdin (``read_request``)."""
+
+    cell: int | None  # the session's cell; None for a one-shot cell
+    payload: Payload  # its ``blobs`` stay with the supervisor, which fetched them
+    ranks: tuple[int, ...] | None = None  # a session cell run on these ranks only (--ranks); None: on every rank
+
+
+def write_payload(stream, payload: Payload, cell_id: int | None = None, ranks: list[int] | None = None) -> None:
+    """One payload: its cell's id (None for a one-shot cell), blob names and the ranks that run it
+    (None: every rank), then its head."""
+    _write_frame(stream, json.dumps([cell_id, payload.buffers, payload.head_blob, ranks]).encode())
     _write_frame(stream, payload.head)
 
 
-def read_payload(stream) -> tuple[int | None, Payload] | None:
-    """The next ``(cell id, payload)`` written by ``write_payload``, or None at EOF; its
-    ``blobs`` stay with the supervisor, which fetched them."""
+def read_request(stream) -> CellRequest | None:
+    """The next ``CellRequest`` written on a rank's stdin (``write_payload``), or None at EOF."""
     header = _read_frame(stream)
-    head = None if header is None else _read_frame(stream)
+    if header is None:
+        return None
+    fields = json.loads(header)
+    head = _read_frame(stream)
     if head is None:
         return None
-    cell_id, buffers, head_blob = json.loads(header)
-    return cell_id, Payload(head, tuple(buffers), (), head_blob)
+    cell_id, buffers, head_blob, *rest = fields  # a header of three: written before --ranks existed
+    ranks = rest[0] if rest else None
+    return CellRequest(cell_id, Payload(head, tuple(buffers), (), head_blob), None if ranks is None else tuple(ranks))
+
+
+def read_payload(stream) -> tuple[int | None, Payload] | None:
+    """The next ``(cell id, payload)`` written by ``write_payload``, or None at EOF."""
+    request = read_request(stream)
+    return None if request is None else (request.cell, request.payload)
 
 
 def _write_frame(stream, body: bytes) -> None:

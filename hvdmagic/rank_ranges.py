@@ -1,8 +1,9 @@
 """Rank lists as people read them: "0–10, 12–63", as pdsh's ``dshbak -c`` writes host lists.
 
 One formatter for every place that names several ranks at once: the grouped stacks
-(``stacks.describe``), the grouped rows and log lines of a many-rank run (``kernel/ui/grouping.py``).
-Standard library only: the kernel's error messages use it too.
+(``stacks.describe``), the grouped rows and log lines of a many-rank run (``kernel/ui/grouping.py``);
+and its reader, for the ranks a user names (``%%horovod --ranks 0-3``). Standard library only: the
+kernel's error messages use it too.
 """
 
 from __future__ import annotations
@@ -32,3 +33,20 @@ def label(ranks: Iterable[int], noun: str = "rank") -> str:
     """"rank 3" for one, "ranks 0–10, 12–63" for several (``noun``: "task" for an elastic run's rows)."""
     numbers = sorted(set(ranks))
     return f"{noun}{'s' if len(numbers) != 1 else ''} {compress(numbers)}"
+
+
+def parse(text: str, size: int) -> list[int]:
+    """The ranks a person wrote, of ``size`` ranks, sorted: "0", "0,2", "0-3" (or "0–3") and mixes of
+    them -> ``[0, 2]``. A ValueError in one sentence for anything else or any rank outside ``0..size-1``."""
+    ranks: set[int] = set()
+    for part in text.replace(DASH, "-").split(","):
+        first, dash, last = part.strip().partition("-")
+        if not (first.strip().isdigit() and (not dash or last.strip().isdigit())):
+            raise ValueError(f"{text!r} is not a list of ranks: write them as 0, 0,2 or 0-3.")
+        low, high = int(first), int(last) if dash else int(first)
+        if low > high:
+            raise ValueError(f"{part.strip()!r} runs backwards: write the lower rank first ({high}-{low}).")
+        if high >= size:
+            raise ValueError(f"rank {high} is not among the {size} ranks ({compress(range(size))}).")
+        ranks.update(range(low, high + 1))
+    return sorted(ranks)

@@ -275,8 +275,9 @@ def test_a_cell_from_outside_the_kernel_is_refused(session, tmp_path):
 
 
 @pytest.mark.profile
-def test_torchrun_sessions_keep_the_process_group(ip):
-    ip.run_line_magic("torchrun", "start --np -2")
+@pytest.mark.parametrize("np", [-2, 2], ids=["local", "spark"])
+def test_torchrun_sessions_keep_the_process_group(ip, np):
+    ip.run_line_magic("torchrun", f"start --np {np}")
     try:
         result, error = run(ip, "%%torchrun\nimport torch, torch.distributed as dist\n"
                                 "dist.init_process_group('gloo')\nseen = []\ndist.get_rank()")
@@ -285,6 +286,21 @@ def test_torchrun_sessions_keep_the_process_group(ip):
             result, error = run(ip, "%%torchrun\nseen.append(1)\nt = torch.tensor([float(len(seen))])\n"
                                     "dist.all_reduce(t)\nt.item()")
             assert error is None and result == 2.0 * expected, error
+        # A cell on one rank (issue 61): rank 1 alone appends; a collective of the default group there is refused
+        # before it starts, and so is DDP, while one on a group of that rank alone runs.
+        result, error = run(ip, "%%torchrun\nalone = dist.new_group([0])\ndist.get_rank()")
+        assert error is None and result == 0, error
+        result, error = run(ip, "%%torchrun --ranks 1\nseen.append(2)\n(dist.get_rank(), len(seen))")
+        assert error is None and result == (1, 3), error
+        _, error = run(ip, "%%torchrun --ranks 0\ndist.all_reduce(torch.ones(1))")
+        assert isinstance(error, JobFailed) and "`torch.distributed.all_reduce` is a collective" in str(error), error
+        _, error = run(ip, "%%torchrun --ranks 0\nfrom torch.nn.parallel import DistributedDataParallel as DDP\n"
+                           "DDP(torch.nn.Linear(1, 1))")
+        assert isinstance(error, JobFailed) and "DistributedDataParallel (its construction" in str(error), error
+        result, error = run(ip, "%%torchrun --ranks 0\nt = torch.ones(1)\ndist.all_reduce(t, group=alone)\nt.item()")
+        assert error is None and result == 1.0, error
+        result, error = run(ip, "%%torchrun\nt = torch.tensor([float(len(seen))])\ndist.all_reduce(t)\nt.item()")
+        assert error is None and result == 2.0 + 3.0, "the session's process group broke, or its ranks lost their state"
     finally:
         ip.run_line_magic("torchrun", "stop")
 

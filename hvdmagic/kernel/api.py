@@ -26,7 +26,8 @@ _VERBOSITIES = ("all", "log_callback_only")
 def run(fn: Callable, np: int | None = None, *args, timeout: float | None = None,
         stall_timeout: float | None = None, data=None, controller: str = "gloo", backend: str = "horovod",
         session=None, min_np: int | None = None, max_np: int | None = None, reset_limit: int | None = None,
-        elastic_timeout: float | None = None, stall_check: int | None = None, **kwargs) -> list:
+        elastic_timeout: float | None = None, stall_check: int | None = None, ranks: list[int] | None = None,
+        **kwargs) -> list:
     """Run ``fn(*args, **kwargs)`` on |np| ranks and return every rank's result in rank order.
 
     The Python twin of a ``%%horovod`` cell: the same launcher, live dashboard and error
@@ -53,6 +54,9 @@ def run(fn: Callable, np: int | None = None, *args, timeout: float | None = None
             ``torch.distributed.init_process_group``, and no horovod is needed.
         session: a running ``hvdmagic.session(...)``: ``fn`` runs on its warm ranks (leave out
             ``np``, ``data``, ``controller`` and ``backend``: the session has its own).
+        ranks: with ``session``, call ``fn`` on these of its ranks only (``[0]``); the others stay
+            idle and keep their state. A collective called there fails at once, naming it (the
+            others would never join it), and the session keeps its ranks and state.
         min_np: elastic training (``fn`` uses ``hvd.elastic.run``): the run goes on after a
             rank or executor is lost while at least ``min_np`` ranks remain. Default: ``np``.
         max_np: elastic training: up to ``max_np`` ranks, added at a commit as slots come
@@ -69,7 +73,8 @@ def run(fn: Callable, np: int | None = None, *args, timeout: float | None = None
             as the arguments above.
 
     Returns:
-        A list of |np| values: what ``fn`` returned on each rank, rank 0's first. Every
+        A list of |np| values: what ``fn`` returned on each rank, rank 0's first (with ``ranks``:
+        the chosen ranks' values, in rank order). Every
         rank's value must be picklable, or that rank fails with a TypeError (on a session's
         ranks, which outlive the call, the value becomes an ``UnsentResult`` with its repr
         instead). An elastic run returns the values of the ranks it ended with, in their
@@ -100,6 +105,10 @@ def run(fn: Callable, np: int | None = None, *args, timeout: float | None = None
         raise ValueError(f"backend must be one of {', '.join(Framework)}, not {backend!r}") from None
     if (np is None) == (session is None):
         raise ValueError("give hvdmagic.run either np (new ranks) or session= (a session's warm ranks)")
+    if ranks is not None and session is None:
+        raise ValueError("ranks= picks ranks of a session (session=s), which keep their state between calls; new "
+                         "ranks (np) all run fn and wait for each other in hvd.init(): to run code on one of "
+                         "them, put it under `if hvd.rank() == 0:`")
     elastic = None
     if (min_np, max_np, reset_limit, elastic_timeout) != (None, None, None, None):
         if np is None:
@@ -117,7 +126,7 @@ def run(fn: Callable, np: int | None = None, *args, timeout: float | None = None
         placement.check_options(data=data, stall_timeout=stall_timeout)
     payload = pack_call((fn, args, kwargs), fn)
     return execute(payload, placement, timeout=timeout, stall_timeout=stall_timeout, data=data, session=session,
-                   command="hvdmagic.run", env=env).results
+                   command="hvdmagic.run", env=env, ranks=ranks).results
 
 
 def pack_call(obj, fn: Callable) -> Shipment:

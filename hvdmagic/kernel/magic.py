@@ -10,6 +10,7 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
+from hvdmagic import rank_ranges
 from hvdmagic.kernel import warm_sessions
 from hvdmagic.kernel.capture import capture_cell, parse_cell
 from hvdmagic.kernel.framework_check import check_cell
@@ -37,6 +38,8 @@ def _launch_arguments(func):
     for decorate in reversed([
         argument("--np", type=int, metavar="N",
                  help="N ranks on Spark; -N: N processes here (local mode); none: the session's"),
+        argument("--ranks", metavar="LIST",
+                 help="a session's cell on these ranks only (0, 0,2 or 0-3); the others stay idle, state kept"),
         argument("--out", metavar="NAME", help="store rank 0's result in the variable NAME"),
         argument("--timeout", type=float, metavar="SECONDS", help="stop every rank and fail after SECONDS"),
         argument("--stall-timeout", type=float, metavar="SECONDS",
@@ -182,6 +185,8 @@ evaluate(model)                                   # rank 0's value: the result, 
                     raise UsageError(f"--{flag.replace('_', '-')} needs ranks of its own: give the cell --np N "
                                      "(a session's ranks are already running).")
             session = warm_sessions.for_cell(magic, framework)
+        elif args.ranks is not None:
+            raise UsageError(_RANKS_NEED_A_SESSION.format(magic=magic, line=magic[1:], **_RANK_CALLS[framework]))
         else:
             try:
                 placement = Placement.of(args.np, framework=framework, controller=controller, elastic=elastic)
@@ -197,6 +202,12 @@ evaluate(model)                                   # rank 0's value: the result, 
         if args.reconnect_grace is not None and session is not None:
             raise UsageError("--reconnect-grace applies to new ranks: a session's tasks keep the grace they started "
                              "with (spark.hvdmagic.reconnectGrace, set before %horovod start).")
+        ranks = None
+        if args.ranks is not None:
+            try:
+                ranks = rank_ranges.parse(args.ranks, session.size)
+            except ValueError as exc:
+                raise UsageError(f"--ranks: {exc}") from None
         if not cell.strip():
             raise UsageError(f"{magic} needs a cell body: the training code to run on every rank.")
         data = None
@@ -226,7 +237,7 @@ evaluate(model)                                   # rank 0's value: the result, 
                          timeline=timeline, captured=capture.summary(), env=env,
                          charts_expected=bool(args.metrics or LOGS_METRICS.search(source)),
                          bars_expected=bool(DRIVES_BARS.search(source)),
-                         cell=capture.function, reconnect_grace=args.reconnect_grace)
+                         cell=capture.function, reconnect_grace=args.reconnect_grace, ranks=ranks)
         if args.out:
             self.shell.user_ns[args.out] = record.result
         if args.metrics:
@@ -237,6 +248,14 @@ evaluate(model)                                   # rank 0's value: the result, 
             run_id = log_run(record, experiment=args.mlflow or None)
             print(f"hvdmagic: logged rank 0's metrics to MLflow run {run_id}", flush=True)
         return record.result
+
+
+_RANKS_NEED_A_SESSION = (
+    "--ranks runs a cell on some of a session's ranks ({line} start --np N, then {magic} without --np), which "
+    "keep their state between cells. A cell with --np starts fresh ranks that all run it and wait for each other "
+    "in {init}: to run code on one of them, put it under `if {rank} == 0:`.")
+_RANK_CALLS = {Framework.HOROVOD: {"init": "hvd.init()", "rank": "hvd.rank()"},
+               Framework.TORCH: {"init": "init_process_group", "rank": "dist.get_rank()"}}
 
 
 def _elastic(args) -> Elastic | None:

@@ -49,7 +49,9 @@ class Bar:
 class RankRecord:
     rank: int
     host: str = ""
-    state: str = "launching"  # launching, running, finished, failed, stopped; ready: a session's, still up
+    # launching, running, finished, failed, stopped; ready: a session's, still up; idle: a session's rank
+    # that the cell does not run on (--ranks)
+    state: str = "launching"
     bars: dict[str, Bar] = field(default_factory=dict)
     last_bar: str | None = None
     last_line: str = ""
@@ -116,7 +118,7 @@ class RankRecord:
 class RunRecord:
     """One run as the views show it: a row per rank (an elastic run's: per task, ``max_np`` of them)."""
 
-    def __init__(self, placement: Placement, command: str = "%%horovod"):
+    def __init__(self, placement: Placement, command: str = "%%horovod", ranks: list[int] | None = None):
         self.np = placement.tasks
         elastic = placement.elastic
         # (min_np, start np, max_np) of an elastic run
@@ -133,7 +135,10 @@ class RunRecord:
         # The run ended in its caller's preparation (an estimator's checks of its DataFrame), before its
         # launch: no rank ever started, and its error says all there is (views add nothing they have not shown).
         self.ended_before_launch = False
-        self.ranks = [RankRecord(r) for r in range(self.np)]
+        # A session's cell on some ranks (--ranks) leaves the others idle, their rows too.
+        self.only = ranks
+        self.ranks = [RankRecord(r, state="launching" if ranks is None or r in ranks else "idle")
+                      for r in range(self.np)]
         self.history = MetricHistory()
         # The merged log, kept incrementally so a redraw never rescans every rank's.
         self.all_logs: list[tuple[int, str, str]] = []  # (rank, stream, line) in arrival order
@@ -319,8 +324,10 @@ class RunRecord:
         if record.stage is None or STAGE_ORDER[stage] > STAGE_ORDER[record.stage]:
             record.stage = stage
             record.stage_since = time.time()
-        # An elastic run's tasks that wait for a slot, or lost their rank, do not hold the run's stage back.
-        ranks = [r for r in self.ranks if r.state == "running"] if self.elastic else self.ranks
+        # An elastic run's tasks that wait for a slot, or lost their rank, do not hold the run's stage back,
+        # nor do the ranks a session's cell does not run on.
+        ranks = [r for r in self.ranks if r.state == "running"] if self.elastic else \
+            [r for r in self.ranks if r.state != "idle"]
         if ranks and all(r.stage is not None for r in ranks):
             slowest = min((r.stage for r in ranks), key=STAGE_ORDER.__getitem__)
             if self.stage is None or STAGE_ORDER[slowest] > STAGE_ORDER[self.stage]:

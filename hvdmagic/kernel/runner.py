@@ -28,7 +28,7 @@ def execute(payload: Shipment, placement: Placement | None, *, timeout: float | 
             captured: str = "", env: dict[str, str] | None = None, charts_expected: bool = False,
             bars_expected: bool = False, cell: CellFunction | None = None,
             reconnect_grace: float | None = None, prepare: Callable[[Callable[[Stage], None]], Any] | None = None,
-            ) -> RunRecord:
+            ranks: list[int] | None = None) -> RunRecord:
     """Run a packed ``(fn, args, kwargs)`` (``launch.shipment.pack``) where ``placement`` says; return its record.
 
     ``timeline``: a path where rank 0 records a Horovod Timeline. ``results``: which
@@ -49,10 +49,13 @@ def execute(payload: Shipment, placement: Placement | None, *, timeout: float | 
     ``prepare``: the caller's work before the launch, run with the dashboard already up and its stages
     shown (an estimator's checks and counts of its DataFrame take seconds of Spark jobs): called with an
     ``on_stage`` callback, it returns the ``data`` to launch with; what it raises is the run's error.
+    ``ranks``: a session's cell on those ranks only (``--ranks``); the record's other rows stay "idle",
+    and its ``results`` are the chosen ranks', in rank order.
     """
     if session is not None:
         placement = session.placement
-    record = RunRecord(placement, command)
+        ranks = session.check_ranks(ranks)
+    record = RunRecord(placement, command, ranks=ranks)
     record.capture = captured
     record.charts_expected = charts_expected
     record.bars_expected = bars_expected
@@ -67,11 +70,11 @@ def execute(payload: Shipment, placement: Placement | None, *, timeout: float | 
     with kernel_stays_busy():
         return _run(payload, placement, record, view, timeout=timeout, stall_timeout=stall_timeout, env=env,
                     spark=spark, data=data, results=results, session=session, reconnect_grace=reconnect_grace,
-                    prepare=prepare)
+                    prepare=prepare, ranks=ranks)
 
 
 def _run(payload, placement, record, view, *, timeout, stall_timeout, env, spark, data, results, session,
-         reconnect_grace, prepare):
+         reconnect_grace, prepare, ranks):
     def on_event(event: dict) -> None:
         record.apply(event)
         view.on_event(event)
@@ -91,7 +94,7 @@ def _run(payload, placement, record, view, *, timeout, stall_timeout, env, spark
                 raise
         if session is not None:
             values = session.run_cell(payload, on_event, timeout=timeout, stall_timeout=stall_timeout,
-                                      requests=record.requests)
+                                      requests=record.requests, ranks=ranks)
         else:
             values = launch(payload, placement, timeout=timeout, stall_timeout=stall_timeout, env=env,
                             on_event=on_event, spark=spark, data=data, results=results,

@@ -171,9 +171,11 @@ class Session:
 
     # -- cells ------------------------------------------------------------------
     def run_cell(self, payload: Shipment, on_event: Callable[[dict], None], *, timeout: float | None = None,
-                 stall_timeout: float | None = None, requests=None) -> list:
+                 stall_timeout: float | None = None, requests=None, ranks: list[int] | None = None) -> list:
         """Run a packed ``(fn, args, kwargs)`` (a CellFunction runs in the ranks' namespaces);
-        return every rank's value, raising as a one-shot job would."""
+        return every rank's value, raising as a one-shot job would. ``ranks``: run it on those ranks
+        only, and return their values in rank order; the others stay idle and keep their state."""
+        ranks = self.check_ranks(ranks)
         if not self.running:
             raise LaunchError(f"the session is not running ({self.ended or 'its ranks have exited'}): start one "
                               "with %horovod start --np N (or hvdmagic.session), or give the cell --np.")
@@ -181,34 +183,47 @@ class Session:
             raise LaunchError("the session is running another cell; sessions run one cell at a time.")
         try:
             with interruptible():
-                return self._run_cell(payload, on_event, timeout, stall_timeout, requests)
+                return self._run_cell(payload, on_event, timeout, stall_timeout, requests, ranks)
         finally:
             if self._job is not None and self._job.blobs is not None:
                 self._job.blobs.withdraw(payload.buffers)
             self._busy = False
             self._lock.release()
 
+    def check_ranks(self, ranks) -> list[int] | None:
+        """``ranks`` as a cell takes them: sorted, without repeats; None (every rank) for None or all of them.
+        A PlacementError (a ValueError) in one sentence for a rank the session does not have."""
+        if ranks is None:
+            return None
+        chosen = sorted(set(ranks))
+        if not chosen or not all(isinstance(r, int) and not isinstance(r, bool) and 0 <= r < self.size
+                                 for r in chosen):
+            raise PlacementError(f"ranks must name some of the session's {self.size} ranks "
+                                 f"({rank_ranges.compress(range(self.size))}), not {list(ranks)!r}.")
+        return None if len(chosen) == self.size else chosen
+
     @property
     def next_cell(self) -> int:
         """The number the next cell gets: its ranks compile it as ``rank.cell.session_filename`` of it."""
         return self._cells + 1
 
-    def _run_cell(self, payload, on_event, timeout, stall_timeout, requests) -> list:
+    def _run_cell(self, payload, on_event, timeout, stall_timeout, requests, ranks) -> list:
         self._cells += 1
         cell = self._cells
         self._busy = True
+        chosen = ranks if ranks is not None else list(range(self.size))
         if self._launching is not None:  # the cell's record and header name the session's backend, not the placement's
             on_event(self._launching)
-        for rank in range(self.size):
+        for rank in chosen:
             on_event(protocol.placed(rank, self._hosts.get(rank, "")))
         # Its blobs are served while the cell runs; a host that has one from an earlier cell
         # (the same content) does not ask for it again.
         self._job.blobs.publish(payload.buffers, payload.labels)
         self._job.blobs.reset_progress()
         shipping = ShippingReports(self._job.blobs, on_event)
-        self._job.send(protocol.cell(cell, payload.payload))
+        self._job.send(protocol.cell(cell, payload.payload, ranks))
         started = time.monotonic()
-        pending = set(range(self.size))
+        pending = set(chosen)
         values: dict[int, object] = {}
         failures: list[RankFailure] = []
         broken = False
@@ -272,7 +287,7 @@ class Session:
                 self._restart_after(on_event)
             note = LOST_STATE if broken else "the session keeps its ranks and their state"
             raise JobFailed(failures, sorted(pending), note=note)
-        return [values.get(rank) for rank in range(self.size)]
+        return [values.get(rank) for rank in chosen]
 
     def _stacks(self, pending: set[int], on_event) -> dict[int, str]:
         """Where the ranks still in the cell are, from their fault handlers, before they are stopped."""

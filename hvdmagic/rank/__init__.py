@@ -19,6 +19,8 @@ forked from its host's template (``python -m hvdmagic.rank --template``).
 - ``databricks_apis``: ``@distributed``'s call and ``DeepspeedTorchDistributor``'s script start.
 - ``crash_hold``: keeps a rank that a crash signal kills alive until its supervisor has read
   its native frames (py-spy), where its supervisor asks for that.
+- ``subset_guard``: while a session's cell runs on some of its ranks (``--ranks``), refuses the
+  collectives the other ranks would never join, before they start.
 
 Modules here import only the standard library, ``hvdmagic.protocol`` and
 ``hvdmagic.metric_rows`` at import time (cloudpickle, ``hvdmagic.pickling`` and the

@@ -5,16 +5,20 @@ it came over the job's authenticated channel); EOF means the session, or the
 supervisor, ended. Stop (the kernel's interrupt) arrives as SIGINT and raises
 KeyboardInterrupt in the cell's code only: between cells it is ignored, so an
 interrupt that comes late cannot break the loop or a report.
+
+A cell may run on some of the ranks only (``--ranks``): the others never see it, and on
+those that run it ``subset_guard`` refuses the collectives the others would never join.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
 
 from hvdmagic import protocol
-from hvdmagic.rank import telemetry
+from hvdmagic.rank import subset_guard, telemetry
 from hvdmagic.rank.blobs import load_payload
 from hvdmagic.rank.cell import CellFunction, session_filename
 from hvdmagic.rank.outcome import mark_output_end, report_error, report_result
@@ -23,31 +27,46 @@ from hvdmagic.rank.outcome import mark_output_end, report_error, report_result
 _BROKEN_COLLECTIVES = ("HorovodInternalError", "DistBackendError", "DistNetworkError")
 
 
-def serve(rank: int, policy: str, stdin) -> int:
-    in_cell = threading.Event()
+class Interrupts:
+    """When SIGINT (Stop) raises KeyboardInterrupt: while a cell's code or a debugger's command runs,
+    never between cells or while a frame is read from stdin."""
 
-    def on_interrupt(_signum, _frame) -> None:
-        if in_cell.is_set():
+    def __init__(self):
+        self._allowed = threading.Event()
+        signal.signal(signal.SIGINT, self._on_interrupt)
+
+    def _on_interrupt(self, _signum, _frame) -> None:
+        if self._allowed.is_set():
             raise KeyboardInterrupt
 
-    signal.signal(signal.SIGINT, on_interrupt)
+    @contextlib.contextmanager
+    def allowed(self, allowed: bool = True):
+        before = self._allowed.is_set()
+        (self._allowed.set if allowed else self._allowed.clear)()
+        try:
+            yield
+        finally:
+            (self._allowed.set if before else self._allowed.clear)()
+
+    def held(self):
+        return self.allowed(False)
+
+
+def serve(rank: int, policy: str, stdin) -> int:
+    interrupts = Interrupts()
     namespace: dict = {}
     telemetry.emit(protocol.idle(None, _rss()))
-    while (request := protocol.read_payload(stdin)) is not None:
-        cell, payload = request
+    while (request := protocol.read_request(stdin)) is not None:
+        cell = request.cell
         try:
-            fn, args, kwargs = load_payload(payload)
-            in_cell.set()
-            try:
+            fn, args, kwargs = load_payload(request.payload)
+            with subset_guard.engaged(request.ranks), interrupts.allowed():
                 if isinstance(fn, CellFunction):
                     value = fn(namespace=namespace, filename=session_filename(cell))
                 else:
                     value = fn(*args, **kwargs)
-            finally:
-                in_cell.clear()
             report_result(value, rank, policy, cell=cell)
         except BaseException as exc:  # KeyboardInterrupt and SystemExit too: the session goes on
-            in_cell.clear()
             report_error(exc, cell=cell, broken=_breaks_collectives(exc))
         mark_output_end()
         telemetry.emit(protocol.idle(cell, _rss()))

@@ -41,7 +41,7 @@ import threading
 import weakref
 
 from hvdmagic import protocol
-from hvdmagic.rank import collective_wait, framework_imports, telemetry, trainers
+from hvdmagic.rank import collective_wait, framework_imports, subset_guard, telemetry, trainers
 
 _DESC = "_hvdmagic_desc"  # a Keras Progbar's bar name; None: report nothing (HvdmagicCallback reports it)
 _ADOPTED = "_hvdmagic_adopted"
@@ -275,6 +275,11 @@ def adopt_keras(module) -> None:
 
 # -- the import hook ------------------------------------------------------------------
 
+def _adopt_horovod_torch(package) -> None:
+    collective_wait.adopt_horovod_torch(package)
+    subset_guard.adopt(package)
+
+
 # The modules that define the bars, and what to do once each has run.
 _HOOKS = {
     "tqdm.std": adopt_tqdm,
@@ -282,8 +287,11 @@ _HOOKS = {
     "tf_keras.src.callbacks": adopt_keras,  # ProgbarLogger
     "keras.src.utils.progbar": adopt_keras,  # Keras 3
     "keras.src.callbacks.progbar_logger": adopt_keras,
-    # Not a bar, but the same hook serves it: the straggler check's view of ranks in step.
-    "horovod.torch": collective_wait.adopt_horovod_torch,
+    # Not bars, but the same hook serves them: the straggler check's view of ranks in step, and the
+    # collectives a session's cell on some of its ranks must not start (imported while it runs).
+    "horovod.torch": _adopt_horovod_torch,
+    "torch.distributed.distributed_c10d": subset_guard.adopt,
+    "torch.nn.parallel.distributed": subset_guard.adopt,
     **trainers.HOOKS,  # Lightning's, Hugging Face's and accelerate's trainers: their bars and logged values
 }
 _REPLACED = {"tqdm.notebook": _PlainNotebook}

@@ -9,6 +9,7 @@ from __future__ import annotations
 import base64
 import os
 import sys
+import sysconfig
 import time
 import traceback
 from pathlib import Path
@@ -18,6 +19,7 @@ from hvdmagic.protocol import ResultPolicy
 from hvdmagic.rank import telemetry
 
 _PACKAGE_DIR = str(Path(__file__).resolve().parent.parent)  # all of hvdmagic: its frames are not the user's
+_LIBRARY_DIRS = tuple({sysconfig.get_paths()[name] for name in ("stdlib", "purelib", "platlib")})
 
 
 def report_result(value, rank: int, policy: str, **fields) -> None:
@@ -97,8 +99,11 @@ def _user_traceback(exc: BaseException) -> str:
     from hvdmagic.rank.cell import DISPLAY_NAMES
 
     shown = traceback.TracebackException(type(exc), exc, tb)
-    shown.stack = traceback.StackSummary.from_list(
-        [frame for frame in shown.stack if not frame.filename.startswith(_PACKAGE_DIR)])
+    frames = [frame for frame in shown.stack if not frame.filename.startswith(_PACKAGE_DIR)]
+    if getattr(exc, "ends_at_the_users_call", False):  # hvdmagic refused a library call (rank.subset_guard)
+        users = [i for i, frame in enumerate(frames) if not frame.filename.startswith(_LIBRARY_DIRS)]
+        frames = frames[:users[-1] + 1] if users else frames
+    shown.stack = traceback.StackSummary.from_list(frames)
     return _name_cells("".join(shown.format()), DISPLAY_NAMES)
 
 

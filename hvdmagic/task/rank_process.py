@@ -114,11 +114,12 @@ class RankProcess:
         self._write(protocol.write_boot, boot)
         return True
 
-    def feed(self, payload: protocol.Payload, cell_id: int | None = None) -> None:
-        """A payload for the rank to run: the one-shot cell, or a session's next cell."""
+    def feed(self, payload: protocol.Payload, cell_id: int | None = None, ranks: list[int] | None = None) -> None:
+        """A payload for the rank to run: the one-shot cell, or a session's next cell (``ranks``: the
+        ranks that run it, when not every rank does)."""
         if self._usage is not None:
             self._usage.busy()
-        self._write(protocol.write_payload, payload, cell_id)
+        self._write(protocol.write_payload, payload, cell_id, ranks)
 
     def _write(self, write, *args) -> None:
         proc = self.proc

@@ -153,9 +153,10 @@ class Supervisor:
             self.rank.wait()
         return 0
 
-    def _feed(self, payload: Payload, fetched=None, cell_id: int | None = None) -> None:
+    def _feed(self, payload: Payload, fetched=None, cell_id: int | None = None, ranks: list[int] | None = None) -> None:
         """Hand the rank ``payload`` once its blobs are on this host (``fetched`` waits for a fetch
-        already under way); a payload that cannot come makes the rank fail with why."""
+        already under way); a payload that cannot come makes the rank fail with why. ``ranks``: a
+        session's cell that runs on those ranks only."""
         try:
             if fetched is not None:
                 fetched()
@@ -164,11 +165,14 @@ class Supervisor:
         except OSError as exc:  # a BlobError, or the link or disk failing under it
             reason = str(exc) if isinstance(exc, BlobError) else f"fetching the cell's data from the kernel: {exc}"
             payload = Payload(pickle.dumps((fail, (f"{reason} (host {socket.gethostname()})",), {})))
-        self.rank.feed(payload, cell_id)
+        self.rank.feed(payload, cell_id, ranks)
 
     def _feed_cells(self) -> None:
         while (message := self._cells.get()) is not None:
-            self._feed(protocol.cell_payload(message), cell_id=message.get("id"))
+            ranks = message.get("ranks")
+            if ranks is not None and self.rank.row not in ranks:
+                continue  # a cell on other ranks (--ranks): this one stays idle, its state untouched
+            self._feed(protocol.cell_payload(message), cell_id=message.get("id"), ranks=ranks)
 
     def _starter(self, rank: int):
         """Fork the rank from the host's template (``task.rank_template``); spawn it where that cannot be."""

@@ -206,7 +206,7 @@ class _RankRow:
         name = progress_text.row_name(run, record.rank)
         if run.elastic and record.world_rank is not None:
             name += f" · rank {record.world_rank}"
-        grey = ";color:#999" if record.state in ("lost", "unused") else ""
+        grey = ";color:#999" if record.state in ("lost", "unused", "idle") else ""
         self.label.value = label if label is not None else (
             f'<div style="{_ONE_LINE};{_SHRINKS}{grey}"><b>{name}</b>{host}</div>')
         _, inner = progress_text.pick_bars(dict(record.bars))

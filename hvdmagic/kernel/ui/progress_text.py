@@ -47,7 +47,8 @@ Named = tuple[str, Bar]  # (desc, bar)
 # -- numbers ------------------------------------------------------------------
 
 STATE_COLOURS = {"launching": "#888", "running": "#1f77b4", "finished": "#2ca02c", "ready": "#2ca02c",
-                 "failed": "#d62728", "cancelled": "#ff7f0e", "stopped": "#888", "lost": "#999", "unused": "#bbb"}
+                 "failed": "#d62728", "cancelled": "#ff7f0e", "stopped": "#888", "lost": "#999", "unused": "#bbb",
+                 "idle": "#bbb"}
 UP = ("finished", "ready")  # the states of a rank that ended well, or that a session keeps up
 
 
@@ -91,9 +92,11 @@ def after_failure_line(counts: list[int]) -> str:
 
 
 def size_text(record: RunRecord) -> str:
-    """"np=4 (spark)", or for an elastic run "3 ranks, elastic 2-4 (spark)"."""
+    """"np=4 (spark)", a session's cell on some ranks "np=4 (spark) on rank 0", or for an elastic run
+    "3 ranks, elastic 2-4 (spark)"."""
     if not record.elastic:
-        return f"np={record.np} ({record.mode})"
+        only = f" on {rank_ranges.label(record.only)}" if record.only is not None else ""
+        return f"np={record.np} ({record.mode}){only}"
     low, _, high = record.elastic
     ranks = f"{record.world_size} rank{'s' if record.world_size != 1 else ''}"
     return f"{ranks}, elastic {low}-{high} ({record.mode})"
