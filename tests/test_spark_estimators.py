@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 import re
+import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import numpy as np
 import pytest
 from conftest import run
 from digits_mnist import write_libsvm
-from helpers import record_slot_waits, users_shell
+from helpers import WaitTimeout, record_slot_waits, users_shell, wait_until
+from s3_server import storage_options
 
 import hvdmagic
 from hvdmagic.errors import HvdmagicError
@@ -125,6 +130,41 @@ def test_a_fit_with_the_run_id_of_a_finished_one_resumes_from_its_checkpoint(tmp
     assert len(again.getHistory()["loss"]) == 5
 
 
+def test_a_fit_that_checkpoints_to_s3_is_stopped_and_resumes_from_there(s3_bucket, s3_endpoint):
+    """Issue 60: rank 0 uploads each epoch's checkpoint through s3fs to moto's S3 server on loopback, with the
+    Store's storage_options (a Spark executor's environment is the one its JVM started with); Stop mid-fit;
+    a new fit with the same run_id resumes from the newest checkpoint there."""
+    import s3fs
+
+    from hvdmagic.errors import JobInterrupted
+
+    df = _regression(_embedded_spark())
+    store = Store.create(f"{s3_bucket}/runs", storage_options=storage_options(s3_endpoint))
+    checkpoints, fs, fitting = store.get_checkpoint_path("stopped"), s3fs.S3FileSystem(), threading.Event()
+
+    def saved() -> list[str]:
+        fs.invalidate_cache()
+        return sorted(path.rsplit("/", 1)[1] for path in fs.find(checkpoints))
+
+    def stop_at_the_first_checkpoint() -> None:
+        with contextlib.suppress(WaitTimeout):  # then the fit runs to its end and the test fails below
+            wait_until(saved, 120, "rank 0 wrote no checkpoint to s3://")
+        if fitting.is_set():
+            os.kill(os.getpid(), signal.SIGINT)  # Stop, as the kernel's interrupt sends it
+
+    threading.Thread(target=stop_at_the_first_checkpoint, daemon=True).start()
+    fitting.set()
+    with pytest.raises(JobInterrupted, match=r"^interrupted"):
+        _linear_estimator(store=store, run_id="stopped", epochs=2000).fit(df)
+    fitting.clear()
+    [newest] = saved()  # keep=1: the newest only, uploaded whole
+    epoch = int(re.fullmatch(r"checkpoint-(\d+)\.pt", newest).group(1))
+    assert epoch < 1999, "the fit ran to its end: Stop did not reach it"
+    again = _linear_estimator(store=store, run_id="stopped", epochs=epoch + 3).fit(df)
+    assert again.fit_info["epochs_run"] == 2 and len(again.getHistory()["loss"]) == epoch + 3
+    assert saved() == [f"checkpoint-{epoch + 2}.pt"]
+
+
 @pytest.mark.profile
 def test_without_horovod_a_fit_trains_on_torch_distributed_and_says_so(monkeypatch):
     """A runtime without a horovod build: the kernel finds none, and the ranks train with DDP over gloo."""
@@ -171,7 +211,9 @@ def _pipeline(**params):
 
 
 @pytest.mark.profile
-def test_a_pipeline_fits_evaluates_saves_and_loads(spark_kind, tmp_path):
+def test_a_pipeline_fits_evaluates_saves_and_loads(spark_kind, tmp_path, s3_bucket):
+    """Also its fitted stage alone to s3:// (moto's server on loopback), which fsspec writes on either session:
+    a laptop's Spark has no s3:// file system, and a Spark Connect client has no Hadoop file systems at all."""
     from pyspark.ml import PipelineModel
     from pyspark.ml.evaluation import RegressionEvaluator
 
@@ -187,6 +229,10 @@ def test_a_pipeline_fits_evaluates_saves_and_loads(spark_kind, tmp_path):
     assert loaded.stages[-1].getHistory() == fitted.stages[-1].getHistory()
     before = fitted.transform(df).select("y__output").toPandas()["y__output"]
     after = loaded.transform(df).select("y__output").toPandas()["y__output"]
+    assert np.allclose(before, after), (before[:5], after[:5])
+    fitted.stages[-1].write().save(f"{s3_bucket}/model")
+    from_s3 = PipelineModel(stages=[*fitted.stages[:-1], TorchModel.load(f"{s3_bucket}/model")])
+    after = from_s3.transform(df).select("y__output").toPandas()["y__output"]
     assert np.allclose(before, after), (before[:5], after[:5])
 
 

@@ -61,7 +61,9 @@ class FitSpec:
     train_minibatch_fn: Callable | None
     trainer_args: dict | None
     use_gpu: bool | None
-    checkpoint_dir: str | None  # the store's checkpoint directory of this run_id
+    checkpoint_dir: str | None  # the store's checkpoint directory of this run_id: a path or a URL
+    logs_dir: str | None  # the store's logs directory of this run_id (Keras' TensorBoard)
+    store_options: dict | None  # for a URL: the store's storage_options, for fsspec's driver on rank 0's host
     notes: list[str]  # for the run's notes, said by rank 0
 
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import pickle
 import re
-from pathlib import Path
 
 from hvdmagic.file_urls import Folder
 from hvdmagic.keras_archive import keras_package
@@ -43,7 +42,7 @@ def fit(spec: FitSpec) -> FitResult | None:
     run = RankFit(spec, group, device, tf.random.set_seed, about=f"{keras.__name__} {keras.__version__}")
 
     # Rank 0's view of the store, so that every rank resumes from the same epoch (a store only its host sees).
-    saved = hvd.broadcast_object(_newest_checkpoint(spec.checkpoint_dir) if hvd.rank() == 0 else None, root_rank=0,
+    saved = hvd.broadcast_object(_newest_checkpoint(spec) if hvd.rank() == 0 else None, root_rank=0,
                                  name="hvdmagic.checkpoint")
     config = dict(spec.optimizer["config"])
     if saved is None:
@@ -74,8 +73,8 @@ def fit(spec: FitSpec) -> FitResult | None:
     if hvd.rank() == 0 and spec.checkpoint_dir:
         for callback in callbacks:
             if isinstance(callback, keras.callbacks.TensorBoard):
-                callback.log_dir = str(Path(spec.checkpoint_dir).parent / "logs")
-        callbacks.append(_checkpoint(keras, spec.checkpoint_dir, run.history))
+                callback.log_dir = spec.logs_dir
+        callbacks.append(_checkpoint(keras, Folder(spec.checkpoint_dir, spec.store_options), run.history))
     with run.training():
         if run.start < spec.epochs:
             model.fit(batches(rows.train, spec.batch_size, steps.train, run.shuffles), steps_per_epoch=steps.train,
@@ -169,14 +168,19 @@ def _metrics(spec: FitSpec):
 
 
 def _keras_batch(arrays, spec: FitSpec, output_shapes):
-    """(inputs, labels[, sample weights]) as Keras' fit takes them, float32, each reshaped to its input's or
-    output's shape."""
+    """(inputs, labels[, sample weights]) as Keras' fit takes them, float32, each reshaped to its input's shape, and
+    each label to its ``label_shapes`` entry where given (horovod.spark's), else to its output's shape."""
     import numpy as np
 
     shapes = spec.input_shapes or [None] * len(spec.feature_cols)
     inputs = [as_float32(arrays[c], shape) for c, shape in zip(spec.feature_cols, shapes)]
     labels = []
-    for name, shape in zip(spec.label_cols, output_shapes):
+    given = list(spec.label_shapes or [])
+    given += [None] * (len(spec.label_cols) - len(given))
+    for name, shape, label_shape in zip(spec.label_cols, output_shapes, given):
+        if label_shape is not None:
+            labels.append(as_float32(arrays[name], label_shape))
+            continue
         values = as_float32(arrays[name])
         per_row = int(np.prod([d for d in shape[1:] if d])) if len(shape) > 1 else 1
         labels.append(values.reshape([len(values), *shape[1:]]) if values.size == len(values) * per_row
@@ -205,7 +209,7 @@ def _dashboard(keras, run: RankFit):
     return Dashboard()
 
 
-def _checkpoint(keras, directory: str, history: dict):
+def _checkpoint(keras, folder: Folder, history: dict):
     """Last of rank 0's callbacks: the weights, optimizer state and history after each epoch, written
     beside their final name and renamed (a fit stopped mid-write leaves nothing half-written)."""
 
@@ -213,15 +217,15 @@ def _checkpoint(keras, directory: str, history: dict):
         def on_epoch_end(self, epoch, logs=None):
             state = {"weights": self.model.get_weights(), "history": history,
                      "optimizer": [variable.numpy() for variable in self.model.optimizer.variables]}
-            write_checkpoint(Folder(directory), f"epoch-{epoch}.pkl", _CHECKPOINT, 1,
+            write_checkpoint(folder, f"epoch-{epoch}.pkl", _CHECKPOINT, 1,
                              lambda path: path.write_bytes(pickle.dumps(state)))
 
     return Checkpoint()
 
 
-def _newest_checkpoint(directory: str | None):
-    """(epoch, state) of the newest checkpoint in ``directory``, or None."""
-    folder = Folder(directory) if directory else None
+def _newest_checkpoint(spec: FitSpec):
+    """(epoch, state) of the newest checkpoint in the store's checkpoint directory, or None."""
+    folder = Folder(spec.checkpoint_dir, spec.store_options) if spec.checkpoint_dir else None
     epochs = checkpoint_steps(folder, _CHECKPOINT) if folder else {}
     if not epochs:
         return None

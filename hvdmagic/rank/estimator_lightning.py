@@ -115,7 +115,7 @@ def fit(spec: FitSpec, pl) -> FitResult | None:
     model = spec.model
     resume_from = None
     if spec.checkpoint_dir:
-        state, epoch = training.load_checkpoint(spec.checkpoint_dir)
+        state, epoch = training.load_checkpoint(spec.checkpoint_dir, spec.store_options)
         if state is not None:
             resume_from = tempfile.mkdtemp(prefix="hvdmagic-lightning-")
             torch.save(state["lightning"], os.path.join(resume_from, "resume.ckpt"))
@@ -298,7 +298,8 @@ def _recorder_class(pl):
                 state = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
                 history = {k: list(v) for k, v in self.run.history.items()}
                 training.save_checkpoint({"lightning": state, "history": history},
-                                         self.run.spec.checkpoint_dir, step=epoch, keep=1)
+                                         self.run.spec.checkpoint_dir, step=epoch, keep=1,
+                                         storage_options=self.run.spec.store_options)
 
     return EpochRecorder
 

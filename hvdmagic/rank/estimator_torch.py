@@ -108,7 +108,7 @@ def fit(spec: FitSpec) -> FitResult | None:
     model.to(device)
     optimizer.load_state_dict(optimizer.state_dict())  # its state onto the parameters' device
     if spec.checkpoint_dir:
-        state, epoch = training.load_checkpoint(spec.checkpoint_dir)
+        state, epoch = training.load_checkpoint(spec.checkpoint_dir, spec.store_options)
         if state is not None:
             model.load_state_dict(state["model"])
             optimizer.load_state_dict(state["optimizer"])
@@ -128,6 +128,7 @@ def fit(spec: FitSpec) -> FitResult | None:
             for batch, arrays in enumerate(rows.batches(rows.train, spec.batch_size, steps.train, run.shuffles)):
                 sums.add(*step.train(batch, steps.train, arrays))
                 run.batch_done(batch)
+            step.epoch_done()
             metrics = dict(zip(sums.names(""), sums.averages()))
             if steps.val:
                 model.eval()
@@ -139,7 +140,8 @@ def fit(spec: FitSpec) -> FitResult | None:
             run.epoch_done(epoch, metrics)
             if spec.checkpoint_dir:
                 training.save_checkpoint({"model": _plain(model).state_dict(), "optimizer": optimizer.state_dict(),
-                                          "history": run.history}, spec.checkpoint_dir, step=epoch, keep=1)
+                                          "history": run.history}, spec.checkpoint_dir, step=epoch, keep=1,
+                                          storage_options=spec.store_options)
     if group.rank != 0:
         return None
     plain = _plain(model)
@@ -160,8 +162,11 @@ class _Step:
         self.spec, self.model, self.optimizer, self.group, self.device = spec, model, optimizer, group, device
         self.losses = _losses(spec)
         self.weights = spec.loss_weights or [1.0 / len(spec.label_cols)] * len(spec.label_cols)
-        # horovod.spark's hook: a function that returns the step function (its 7 arguments, as in train).
-        self.custom = spec.train_minibatch_fn() if spec.train_minibatch_fn is not None else None
+        # horovod.spark's hook: the step function itself, called with train's arguments. Since horovod 0.26 they are
+        # 9, backward_passes_per_step and the batch's index last, and the function steps the optimizer at the start of
+        # each group of passes (the loop steps it once more after each epoch); before, 7, and a whole step each call.
+        self.custom = spec.train_minibatch_fn
+        self.custom_passes = self.custom is not None and _takes(self.custom, 9)
 
     def tensors(self, arrays):
         """(inputs, labels, sample weights) of a batch, float32 as horovod.spark gives every column."""
@@ -193,23 +198,33 @@ class _Step:
         last = (batch + 1) % passes == 0 or batch + 1 == steps
         with self.group.quietly(self.model, last):
             if self.custom is not None:
-                outputs, loss = self.custom(self.model, self.optimizer, _match_outputs, self.loss, inputs, labels,
-                                            sample_weights)
+                outputs, loss = self.custom(self.model, self.optimizer, self.match, self.loss, inputs, labels,
+                                            sample_weights, *((passes, batch) if self.custom_passes else ()))
             else:
                 if batch % passes == 0:
                     self.optimizer.zero_grad()
-                outputs, labels = _match_outputs(self.model(*inputs), labels)
+                outputs, labels = self.match(self.model(*inputs), labels)
                 loss = self.loss(outputs, labels, sample_weights)
                 (loss / passes if passes > 1 else loss).backward()
                 if (batch + 1) % passes == 0:
                     self.optimizer.step()
-        return (loss, *_match_outputs(outputs, labels))
+        return (loss, *self.match(outputs, labels))
+
+    def epoch_done(self) -> None:
+        """After an epoch's batches: the last group's step of a ``train_minibatch_fn`` that steps at the start of
+        each group (horovod.spark's loop makes it)."""
+        if self.custom_passes:
+            self.optimizer.step()
 
     def evaluate(self, arrays):
         """(loss, outputs, labels) of a validation batch (under torch.no_grad)."""
         inputs, labels, sample_weights = self.tensors(arrays)
-        outputs, labels = _match_outputs(self.model(*inputs), labels)
+        outputs, labels = self.match(self.model(*inputs), labels)
         return self.loss(outputs, labels, sample_weights), outputs, labels
+
+    def match(self, outputs, labels):
+        """``_match_outputs`` with the fit's ``label_shapes``."""
+        return _match_outputs(outputs, labels, self.spec.label_shapes)
 
 
 def _device(torch, spec: FitSpec):
@@ -235,13 +250,30 @@ def _losses(spec: FitSpec) -> list:
     return losses
 
 
-def _match_outputs(outputs, labels):
-    """The model's outputs as a list, each label reshaped to its output's shape where the sizes agree."""
+def _match_outputs(outputs, labels, label_shapes=None):
+    """The model's outputs as a list, each label reshaped to its ``label_shapes`` entry where one is given (-1 for
+    the batch, as horovod.spark reshapes it), else to its output's shape where the sizes agree."""
     if not isinstance(outputs, (tuple, list)):
         outputs = [outputs]
-    labels = [label.reshape(output.shape) if hasattr(output, "shape") and output.shape.numel() == label.numel()
-              else label for output, label in zip(outputs, labels)]
+    shapes = list(label_shapes or [])
+    shapes += [None] * (len(labels) - len(shapes))
+    labels = [label.reshape(shape) if shape is not None
+              else label.reshape(output.shape) if hasattr(output, "shape") and output.shape.numel() == label.numel()
+              else label for output, label, shape in zip(outputs, labels, shapes)]
     return list(outputs), labels
+
+
+def _takes(function, count: int) -> bool:
+    """Whether ``function`` can be called with ``count`` positional arguments (True where Python cannot tell)."""
+    import inspect
+
+    try:
+        inspect.signature(function).bind(*range(count))
+    except TypeError:
+        return False
+    except ValueError:
+        return True
+    return True
 
 
 class _Sums:

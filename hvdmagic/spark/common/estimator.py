@@ -159,6 +159,8 @@ class HorovodEstimator(Estimator, EstimatorParams):
             "input_shapes": self._input_shapes(), "validation": bool(get("validation")),
             "callbacks": list(get("callbacks") or []),
             "checkpoint_dir": store.get_checkpoint_path(run_id) if store is not None else None,
+            "logs_dir": store.get_logs_path(run_id) if store is not None else None,
+            "store_options": store.storage_options if store is not None else None,
             "notes": [f"hvdmagic: {', '.join(self._ignored)} tune Petastorm's reader in horovod.spark; here the "
                       "DataFrame reaches the ranks as Arrow shards, so they change nothing"] if self._ignored else [],
         })

@@ -113,7 +113,7 @@ class TorchEstimator(HorovodEstimator, Persistent):
         get = self.getOrDefault
         arguments = {}
         if get("store") is not None:  # the logger writes there (horovod.spark's place for logs)
-            arguments["default_root_dir"] = get("store").get_logs_path(spec.run_id)
+            arguments["default_root_dir"] = spec.logs_dir
         for name in ("profiler", "logger", "log_every_n_steps"):
             if get(name) is not None:
                 arguments[name] = get(name)

@@ -7,6 +7,7 @@ estimator's (``hvdmagic.spark.common.estimator``).
 from __future__ import annotations
 
 import copy
+import itertools
 from pathlib import Path
 
 from hvdmagic.rank.estimator_data import FitResult
@@ -83,8 +84,10 @@ class TorchModel(HorovodModel, Persistent):
 
         model, optimizer = self.getOrDefault("model"), self.getOrDefault("optimizer")
         torch.save(model.state_dict(), root / "model.pt")
-        # The architecture without its weights (on torch's meta device): the weights are model.pt's.
-        shell = copy.deepcopy(model).to("meta")
+        # The architecture without its weights (on torch's meta device): the weights are model.pt's. The
+        # copy takes each tensor's meta twin from the memo, so the weights are never copied in memory.
+        shell = copy.deepcopy(model, memo={id(tensor): _meta_twin(tensor) for tensor in
+                                           itertools.chain(model.parameters(), model.buffers())})
         (root / "architecture.pkl").write_bytes(cloudpickle.dumps(shell))
         if optimizer is not None:
             torch.save({"class": cloudpickle.dumps(type(optimizer)), "state": optimizer.state_dict()},
@@ -96,8 +99,9 @@ class TorchModel(HorovodModel, Persistent):
         import torch
         from pyspark.sql.types import _parse_datatype_json_string
 
-        model = cloudpickle.loads((root / "architecture.pkl").read_bytes()).to_empty(device="cpu")
-        model.load_state_dict(torch.load(root / "model.pt", map_location="cpu"))
+        # assign: the loaded tensors become the model's own, not copied into weights allocated first.
+        model = cloudpickle.loads((root / "architecture.pkl").read_bytes())
+        model.load_state_dict(torch.load(root / "model.pt", map_location="cpu"), assign=True)
         fitted = cls(history=extra.get("history"), output_sizes=extra.get("output_sizes"),
                      fit_info=extra.get("fit_info"),
                      label_types=[_parse_datatype_json_string(t) for t in extra.get("label_types", [])])
@@ -109,3 +113,12 @@ class TorchModel(HorovodModel, Persistent):
             fitted._set(optimizer=optimizer)
         return fitted
 
+
+def _meta_twin(tensor):
+    """``tensor``'s shape and type on torch's meta device, a Parameter if it is one: no storage at all."""
+    import torch
+
+    twin = torch.empty_like(tensor, device="meta")
+    if isinstance(tensor, torch.nn.Parameter):
+        return torch.nn.Parameter(twin, requires_grad=tensor.requires_grad)
+    return twin
