@@ -16,7 +16,9 @@ From Python:
 - ``distributed``: a drop-in for Databricks' serverless GPU ``@distributed`` (``install_serverless_gpu()``
   lets its unchanged imports work where Databricks' package is not installed);
 - ``session(np)``: a session of warm ranks for ``run(fn, session=s)``;
-- ``last_run()``: the record of the latest run (metrics, logs, timings, result).
+- ``last_run()``: the record of the latest run (metrics, logs, timings, result);
+- ``debug()``: pdb in the rank whose session cell failed, as ``%debug`` (which the extension makes
+  rank-aware, as it does ``%pdb on``).
 
 Inside a rank, ``progress``, ``log_metrics`` and ``track`` feed the live dashboard (no-ops
 elsewhere); ``shard`` reads the rank's share of ``--data``; ``save_checkpoint``,
@@ -54,23 +56,25 @@ from hvdmagic.rank.telemetry import log_metrics, progress, track
 from hvdmagic.rank.training import load_checkpoint, save_checkpoint, scale_lr
 
 __version__ = "0.1.0"
-__all__ = ["DeepspeedTorchDistributor", "HorovodRunner", "TorchDistributor", "distributed", "install_serverless_gpu",
-           "last_run", "load_checkpoint", "log_metrics", "progress", "run", "save_checkpoint", "scale_lr", "session",
-           "shard", "track", "where"]
+__all__ = ["DeepspeedTorchDistributor", "HorovodRunner", "TorchDistributor", "debug", "distributed",
+           "install_serverless_gpu", "last_run", "load_checkpoint", "log_metrics", "progress", "run", "save_checkpoint",
+           "scale_lr", "session", "shard", "track", "where"]
 
 _KERNEL_API = {"run": "hvdmagic.kernel.api", "HorovodRunner": "hvdmagic.kernel.api",
                "TorchDistributor": "hvdmagic.kernel.api", "DeepspeedTorchDistributor": "hvdmagic.kernel.api",
                "distributed": "hvdmagic.kernel.serverless_gpu", "session": "hvdmagic.kernel.warm_sessions",
                "install_serverless_gpu": "hvdmagic.kernel.serverless_gpu", "last_run": "hvdmagic.kernel.record",
-               "where": "hvdmagic.kernel.api"}
+               "where": "hvdmagic.kernel.api", "debug": "hvdmagic.kernel.rank_debugger"}
 
 
 def load_ipython_extension(ipython) -> None:
+    from hvdmagic.kernel import rank_debugger
     from hvdmagic.kernel.magic import HorovodMagics
     from hvdmagic.launch.spark_session import prefer_this_python
 
     prefer_this_python()  # before the notebook makes its own SparkSession
     ipython.register_magics(HorovodMagics)
+    rank_debugger.install(ipython)  # %debug and %pdb on open pdb in the rank an hvdmagic cell failed in
 
 
 def __getattr__(name: str):

@@ -38,10 +38,14 @@ class Event(StrEnum):
     IDLE = "idle"  # a session rank is ready for a cell: "cell" names the one it finished, "rss" its memory
     WORKER = "worker"  # elastic: the rank's notification service (addresses, secret) and its world rank and size
     RESET = "reset"  # elastic: the rank came back from a reset: its world rank and size, the commit it restored
+    DEBUG_PROMPT = "debug_prompt"  # the rank's pdb waits for a line: what it wrote since its last prompt, the prompt
+    DEBUG_END = "debug_end"  # the rank's pdb ended (q, or Stop), or there was no traceback to debug
     # driver -> task
     GO = "go"  # the task's slot, devices and rows per rank: start the rank
     ABORT = "abort"  # stop the rank now
     CELL = "cell"  # a session: run this payload ("id", "payload": a Payload's fields; "ranks": which run it)
+    DEBUG = "debug"  # a session: pdb.post_mortem on the rank's kept traceback, its I/O as DEBUG_* messages
+    DEBUG_INPUT = "debug_input"  # a line for the rank's pdb ("line"; None: end it, as EOF at a terminal does)
     INTERRUPT = "interrupt"  # a session: SIGINT to the rank, as Ctrl-C in a terminal
     STOP_RANK = "stop_rank"  # elastic: end this task's rank process; the task stays for a later go
     STACKS = "stacks"  # driver -> task: dump the rank's Python stacks; task -> driver: the dump ("text")
@@ -330,6 +334,22 @@ class Idle(TypedDict):
     rss: int  # bytes
 
 
+class DebugPrompt(TypedDict, total=False):
+    type: Literal[Event.DEBUG_PROMPT]
+    text: str  # what pdb wrote since its last prompt ("> <horovod-cell-3>(5)<module>()", p's answer)
+    prompt: str  # "(Pdb) "
+    raised: str  # the exception it debugs, "ValueError: bad input"
+    cell: int | None  # the session's cell that raised it
+    rank: int
+
+
+class DebugEnd(TypedDict, total=False):
+    type: Literal[Event.DEBUG_END]
+    text: str  # what pdb wrote since its last prompt
+    kept: bool  # False: the rank holds no traceback (no cell failed on it), and no pdb ran
+    rank: int
+
+
 class Worker(TypedDict, total=False):
     type: Literal[Event.WORKER]
     key: str  # Horovod's "host:local_rank"
@@ -359,6 +379,17 @@ class Cell(TypedDict):
     id: int
     payload: dict  # Payload.to_json(): its blobs come from the session's blob server
     ranks: list[int] | None  # the ranks that run it (--ranks); None: every rank. The others stay idle
+
+
+class Debug(TypedDict):
+    type: Literal[Event.DEBUG]
+    rank: int  # the one rank whose pdb starts; the job sends it to that rank's task alone
+
+
+class DebugInput(TypedDict):
+    type: Literal[Event.DEBUG_INPUT]
+    rank: int
+    line: str | None  # what the user typed at the prompt; None ends pdb, as EOF does
 
 
 class Exec(TypedDict):
@@ -510,6 +541,10 @@ stacks = _builder(Stacks, Event.STACKS)
 flight_record = _builder(FlightRecord, Event.FLIGHT_RECORD)
 shipping = _builder(Shipping, Event.SHIPPING)
 predicted = _builder(Predicted, Event.PREDICTED)
+debug = _builder(Debug, Event.DEBUG)
+debug_input = _builder(DebugInput, Event.DEBUG_INPUT)
+debug_prompt = _builder(DebugPrompt, Event.DEBUG_PROMPT)
+debug_end = _builder(DebugEnd, Event.DEBUG_END)
 
 
 def ends_a_cell(line: bytes) -> bool:
@@ -563,7 +598,8 @@ def report_line(progress_json: str, metrics_json: str | None) -> str:
 # writes the rank's Boot, then each payload, to the rank's stdin: a pipe to its own child,
 # fed only from the TaskSpec or from frames that passed the job's HMAC check. Only a
 # payload's head (small: its large buffers are blobs the rank maps from its host's cache)
-# goes down the pipe.
+# goes down the pipe. A session's rank also reads control messages there, between a cell's
+# payloads (``write_control``: its debugger's start and its input lines).
 
 
 @dataclass(frozen=True)
@@ -603,12 +639,21 @@ def write_payload(stream, payload: Payload, cell_id: int | None = None, ranks: l
     _write_frame(stream, payload.head)
 
 
-def read_request(stream) -> CellRequest | None:
-    """The next ``CellRequest`` written on a rank's stdin (``write_payload``), or None at EOF."""
+def write_control(stream, message: dict) -> None:
+    """A control message for a session's rank, between its cells (a DEBUG, a DEBUG_INPUT): one frame,
+    a JSON object where a payload's header is a JSON list."""
+    _write_frame(stream, json.dumps(message).encode())
+
+
+def read_request(stream) -> CellRequest | dict | None:
+    """The next thing written on a rank's stdin: a ``CellRequest`` (``write_payload``), a control
+    message (``write_control``), or None at EOF."""
     header = _read_frame(stream)
     if header is None:
         return None
     fields = json.loads(header)
+    if isinstance(fields, dict):
+        return fields
     head = _read_frame(stream)
     if head is None:
         return None
@@ -618,9 +663,10 @@ def read_request(stream) -> CellRequest | None:
 
 
 def read_payload(stream) -> tuple[int | None, Payload] | None:
-    """The next ``(cell id, payload)`` written by ``write_payload``, or None at EOF."""
+    """The next ``(cell id, payload)`` written by ``write_payload``, or None at EOF (a one-shot
+    rank's stdin carries no control message)."""
     request = read_request(stream)
-    return None if request is None else (request.cell, request.payload)
+    return (request.cell, request.payload) if isinstance(request, CellRequest) else None
 
 
 def _write_frame(stream, body: bytes) -> None:

@@ -51,6 +51,18 @@ def test_one_framing_carries_one_shot_and_session_payloads():
     assert protocol.read_payload(stream) is None
 
 
+def test_a_session_rank_reads_its_cells_ranks_and_its_debuggers_lines_from_one_stream():
+    stream = io.BytesIO()
+    protocol.write_payload(stream, Payload(b"on some"), cell_id=3, ranks=[0, 2])
+    protocol.write_control(stream, protocol.debug_input(1, "p x"))
+    protocol.write_payload(stream, Payload(b"on all"), cell_id=4)
+    stream.seek(0)
+    assert protocol.read_request(stream) == protocol.CellRequest(3, Payload(b"on some"), (0, 2))
+    assert protocol.read_request(stream) == {"type": "debug_input", "rank": 1, "line": "p x"}
+    assert protocol.read_request(stream) == protocol.CellRequest(4, Payload(b"on all"), None)
+    assert protocol.read_request(stream) is None
+
+
 def test_a_cell_message_carries_the_payload_as_it_came():
     payload = Payload(b"\xff\x00payload", ("d" * 64,), (Blob("d" * 64, 1 << 30, "X (numpy.ndarray)"),), "e" * 64)
     message = protocol.cell(4, payload)

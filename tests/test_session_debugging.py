@@ -6,10 +6,15 @@ tests of this file (each test leaves it as it found it: up, its ranks the same p
 
 from __future__ import annotations
 
+import contextlib
+import queue
+import re
 import time
 
+import psutil
 import pytest
 from conftest import run
+from helpers import WaitTimeout, execute, shell_reply
 from IPython.core.error import UsageError
 from procs import rank_processes, wait_until_gone
 
@@ -97,3 +102,162 @@ def test_the_python_api_calls_a_function_on_chosen_ranks(ip, warm):
     warm_session = warm_sessions.for_cell("%%horovod", Framework.HOROVOD)
     assert hvdmagic.run(rank_and_mark, session=warm_session, ranks=[1], add=2) == [(1, 3)]
     assert hvdmagic.run(rank_and_mark, session=warm_session, ranks=[0, 1], add=0) == [(0, 1), (1, 1)]
+
+
+FAILING = """%%horovod
+def divide(a, b):
+    ratio = a / b
+    return ratio
+x = hvd.rank() * 3
+table = {'rank': hvd.rank(), 'xs': [1, 2]}
+divide(x, hvd.rank() - 1)
+"""
+
+
+def test_debug_opens_pdb_in_the_failed_rank_at_its_frame_and_the_session_keeps_its_state(ip, warm, capsys):
+    _, error = run(ip, FAILING)
+    assert isinstance(error, JobFailed) and error.failures[0].rank == 1, error
+    capsys.readouterr()
+    hvdmagic.debug(commands=["p a, b", "w", "u", "p x", "pp table", "l 7, 7", "d", "p hvd.allreduce(torch.ones(1))"])
+    out = capsys.readouterr().out
+    assert out.startswith("hvdmagic: pdb in rank 1, where ZeroDivisionError: division by zero was raised; q leaves "
+                          "it, and the session keeps its ranks and their state.\n"), out
+    cell = f"<horovod-cell-{warm_sessions.for_cell('%%horovod', Framework.HOROVOD).next_cell - 1}>"
+    transcript = out.split("\n", 1)[1]
+    expected = [f"> {cell}(3)divide()\n-> ratio = a / b\n(Pdb) p a, b\n(3, 0)\n",
+                # The stack starts at the cell: no frame of hvdmagic's cell loop below it.
+                f"(Pdb) w\n  {cell}(7)<module>()\n-> divide(x, hvd.rank() - 1)\n> {cell}(3)divide()\n",
+                f"(Pdb) u\n> {cell}(7)<module>()\n", "(Pdb) p x\n3\n", "(Pdb) pp table\n{'rank': 1, 'xs': [1, 2]}\n",
+                "(Pdb) l 7, 7\n  7  ->\tdivide(x, hvd.rank() - 1)\n", f"(Pdb) d\n> {cell}(3)divide()\n",
+                "(Pdb) p hvd.allreduce(torch.ones(1))\n*** hvdmagic.rank.subset_guard.CollectiveOnSomeRanks: "
+                "`hvd.allreduce` is a collective: every rank must call it, and pdb runs on rank 1 alone",
+                "(Pdb) q\n"]
+    at = 0
+    for part in expected:
+        found = transcript.find(part, at)
+        assert found >= 0, f"pdb's transcript lacks, in order, {part!r}:\n{transcript}"
+        at = found + len(part)
+    # A collective refused in an earlier cell on rank 0: pdb starts at the user's call, not in the refusal.
+    hvdmagic.debug(commands=["p hvd.rank()"], rank=0)
+    out = capsys.readouterr().out
+    assert "where CollectiveOnSomeRanks: `hvd.allreduce` is a collective" in out and "(from an earlier cell" in out
+    assert re.search(r"\n> <horovod-cell-\d+>\(3\)<module>\(\)\n-> hvd.allreduce\(torch.ones\(1\)\)\n"
+                     r"\(Pdb\) p hvd.rank\(\)\n0\n", out), out
+    _, error = run(ip, "%horovod debug --rank 4")
+    assert isinstance(error, UsageError) and "ranks must name some of the session's 2 ranks" in str(error), error
+    # q left pdb, and the ranks kept their state: the session's next cell sees it, and collectives work.
+    _, error = run(ip, "%%horovod\n(mark, x, hvd.allreduce(torch.ones(1), op=hvd.Sum).item())")
+    assert error is None and hvdmagic.last_run().results == [(0, 0, 2.0), (10, 3, 2.0)], error
+
+
+def _converse(client, code: str, on_prompt, timeout: float, on_output=None) -> tuple[dict, str, list[str]]:
+    """Run ``code`` in a Jupyter kernel with stdin allowed, as a notebook does; answer each input_request
+    with ``on_prompt(prompt)`` (None: no answer, the caller stopped the kernel instead). Return the
+    execute reply, the cell's output (streams and errors, in order) and the prompts asked."""
+    msg_id = client.execute(code, allow_stdin=True)
+    out: list[str] = []
+    prompts: list[str] = []
+    deadline = time.monotonic() + timeout
+    while True:
+        if time.monotonic() > deadline:
+            raise WaitTimeout(f"{code!r} did not end within {timeout:g} s; its output so far:\n{''.join(out)}")
+        with contextlib.suppress(queue.Empty):
+            request = client.get_stdin_msg(timeout=0.02)
+            if request["msg_type"] == "input_request":
+                prompts.append(request["content"]["prompt"])
+                if (line := on_prompt(prompts[-1])) is not None:
+                    client.input(line)
+        try:
+            msg = client.get_iopub_msg(timeout=0.02)
+        except queue.Empty:
+            continue
+        if msg["parent_header"].get("msg_id") != msg_id:
+            continue
+        if msg["msg_type"] == "stream":
+            out.append(msg["content"]["text"])
+            if on_output is not None:
+                on_output("".join(out))
+        elif msg["msg_type"] == "error":
+            out.append("\n".join(msg["content"]["traceback"]) + "\n")
+        elif msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
+            return shell_reply(client, msg_id), "".join(out), prompts
+
+
+def _typing(*lines: str):
+    """``on_prompt`` that types ``lines`` in order, and fails the test if pdb asks for more."""
+    queued = list(lines)
+
+    def answer(prompt: str) -> str:
+        assert queued, f"pdb asked once more ({prompt!r}) than the test had lines for"
+        return queued.pop(0)
+
+    return answer
+
+
+@pytest.mark.parametrize("np", [-2, 2], ids=["local", "spark"])
+def test_debug_in_a_jupyter_kernel_asks_in_its_input_box_and_stop_ends_it(kernel, np):
+    """%debug and %pdb on as a notebook user meets them: pdb's prompt is the front end's input box (ipykernel's
+    input_request); Stop at the prompt, or while pdb evaluates, ends pdb and leaves the session and its ranks."""
+    manager, client = kernel
+    reply, texts = execute(client, "%load_ext hvdmagic\nimport hvdmagic", timeout=60)
+    assert reply["status"] == "ok", texts
+    # A fresh cell's ranks end with it: %debug says how to keep a traceback, in one line, and opens no pdb.
+    reply, _ = execute(client, "%%horovod --np -2\nraise ValueError('fresh')", timeout=120)
+    assert reply["status"] == "error"
+    reply, out, prompts = _converse(client, "%debug", _typing(), timeout=30)
+    assert reply["status"] == "ok" and not prompts, out
+    assert out == ("hvdmagic: the failed cell's ranks ended with it, and their frames with them: run the cell on a "
+                   "session's ranks (%horovod start --np N, then the cell without --np): they keep a failed cell's "
+                   "frames for %debug.\n"), out
+
+    reply, texts = execute(client, f"%horovod start --np {np}", timeout=180)
+    assert reply["status"] == "ok", texts
+    reply, texts = execute(client, SETUP.replace("hvd.rank()\n", "pid = os.getpid()\n"), timeout=120)
+    assert reply["status"] == "ok", texts
+    reply, texts = execute(client, "%%horovod\npid\n", timeout=60)
+    reply, texts = execute(client, "print(hvdmagic.last_run().results)", timeout=30)  # in rank order
+    pids = [int(pid) for pid in re.findall(r"\d+", texts[-1])]
+    assert len(pids) == 2 and all(psutil.pid_exists(pid) for pid in pids), texts
+
+    # %pdb on: the failing cell opens rank 1's pdb as it fails, below its error.
+    execute(client, "%pdb on", timeout=30)
+    reply, out, prompts = _converse(client, FAILING, _typing("p a, b", "q"), timeout=60)
+    assert reply["status"] == "error" and prompts == ["(Pdb) ", "(Pdb) "], (prompts, out)
+    assert out.index("ZeroDivisionError") < out.index("hvdmagic: pdb in rank 1, where ZeroDivisionError"), out
+    assert "-> ratio = a / b\n" in out and "(3, 0)\n" in out, out
+    execute(client, "%pdb off", timeout=30)
+    # %debug: the same frame, each line typed in the input box.
+    reply, out, prompts = _converse(client, "%debug", _typing("p b", "u", "p table['xs']", "q"), timeout=60)
+    assert reply["status"] == "ok" and len(prompts) == 4, (prompts, out)
+    assert "\n0\n" in out and "-> divide(x, hvd.rank() - 1)\n" in out and "[1, 2]\n" in out, out
+
+    # Stop at pdb's prompt: %debug says so in a line (as IPython's own %debug raises nothing).
+    reply, out, _ = _converse(client, "%debug", lambda prompt: manager.interrupt_kernel(), timeout=60)
+    assert reply["status"] == "ok", (reply, out)
+    assert out.endswith("hvdmagic: interrupted: Stop ended the debugger on rank 1; the session keeps its ranks and "
+                        "their state.\n"), out
+    # Stop while pdb evaluates a line that would run for a minute.
+    started = {}
+
+    def stop_once_sleeping(out: str) -> None:
+        if "sleeping" in out and not started:
+            started["at"] = time.monotonic()
+            manager.interrupt_kernel()
+
+    reply, out, _ = _converse(client, "%debug", _typing("import os, time; os.write(1, b'sleeping\\n'); time.sleep(60)"),
+                              timeout=60, on_output=stop_once_sleeping)
+    assert started and "Stop ended the debugger on rank 1" in out, out
+    assert time.monotonic() - started["at"] < 10, "Stop took the length of the sleep to end pdb"
+
+    # The kernel, the session, its ranks and their state are all as they were.
+    reply, texts = execute(client, "%%horovod\n(x, pid)", timeout=60)
+    assert reply["status"] == "ok", texts
+    reply, texts = execute(client, "print(hvdmagic.last_run().results)", timeout=30)
+    assert texts[-1].strip() == f"[(0, {pids[0]}), (3, {pids[1]})]", texts
+    # A rank that never failed holds nothing to debug.
+    reply, out, prompts = _converse(client, "%horovod debug --rank 0", _typing(), timeout=30)
+    assert out == ("hvdmagic: rank 0 holds no traceback: no cell of this session failed on it (ranks that failed: "
+                   "1).\n") and not prompts, out
+    reply, texts = execute(client, "%horovod stop", timeout=60)
+    assert reply["status"] == "ok", texts
+    wait_until_gone(pids, within=10)  # Stop left no rank, nor pdb, behind

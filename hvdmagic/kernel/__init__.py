@@ -7,6 +7,8 @@ Entry points, each handing a run to ``runner``:
   the registry of this kernel's warm sessions, one per magic;
 - ``api``: ``hvdmagic.run``, and the ``HorovodRunner``, ``TorchDistributor`` and ``DeepspeedTorchDistributor`` drop-ins.
 - ``serverless_gpu``: Databricks' serverless GPU ``@distributed`` as a drop-in, and its imports' stand-in.
+- ``rank_debugger``: ``%debug``, ``%pdb on``, ``%horovod debug`` and ``hvdmagic.debug``: pdb in the rank whose
+  session cell failed.
 
 What a run goes through:
 

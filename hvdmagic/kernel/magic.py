@@ -74,8 +74,8 @@ def cell_help(magic: str, parser, what: str, example: str, local_example: str) -
     width = max(len(name) for name, _ in options) + 2
     line = magic[1:]
     sessions = (f"Sessions: {line} start --np N keeps ranks up, with their state, for cells without --np; "
-                f"{line} status | stop | env | where (a live run's stacks: ask from a subshell console); "
-                f"{line}? has more.")
+                f"{line} status | stop | env | where (a live run's stacks: ask from a subshell console) | debug "
+                f"(pdb in the rank a cell failed in, as %debug); {line}? has more.")
     return "\n".join([
         *textwrap.wrap(f"{magic} --np N [options]: {what}", HELP_WIDTH),
         "",

@@ -11,6 +11,7 @@ from typing import Any
 
 from hvdmagic import protocol
 from hvdmagic.errors import JobFailed, JobInterrupted
+from hvdmagic.kernel import rank_debugger
 from hvdmagic.kernel.busy_status import kernel_stays_busy
 from hvdmagic.kernel.cell_frames import CellFrames
 from hvdmagic.kernel.record import RunRecord, set_last
@@ -83,6 +84,7 @@ def _run(payload, placement, record, view, *, timeout, stall_timeout, env, spark
         on_event(protocol.stage_reached(stage))
 
     view.start()
+    generation = session.generation if session is not None else 0  # a restart during the cell takes its frames
     try:
         if prepare is not None:
             try:
@@ -104,6 +106,7 @@ def _run(payload, placement, record, view, *, timeout, stall_timeout, env, spark
         record.stacks = exc.stacks
         exc.flight_records = dict(record.flight_records)
         record.finish(error=exc, cancelled=True)
+        rank_debugger.remember(exc, session, generation)
         raise
     except BaseException as exc:
         if isinstance(exc, JobFailed):
@@ -120,6 +123,7 @@ def _run(payload, placement, record, view, *, timeout, stall_timeout, env, spark
                     if failure.traceback:  # last_run().stacks keeps it too, with its native frames
                         record.stacks = {**record.stacks, failure.rank: failure.traceback}
         record.finish(error=exc)
+        rank_debugger.remember(exc, session, generation)
         raise
     else:
         if values and isinstance(values[0], UnsentResult):

@@ -77,11 +77,13 @@ def _parser(magic: str) -> argparse.ArgumentParser:
     commands.add_parser("status", add_help=False, exit_on_error=False)
     commands.add_parser("env", add_help=False, exit_on_error=False)
     commands.add_parser("where", add_help=False, exit_on_error=False)
+    debug = commands.add_parser("debug", add_help=False, exit_on_error=False)
+    debug.add_argument("--rank", type=int, help="the rank to debug (default: the first that failed)")
     return parser
 
 
 USAGE = ("{magic} start --np N [--controller gloo|mpi] [--timeout S] [--idle-timeout S] [--restart] | "
-         "{magic} stop | {magic} status | {magic} env | {magic} where")
+         "{magic} stop | {magic} status | {magic} env | {magic} where | {magic} debug [--rank N]")
 
 
 # What each of the line magic's commands does, for its help (%horovod?); "start" has its own lines there.
@@ -91,6 +93,7 @@ COMMANDS = {
     "env": "this kernel's Python and packages beside each executor host's",
     "where": "where each rank of the live run is now (its Python stack); a notebook cell waits behind the\n"
              "      running one, so ask from a subshell console, or press the cell's where button",
+    "debug": "[--rank N] pdb where the last failed cell raised, in its rank (as %debug)",
 }
 
 
@@ -149,6 +152,13 @@ def line_magic(magic: str, line: str, framework: Framework):
 
         print(where())
         return None
+    if args.command == "debug":
+        from hvdmagic.kernel import rank_debugger
+
+        try:
+            return rank_debugger.debug_as_magic(rank=args.rank)
+        except ValueError as exc:  # a rank the session does not have
+            raise UsageError(str(exc)) from None
     for flag, seconds in (("--timeout", args.timeout), ("--idle-timeout", args.idle_timeout)):
         if seconds is not None and seconds <= 0:
             raise UsageError(f"{flag} must be a positive number of seconds.")

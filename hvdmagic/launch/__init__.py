@@ -9,6 +9,7 @@ its ``Placement`` says; the modules:
   events until every rank has exited, fail-fast and the watchdogs.
 - ``elastic``: ``ElasticJob``, Horovod's elastic driver with Spark tasks as its hosts.
 - ``warm_ranks``: ``Session``, one job whose ranks stay up and run cells as they come.
+- ``pdb_relay``: ``PdbRelay``, the kernel's side of a rank's pdb (``Session.debug``).
 - ``backend``: what a job asks of a backend (``Backend``); ``make_backend`` picks one.
   ``spark`` (a Spark stage, on a classic or a Spark Connect session) and ``local``
   (threads on the driver).

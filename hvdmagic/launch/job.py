@@ -167,6 +167,7 @@ class Job:
         # (launch.warm_ranks), and only a rank that dies fails the job.
         self.session = session
         self.server: channel.ChannelServer | None = None  # while the job runs: send() reaches every task
+        self._task_of: dict[int, Any] = {}  # by rank, its task's channel.Peer, once placed: send_to() reaches it
         self.blobs: blob_transfer.BlobServer | None = None  # while the job runs: the payloads' large buffers
         self.mpi: MpiDriver | None = None
         self.on_event = on_event or (lambda event: None)
@@ -454,6 +455,16 @@ class Job:
         if self.server is not None:
             self.server.broadcast(event)
 
+    def send_to(self, rank: int, event: dict) -> None:
+        """``event`` to ``rank``'s task alone (a debugger's lines: what the user types reaches the rank
+        it is for, and no other task of the job)."""
+        task = self._task_of.get(rank)
+        if task is not None:
+            try:
+                task.send(event)
+            except OSError:
+                pass  # that task is gone; its missing exit ends the job
+
     def _place(self, state: JobState, rendezvous) -> None:
         """Every task has said hello: check their environments, lay the ranks out and send each task its go."""
         hellos = [state.hellos[task][1] for task in range(self.np)]
@@ -476,7 +487,7 @@ class Job:
         if self.mpi is not None:
             self.mpi.placed(layout, [state.hellos[task][0] for task in range(self.np)])
         for task, slot in enumerate(layout):
-            link = state.hellos[task][0]
+            link = self._task_of[slot.rank] = state.hellos[task][0]
             try:
                 link.send(protocol.go(slot, visible_devices(layout, gpus, task), rows_per_rank))
             except OSError:

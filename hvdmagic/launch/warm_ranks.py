@@ -27,6 +27,7 @@ from hvdmagic.errors import JobFailed, JobInterrupted, JobTimeout, LaunchError, 
 from hvdmagic.launch import make_backend, preflight
 from hvdmagic.launch.interrupts import interruptible
 from hvdmagic.launch.job import STACKS_WAIT, Job, ShippingReports, result_value, serve_requests
+from hvdmagic.launch.pdb_relay import PdbRelay
 from hvdmagic.launch.placement import Placement, PlacementError
 from hvdmagic.launch.shipment import Shipment
 from hvdmagic.launch.stall_clock import StallClock
@@ -71,6 +72,7 @@ class Session:
         self.idle_timeout = idle_timeout
         self.spark = spark
         self.ended: str | None = "not started"  # why the session is not running, or None while it runs
+        self.generation = 0  # how many times its ranks were started: a restart's new ranks hold no old frames
         self._job: Job | None = None
         self._thread: threading.Thread | None = None
         self._job_error: BaseException | None = None
@@ -104,6 +106,7 @@ class Session:
         self._thread = threading.Thread(target=self._run_job, name="hvdmagic-session", daemon=True)
         self._thread.start()
         self.ended = None
+        self.generation += 1
         idle: set[int] = set()
         deadline = time.monotonic() + self.start_timeout if self.start_timeout else None
         try:
@@ -189,6 +192,53 @@ class Session:
                 self._job.blobs.withdraw(payload.buffers)
             self._busy = False
             self._lock.release()
+
+    def debug(self, rank: int, ask: Callable[[str], str | None], show: Callable[[str], None],
+              on_start: Callable[[dict], None] | None = None) -> bool:
+        """pdb in ``rank``, at the frame where its last failed cell raised (the rank keeps that exception:
+        ``rank.cell_loop``), its I/O relayed by a ``PdbRelay`` (``ask``, ``show``, ``on_start``) until the
+        user quits. The session is busy meanwhile, as during a cell. False when the rank holds no
+        traceback. Stop ends pdb and raises JobInterrupted; the ranks and their state stay, unless the
+        rank does not end its pdb within ``INTERRUPT_GRACE`` (then they are restarted, and it says so).
+        """
+        self.check_ranks([rank])
+        if not self.running:
+            raise LaunchError(f"the session is not running ({self.ended or 'its ranks have exited'}).")
+        if not self._lock.acquire(blocking=False):
+            raise LaunchError("the session is running a cell; debug once it has ended.")
+        relay = PdbRelay(rank, lambda event: self._job.send_to(rank, event), ask, show, on_start)
+        self._busy = True
+        try:
+            with interruptible():
+                relay.begin()
+                try:
+                    while not relay.handle(self._next_event(None, "cell") or {}):
+                        pass
+                except KeyboardInterrupt:
+                    relay.stop()
+                    if not self._await_end(relay):
+                        self._restart_after(lambda event: None)
+                        raise JobInterrupted(f"interrupted: rank {rank}'s debugger did not end within "
+                                             f"{INTERRUPT_GRACE:g} s of Stop (stuck in C?), so {LOST_STATE}.") from None
+                    raise JobInterrupted(f"interrupted: Stop ended the debugger on rank {rank}; the session keeps its "
+                                         "ranks and their state.") from None
+            return relay.kept
+        finally:
+            self._busy = False
+            self._idle_since[rank] = time.monotonic()
+            self._lock.release()
+
+    def _await_end(self, relay: PdbRelay) -> bool:
+        """Whether the rank's pdb ends within ``INTERRUPT_GRACE`` of ``relay.stop()``; a second Stop gives up."""
+        deadline = time.monotonic() + INTERRUPT_GRACE
+        try:
+            while not relay.ended and time.monotonic() < deadline:
+                event = self._next_event(None, "cell")
+                if event is not None and event.get("type") != Event.DEBUG_PROMPT:  # asked no more: EOF went
+                    relay.handle(event)
+        except KeyboardInterrupt:
+            pass
+        return relay.ended
 
     def check_ranks(self, ranks) -> list[int] | None:
         """``ranks`` as a cell takes them: sorted, without repeats; None (every rank) for None or all of them.

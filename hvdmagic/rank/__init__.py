@@ -3,6 +3,8 @@ forked from its host's template (``python -m hvdmagic.rank --template``).
 
 - ``__main__``: the rank's entry point: reads its Boot and payload, runs the cell once.
 - ``cell_loop``: a session's rank: runs each cell's payload as it comes, in one namespace.
+- ``debugger``: ``ChannelPdb``, pdb whose prompt is the notebook's input box, on a failed
+  cell's frame (``%debug``).
 - ``cell``: ``CellFunction``, a notebook cell as a rank runs it, and the notebook sources
   that make its tracebacks name cells as IPython does.
 - ``outcome``: the cell's result or error, as the events the driver reads.

@@ -8,6 +8,10 @@ interrupt that comes late cannot break the loop or a report.
 
 A cell may run on some of the ranks only (``--ranks``): the others never see it, and on
 those that run it ``subset_guard`` refuses the collectives the others would never join.
+
+A cell that fails leaves its exception here, with its frames, until the next failure (as
+IPython keeps ``sys.last_traceback``): ``%debug`` sends DEBUG, between cells, and
+``rank.debugger`` runs pdb on it, its lines read from the same stdin.
 """
 
 from __future__ import annotations
@@ -18,7 +22,8 @@ import signal
 import threading
 
 from hvdmagic import protocol
-from hvdmagic.rank import subset_guard, telemetry
+from hvdmagic.protocol import Event
+from hvdmagic.rank import debugger, subset_guard, telemetry
 from hvdmagic.rank.blobs import load_payload
 from hvdmagic.rank.cell import CellFunction, session_filename
 from hvdmagic.rank.outcome import mark_output_end, report_error, report_result
@@ -55,8 +60,17 @@ class Interrupts:
 def serve(rank: int, policy: str, stdin) -> int:
     interrupts = Interrupts()
     namespace: dict = {}
+    failed: tuple[BaseException, int | None] | None = None  # the last failed cell's exception, and the cell
     telemetry.emit(protocol.idle(None, _rss()))
     while (request := protocol.read_request(stdin)) is not None:
+        if isinstance(request, dict):  # a control message between cells
+            if request.get("type") == Event.DEBUG:
+                exc, cell = failed or (None, None)
+                # What the user evaluates in pdb runs on this rank alone: a collective there would wait for ever.
+                with subset_guard.engaged((rank,) if _session_size() > 1 else None, in_pdb=True):
+                    if not debugger.post_mortem(exc, cell, stdin, interrupts):
+                        break  # stdin closed while pdb waited for a line: the session ended
+            continue
         cell = request.cell
         try:
             fn, args, kwargs = load_payload(request.payload)
@@ -67,6 +81,7 @@ def serve(rank: int, policy: str, stdin) -> int:
                     value = fn(*args, **kwargs)
             report_result(value, rank, policy, cell=cell)
         except BaseException as exc:  # KeyboardInterrupt and SystemExit too: the session goes on
+            failed = (exc, cell)
             report_error(exc, cell=cell, broken=_breaks_collectives(exc))
         mark_output_end()
         telemetry.emit(protocol.idle(cell, _rss()))
@@ -79,6 +94,11 @@ def _breaks_collectives(exc: BaseException) -> bool:
     text = str(exc)
     return (type(exc).__name__ in _BROKEN_COLLECTIVES or "Horovod has been shut down" in text
             or "gloo/transport" in text)
+
+
+def _session_size() -> int:
+    """How many ranks the session has, from the variables its supervisor set (Horovod's or torchrun's)."""
+    return int(os.environ.get("HOROVOD_SIZE") or os.environ.get("WORLD_SIZE") or 1)
 
 
 def _rss() -> int:

@@ -101,10 +101,16 @@ def _user_traceback(exc: BaseException) -> str:
     shown = traceback.TracebackException(type(exc), exc, tb)
     frames = [frame for frame in shown.stack if not frame.filename.startswith(_PACKAGE_DIR)]
     if getattr(exc, "ends_at_the_users_call", False):  # hvdmagic refused a library call (rank.subset_guard)
-        users = [i for i, frame in enumerate(frames) if not frame.filename.startswith(_LIBRARY_DIRS)]
+        users = [i for i, frame in enumerate(frames) if not in_library(frame.filename)]
         frames = frames[:users[-1] + 1] if users else frames
     shown.stack = traceback.StackSummary.from_list(frames)
     return _name_cells("".join(shown.format()), DISPLAY_NAMES)
+
+
+def in_library(filename: str) -> bool:
+    """Whether a frame of ``filename`` is a library's (the standard library, an installed package, hvdmagic),
+    not the user's."""
+    return filename.startswith((_PACKAGE_DIR, *_LIBRARY_DIRS))
 
 
 def _name_cells(text: str, names: dict[str, str]) -> str:

@@ -33,6 +33,7 @@ import inspect
 import sys
 
 _only: tuple[int, ...] | None = None  # the ranks of the cell that runs now, while it runs on some of them
+_in_pdb = False  # what runs there is the debugger's (rank.debugger), not a cell's
 _undo: list = []  # (object, attribute, what it was; _ABSENT: nothing of its own) for each patch made
 
 _ABSENT = object()
@@ -55,29 +56,34 @@ class CollectiveOnSomeRanks(RuntimeError):
 def refusal(what: str) -> CollectiveOnSomeRanks:
     ranks = _only or ()
     which = f"rank{'s' if len(ranks) != 1 else ''} {', '.join(map(str, ranks))}"
+    if _in_pdb:
+        return CollectiveOnSomeRanks(f"{what} is a collective: every rank must call it, and pdb runs on {which} "
+                                     "alone; nothing was sent to the other ranks")
     return CollectiveOnSomeRanks(
         f"{what} is a collective: every rank must call it, and this cell runs on {which} only; nothing was sent "
         "to the other ranks. Call collectives in a cell that runs on every rank (without --ranks)")
 
 
 class engaged:
-    """While a cell runs on ``ranks`` only (None: on every rank, and nothing is patched)."""
+    """While a cell runs on ``ranks`` only (None: on every rank, and nothing is patched); ``in_pdb``: while
+    the debugger runs on them, between cells."""
 
-    def __init__(self, ranks: tuple[int, ...] | None):
+    def __init__(self, ranks: tuple[int, ...] | None, in_pdb: bool = False):
         self.ranks = ranks
+        self.in_pdb = in_pdb
 
     def __enter__(self) -> engaged:
-        global _only
+        global _only, _in_pdb
         if self.ranks is not None:
-            _only = tuple(self.ranks)
+            _only, _in_pdb = tuple(self.ranks), self.in_pdb
             for name in _ADOPTERS:
                 if (module := sys.modules.get(name)) is not None:
                     adopt(module)
         return self
 
     def __exit__(self, *exc_info) -> None:
-        global _only
-        _only = None
+        global _only, _in_pdb
+        _only, _in_pdb = None, False
         while _undo:
             owner, attribute, before = _undo.pop()
             if before is _ABSENT:

@@ -121,6 +121,10 @@ class RankProcess:
             self._usage.busy()
         self._write(protocol.write_payload, payload, cell_id, ranks)
 
+    def control(self, message: dict) -> None:
+        """A control message for a session's rank between its cells (its debugger's start, a line for it)."""
+        self._write(protocol.write_control, message)
+
     def _write(self, write, *args) -> None:
         proc = self.proc
         try:

@@ -247,6 +247,12 @@ class Supervisor:
                     self._cells.put(message)
                 elif kind == Event.INTERRUPT and self.rank is not None:
                     self.rank.signal(signal.SIGINT)
+                elif kind in (Event.DEBUG, Event.DEBUG_INPUT) and self.rank is not None \
+                        and message.get("rank") == self.rank.row:
+                    # The rank's debugger reads these between its cells, on its stdin (rank.debugger); they
+                    # came over the channel, so they passed the job's HMAC check, and the kernel sent them
+                    # to this task alone (Job.send_to).
+                    self.rank.control(message)
                 elif kind == Event.GO and starts is not None:
                     starts.put(message)
                 elif kind == Event.STOP_RANK and self.rank is not None:
