@@ -34,7 +34,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks._common import ROOT, Log, describe, environment, rotated, start_spark, write_json  # noqa: E402
+from benchmarks._common import ROOT, Log, describe, environment, rotated, start_spark, write_json
 
 log = Log()
 
