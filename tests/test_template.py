@@ -18,9 +18,10 @@ from procs import rank_processes
 
 import hvdmagic
 from hvdmagic import rank_ranges
-from hvdmagic.protocol import Stage
+from hvdmagic.protocol import Boot, Stage
 from hvdmagic.rank.template import TEMPLATE_NAME
 from hvdmagic.task import rank_template
+from hvdmagic.task.rank_process import RankProcess
 
 DEADLINE = 30.0
 
@@ -114,6 +115,26 @@ def test_another_environment_gets_its_own_template(monkeypatch):
     assert {r["tag"] for r in a} == {"a"} and {r["tag"] for r in b} == {"b"}
     assert all(r["template"] for r in a + b)
     assert {r["parent"] for r in a}.isdisjoint({r["parent"] for r in b})
+
+
+def test_a_rank_stopped_as_it_is_forked_ends(monkeypatch):
+    """A supervisor stops its rank by signalling the process group the rank's pid names (an abort,
+    a Stop: ``RankProcess.kill``). A pid the template told before the child's setsid named no group
+    yet: the kill found none, took the rank for gone, and a rank forked as its run failed ran on past
+    the cell (issue 58: the crash-frame tests on a loaded machine; here about one fork in two was told
+    that early). So each of 20 ranks, killed the moment its pid is here, has ended when kill returns."""
+    monkeypatch.setenv(rank_template.IDLE_ENV, "1")  # its template, no module imported, ends after the test
+    env = dict(os.environ, TEMPLATE_TEST_TAG="stopped-as-forked")
+    template = rank_template.HostTemplate(os.urandom(16), (), env)
+    for fork in range(20):
+        rank = RankProcess(0, lambda event: None, lambda frame: None)
+        assert rank.start(env, Boot(0), lambda env, events_w: template.fork(env, events_w, lambda stage: None))
+        rank.kill()  # as an abort that reached the supervisor while its rank was being forked
+        code = rank.proc.poll()
+        if code is None:  # missed: the process must not outlive the test
+            os.kill(rank.proc.pid, signal.SIGKILL)
+        rank.wait()
+        assert code == -signal.SIGTERM, f"fork {fork}: rank {rank.proc.pid} still ran after kill() ({code})"
 
 
 def _module(tmp_path: Path, monkeypatch, name: str, body: str) -> Path:

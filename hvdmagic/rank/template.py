@@ -270,8 +270,10 @@ def _answer(template: Template, conn: socket.socket, children: dict[int, socket.
         conn.close()
         return None
     sys.stderr.flush()
+    settled_r, settled_w = os.pipe()
     pid = os.fork()
     if pid == 0:
+        _lead_own_session(settled_r, settled_w)
         conn.close()
         if template.watch is not None:
             template.watch.close()
@@ -279,9 +281,31 @@ def _answer(template: Template, conn: socket.socket, children: dict[int, socket.
             other.close()
         return RankOrders(fds, env, cwd, peer_pid)
     _close_all(fds)
+    _await_own_session(settled_r, settled_w)
     _tell(conn, {"pid": pid})
     children[pid] = conn
     return None
+
+
+# The task signals its rank's process group by the pid told here (a Stop, an abort: AdoptedRank), as
+# it would a spawned rank, whose Popen returns only after its setsid. A pid told before the child's
+# own setsid names no group yet: a killpg then finds nothing (ESRCH), and the rank a Stop was meant
+# for, forked as the run failed, ran on past the cell (issue 58, on a loaded machine). So the child
+# leaves the template's session first thing, and the template tells its pid only after that.
+def _lead_own_session(settled_r: int, settled_w: int) -> None:
+    """In the child: a session and process group of its own, then the template may tell its pid."""
+    os.setsid()
+    os.close(settled_r)
+    os.close(settled_w)  # the pipe's last write end: the template's read sees its end
+
+
+def _await_own_session(settled_r: int, settled_w: int) -> None:
+    """In the template: wait until the child leads its own session (or has already ended)."""
+    os.close(settled_w)
+    try:
+        os.read(settled_r, 1)  # b"" once the child closed its write end; nothing is ever written
+    finally:
+        os.close(settled_r)
 
 
 def _close_all(fds: list[int]) -> None:
@@ -408,7 +432,7 @@ def become_rank(child: RankOrders) -> None:
     for fd, target in ((stdin, 0), (stdout, 1), (stderr, 2)):
         os.dup2(fd, target)
         os.close(fd)
-    os.setsid()
+    # (The session of its own it took as it was forked: _lead_own_session.)
     signal.set_wakeup_fd(-1)
     for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGHUP, signal.SIGPIPE):
         signal.signal(sig, signal.SIG_DFL)
