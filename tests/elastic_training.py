@@ -24,7 +24,9 @@ def train(steps: int, *, commit_every: int = 5, kill: tuple[int, int] | None = N
     until the world has this many ranks again, then ``commit_every`` steps more; more
     than ``max_steps`` steps fails. ``ready_at``: at that step rank 0 creates ``marker``
     (for a test that causes the fault from outside), and each rank writes its pid and its
-    task's next to it (``<marker>.<Horovod host>.pids``).
+    task's next to it (``<marker>.<Horovod host>.pids``); with ``until_size`` too, rank 0
+    creates ``<marker>.shrunk`` once it trains in a world smaller than that (for a test that
+    gives the lost rank's replacement a place to run only then).
     """
     import os
     import signal
@@ -81,6 +83,8 @@ def train(steps: int, *, commit_every: int = 5, kill: tuple[int, int] | None = N
 
                 telemetry.flush()
                 open(marker, "w").close()
+            if ready_at is not None and until_size and hvd.size() < until_size and hvd.rank() == 0:
+                open(f"{marker}.shrunk", "a").close()
             if kill and task_index() == kill[0] and state.step == kill[1]:
                 try:
                     os.close(os.open(marker, os.O_CREAT | os.O_EXCL))

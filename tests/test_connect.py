@@ -36,7 +36,7 @@ from helpers import (
     wait_until,
 )
 from procs import alive, rank_processes, registered_rank, wait_until_gone, wait_until_no_mpi_processes
-from test_elastic import _check_training, _kill_the_worker_of
+from test_elastic import SPARE_WORKER, _check_training, _kill_the_worker_of
 
 SERVER_START = 120  # seconds the Connect server gets to listen: a JVM on a busy 2-core machine
 CORES = 4
@@ -603,10 +603,11 @@ def test_a_connect_server_inside_the_kernel_is_used_as_it_is(kernel_factory):
 
 
 @contextlib.contextmanager
-def _connect_cluster(tmp_path, workers: int, cores: int, conf: dict[str, str]):
+def _connect_cluster(tmp_path, workers: int, cores: int, conf: dict[str, str], start: int | None = None):
     """A standalone cluster, a Connect server started on it (``tests/connect_server.py`` with ``--master
-    spark://...``) and a kernel connected to that server: (cluster, kernel); all three stopped after."""
-    cluster = StandaloneCluster(tmp_path, workers=workers, cores=cores, gpus=0).start()
+    spark://...``) and a kernel connected to that server: (cluster, kernel); all three stopped after.
+    ``start``: how many of the workers start now (all by default; ``cluster.start_worker`` adds the others)."""
+    cluster = StandaloneCluster(tmp_path, workers=workers, cores=cores, gpus=0).start(workers=start)
     server = kernel = None
     try:
         server = ConnectServer(tmp_path, master=cluster.url, conf={"spark.executor.memory": "1g", **conf})
@@ -642,24 +643,25 @@ def test_a_connect_server_on_a_standalone_cluster_counts_its_slots_and_runs_acro
 @pytest.mark.timeout(600)  # four JVMs and a kernel start on a 2-core machine before training begins
 def test_a_lost_worker_under_a_connect_server_does_not_lose_an_elastic_run(tmp_path):
     """test_elastic.py's lost worker, with the kernel on a Connect server of the standalone cluster:
-    two ranks on two of three one-core workers, and the Worker JVM under task 1 (its executor with
-    it) SIGKILLed once rank 0 has trained 15 steps. The other rank resumes alone from the commit;
-    the server's scheduler runs task 1 again on the third worker (an elastic run's Connect stage is
-    a plain mapInArrow, so one lost task does not fail the stage); its rank joins at a commit, and
-    the run ends on two ranks with nothing trained twice."""
+    two ranks on two one-core workers, and the Worker JVM under task 1 (its executor with it)
+    SIGKILLed once rank 0 has trained 15 steps. The other rank resumes alone from the commit; once
+    it does, a third worker starts (before that, test_elastic's ``_kill_the_worker_of`` says why),
+    and the server's scheduler runs task 1 again there (an elastic run's Connect stage is a plain
+    mapInArrow, so one lost task does not fail the stage); its rank joins at a commit, and the run
+    ends on two ranks with nothing trained twice."""
     ready, killed = str(tmp_path / "ready"), []
     conf = {"spark.executor.cores": "1", "spark.task.maxFailures": "4"}
-    with _connect_cluster(tmp_path, workers=3, cores=1, conf=conf) as (cluster, kernel):
+    with _connect_cluster(tmp_path, workers=3, cores=1, conf=conf, start=SPARE_WORKER) as (cluster, kernel):
         kernel.ok(f"import sys\nsys.path.insert(0, {str(Path(__file__).parent)!r})\n"
                   "from elastic_training import train\nfrom hvdmagic.launch import spark_connect")
-        wait_until(lambda: kernel.value("spark_connect.available(spark)") == 3, 120,
-                   "the Connect server's three executors did not register")
+        wait_until(lambda: kernel.value("spark_connect.available(spark)") == SPARE_WORKER, 120,
+                   "the Connect server's two executors did not register")
         killer = threading.Thread(target=_kill_the_worker_of, args=(cluster, "t1.", ready, killed), daemon=True)
         killer.start()
         kernel.ok(f"results = hvdmagic.run(train, 2, 30, marker={ready!r}, ready_at=15, until_size=2, step_time=0.05, "
                   "max_steps=4000, commit_every=5, min_np=1, max_np=2)", 420)
         killer.join(timeout=5)
-        assert killed and isinstance(killed[0], int), killed
+        assert len(killed) == 1 and isinstance(killed[0], int), killed
         assert kernel.value("hvdmagic.last_run().mode") == "spark connect"
         trace = _check_training(kernel.value("results"), 2)
         resets = kernel.value("[(r.reason, r.size_before, r.size_after, (r.commit or {}).get('step')) "

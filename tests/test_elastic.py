@@ -294,17 +294,30 @@ def test_the_rendezvous_refuses_a_pickle_from_the_network():
         driver.stop()
 
 
+# The last of three workers, started only once the world has shrunk (_kill_the_worker_of); its index
+# is also how many start at first.
+SPARE_WORKER = 2
+
+
 @pytest.fixture
 def three_workers(tmp_path_factory):
-    """A standalone cluster of three one-core workers, and a session with an executor on each."""
-    with spark_cluster(tmp_path_factory.mktemp("elastic-cluster"), workers=3, cores=1, app="hvdmagic-elastic-test",
-                       conf={"spark.task.maxFailures": "4"}) as (cluster, session):
+    """A standalone cluster of three one-core workers, the third not started yet (the spare:
+    ``_kill_the_worker_of`` starts it), and a session with an executor on each worker."""
+    with spark_cluster(tmp_path_factory.mktemp("elastic-cluster"), workers=3, start=SPARE_WORKER, cores=1,
+                       app="hvdmagic-elastic-test", conf={"spark.task.maxFailures": "4"}) as (cluster, session):
         yield cluster, session
 
 
 def _kill_the_worker_of(cluster, host_prefix: str, ready: str, killed: list, within: float = 180) -> None:
     """When ``ready`` exists, SIGKILL the Worker JVM (and with it its executor) that runs the
-    rank whose Horovod host starts with ``host_prefix``."""
+    rank whose Horovod host starts with ``host_prefix``; once the others train alone
+    (``train``'s ``<ready>.shrunk``), start the cluster's spare worker, where Spark runs the
+    lost task again.
+
+    Not before: with the spare up from the start, a loaded machine once had the new attempt's
+    rank registered before the survivors' reset, which then went from 2 ranks straight to 2; the
+    world never shrank, and the run trained on until its step limit (issue 58). Each worker has
+    one core, so until the spare starts the lost task has nowhere to run."""
     import psutil
 
     try:
@@ -321,15 +334,23 @@ def _kill_the_worker_of(cluster, host_prefix: str, ready: str, killed: list, wit
         if owner is not None:
             os.killpg(cluster.procs[owner].pid, signal.SIGKILL)
             killed.append(owner)
+            try:
+                wait_until(lambda: os.path.exists(f"{ready}.shrunk"), within,
+                           "the others never trained alone after the worker was killed")
+            except WaitTimeout as timeout:
+                killed.append(str(timeout))
+                return
+            cluster.start_worker(SPARE_WORKER)
             return
     killed.append(f"no rank process with a Horovod host {host_prefix}*")
 
 
 @pytest.mark.cluster
 def test_a_lost_worker_does_not_lose_the_run(three_workers, tmp_path):
-    """Two ranks on two of three workers; the worker under task 1 is killed (its Worker JVM and
-    executor). The other rank resumes alone from the commit; Spark runs task 1 again on the third
-    worker, whose rank joins at a commit, and the run ends on two ranks."""
+    """Two ranks on two one-core workers; the worker under task 1 is killed (its Worker JVM and
+    executor). The other rank resumes alone from the commit; then a third worker starts
+    (``_kill_the_worker_of``), Spark runs task 1 again there, its rank joins at a commit, and the
+    run ends on two ranks."""
     import threading
 
     cluster, _ = three_workers
@@ -339,7 +360,7 @@ def test_a_lost_worker_does_not_lose_the_run(three_workers, tmp_path):
     results = hvdmagic.run(train, 2, 30, marker=ready, ready_at=15, until_size=2, step_time=0.05,
                            max_steps=4000, commit_every=COMMIT_EVERY, min_np=1, max_np=2)
     killer.join(timeout=5)
-    assert killed and isinstance(killed[0], int), killed
+    assert len(killed) == 1 and isinstance(killed[0], int), killed
     trace = _check_training(results, 2)
     run_record = hvdmagic.last_run()
     first, last = run_record.resets[0], run_record.resets[-1]
