@@ -96,14 +96,17 @@ def test_a_rank_that_only_prints_the_fault_handlers_words_is_left_alone(ip):
 
 @pytest.mark.unit
 def test_the_crash_hold_installs_in_well_under_a_millisecond_after_ctypes():
-    """A rank's start-up pays for it: ctypes' import (measured apart) and five sigaction calls."""
+    """A rank's start-up pays for it: ctypes' import (measured apart) and five sigaction calls.
+
+    Its cost is the CPU time it takes: the wall time also counts any wait for a core, which beside
+    another test worker on two cores once came to 31 ms (issue 58)."""
     import subprocess
     import sys
 
     code = ("import os, time, ctypes, signal\nfrom hvdmagic.rank import crash_hold\n"
             "from hvdmagic.task.native_stacks import held\n"
-            "before = held(os.getpid(), signal.SIGSEGV)\nt = time.perf_counter()\n"
-            "assert crash_hold.install()\nprint(time.perf_counter() - t, before, held(os.getpid(), signal.SIGSEGV))\n")
+            "before = held(os.getpid(), signal.SIGSEGV)\nt = time.thread_time()\n"
+            "assert crash_hold.install()\nprint(time.thread_time() - t, before, held(os.getpid(), signal.SIGSEGV))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
-    assert float(out[0]) < 0.005, out  # measured 0.1-0.2 ms here; the bound leaves a busy machine room
+    assert float(out[0]) < 0.005, out  # measured 0.1-0.2 ms here
     assert out[1:] == ["True", "False"], out  # SIGSEGV's default action before, a handler (the hold's) after
