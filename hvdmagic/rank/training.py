@@ -11,11 +11,13 @@ import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hvdmagic import protocol
-from hvdmagic.file_urls import Folder
 from hvdmagic.rank.telemetry import emit
+
+if TYPE_CHECKING:
+    from hvdmagic.file_urls import Folder
 
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)\.pt$")
 
@@ -85,6 +87,8 @@ def save_checkpoint(state: Any, directory: str | os.PathLike, step: int, keep: i
     """
     import torch
 
+    from hvdmagic.file_urls import Folder  # on use: a rank imports only protocol and metric_rows at its start
+
     if _rank_and_size()[0] != 0:
         return None
     return write_checkpoint(Folder(directory, storage_options), f"checkpoint-{step}.pt", _CHECKPOINT, keep,
@@ -133,6 +137,8 @@ def load_checkpoint(directory: str | os.PathLike, storage_options: dict | None =
         start = 0 if step is None else step + 1
     """
     import torch
+
+    from hvdmagic.file_urls import Folder
 
     found = None
     if _rank_and_size()[0] == 0:
