@@ -40,6 +40,7 @@ class Event(StrEnum):
     RESET = "reset"  # elastic: the rank came back from a reset: its world rank and size, the commit it restored
     DEBUG_PROMPT = "debug_prompt"  # the rank's pdb waits for a line: what it wrote since its last prompt, the prompt
     DEBUG_END = "debug_end"  # the rank's pdb ended (q, or Stop), or there was no traceback to debug
+    HELD = "held"  # a fresh cell's failed rank waits "seconds" for %debug (--hold-on-error), its traceback kept
     # driver -> task
     GO = "go"  # the task's slot, devices and rows per rank: start the rank
     ABORT = "abort"  # stop the rank now
@@ -350,6 +351,12 @@ class DebugEnd(TypedDict, total=False):
     rank: int
 
 
+class Held(TypedDict, total=False):
+    type: Literal[Event.HELD]
+    seconds: float  # how long it waits for a DEBUG before it ends
+    rank: int
+
+
 class Worker(TypedDict, total=False):
     type: Literal[Event.WORKER]
     key: str  # Horovod's "host:local_rank"
@@ -545,6 +552,7 @@ debug = _builder(Debug, Event.DEBUG)
 debug_input = _builder(DebugInput, Event.DEBUG_INPUT)
 debug_prompt = _builder(DebugPrompt, Event.DEBUG_PROMPT)
 debug_end = _builder(DebugEnd, Event.DEBUG_END)
+held = _builder(Held, Event.HELD)
 
 
 def ends_a_cell(line: bytes) -> bool:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import importlib.util
+import math
+import os
 import re
 import textwrap
 
@@ -18,6 +20,7 @@ from hvdmagic.kernel.hang_notices import stall_check_env
 from hvdmagic.kernel.runner import execute
 from hvdmagic.launch import Elastic, Placement, PlacementError, ResultPolicy
 from hvdmagic.protocol import Framework
+from hvdmagic.rank.error_hold import HOLD_ENV
 
 # A payload from this size on is worth a line even on a session's quick cell: it takes time to send.
 LARGE_PAYLOAD = 1 << 20
@@ -44,6 +47,8 @@ def _launch_arguments(func):
         argument("--timeout", type=float, metavar="SECONDS", help="stop every rank and fail after SECONDS"),
         argument("--stall-timeout", type=float, metavar="SECONDS",
                  help="fail when a rank makes no progress for SECONDS (a deadlock)"),
+        argument("--hold-on-error", type=float, metavar="SECONDS",
+                 help="keep the failed rank SECONDS for debug, its Spark slot taken (HVDMAGIC_HOLD_ON_ERROR)"),
         argument("--reconnect-grace", type=float, metavar="SECONDS",
                  help="how long a task cut off from the kernel may take to come back (default 120)"),
         argument("--data", metavar="NAME", help="a Spark DataFrame: each rank reads its shard with hvdmagic.shard()"),
@@ -199,6 +204,14 @@ evaluate(model)                                   # rank 0's value: the result, 
                               ("--reconnect-grace", args.reconnect_grace)):
             if seconds is not None and seconds <= 0:
                 raise UsageError(f"{flag} must be a positive number of seconds.")
+        if args.hold_on_error is not None and args.hold_on_error < 0:
+            raise UsageError("--hold-on-error must be 0 (no hold) or a positive number of seconds.")
+        if args.hold_on_error and (session is not None or elastic is not None or controller == "mpi"):
+            raise UsageError("--hold-on-error keeps a fresh --np cell's failed rank for %debug: a session's ranks "
+                             "keep a failed cell's frames anyway, mpirun ends every rank once one fails, and an "
+                             "elastic run's ranks are reset, not held.")
+        if session is None and elastic is None and controller != "mpi":
+            env = {**(env or {}), **hold_on_error_env(args.hold_on_error)}
         if args.reconnect_grace is not None and session is not None:
             raise UsageError("--reconnect-grace applies to new ranks: a session's tasks keep the grace they started "
                              "with (spark.hvdmagic.reconnectGrace, set before %horovod start).")
@@ -256,6 +269,22 @@ _RANKS_NEED_A_SESSION = (
     "in {init}: to run code on one of them, put it under `if {rank} == 0:`.")
 _RANK_CALLS = {Framework.HOROVOD: {"init": "hvd.init()", "rank": "hvd.rank()"},
                Framework.TORCH: {"init": "init_process_group", "rank": "dist.get_rank()"}}
+
+
+def hold_on_error_env(seconds: float | None) -> dict[str, str]:
+    """The rank environment for ``--hold-on-error`` (``rank.error_hold``); without the option, the kernel's
+    own HVDMAGIC_HOLD_ON_ERROR is the default, and it is passed on explicitly, so that a Spark task's
+    environment does not decide it. A default that is not a number is one paragraph."""
+    if seconds is None:
+        default = os.environ.get(HOLD_ENV, "").strip()
+        try:
+            seconds = float(default or 0)
+        except ValueError:
+            seconds = math.nan
+        if not seconds >= 0:
+            raise UsageError(f"{HOLD_ENV} (the default of --hold-on-error) must be a number of seconds, such as 300, "
+                             f"not {default!r}: set it with %env {HOLD_ENV}=300, or 0 for no hold.")
+    return {HOLD_ENV: f"{seconds:g}"}
 
 
 def _elastic(args) -> Elastic | None:

@@ -9,7 +9,9 @@ every other exception to IPython:
   ``Session.debug`` runs pdb there, at the failing frame, its prompt in the notebook's own input
   box (``input()`` on the kernel's main thread: ipykernel turns it into an input_request), or fed
   from a list of commands (``hvdmagic.debug(commands=[...])``, for a notebook run without a person);
-- a fresh ``--np N`` cell's ranks end with it, and a session restarted since took its ranks'
+- a fresh ``--np N`` cell with ``--hold-on-error S`` leaves its failed rank waiting S seconds
+  (``launch.held_rank``): ``HeldRank.debug`` runs pdb there the same way, and the rank ends after;
+- otherwise a fresh cell's ranks end with it, and a session restarted since took its ranks'
   frames away: then one line says how to keep a traceback, and no pdb opens in hvdmagic's code.
 
 The runner tells this module of each run's failure (``remember``); the last one is the one debugged.
@@ -22,6 +24,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from hvdmagic.errors import HvdmagicError, JobFailed, JobInterrupted, LaunchError
+from hvdmagic.launch.held_rank import HeldRank
 from hvdmagic.launch.warm_ranks import Session
 
 
@@ -33,6 +36,7 @@ class _Failure:
     ranks: list[int]  # the ranks whose code raised, the root cause first
     session: Session | None  # None: fresh ranks, gone with the cell
     generation: int = 0  # the session's ranks then: a restart since took their frames
+    held: HeldRank | None = None  # a fresh cell's failed rank, kept for %debug (--hold-on-error)
 
 
 _last: _Failure | None = None
@@ -44,7 +48,7 @@ def remember(error: BaseException, session: Session | None, generation: int = 0)
     failures = getattr(error, "failures", ())
     # A rank killed by a signal raised nothing: no frame of its to debug (and its session restarted anyway).
     ranks = [failure.rank for failure in failures if failure.traceback]
-    _last = _Failure(error, list(dict.fromkeys(ranks)), session, generation)
+    _last = _Failure(error, list(dict.fromkeys(ranks)), session, generation, getattr(error, "held", None))
 
 
 def debug(commands: Iterable[str] | None = None, rank: int | None = None) -> None:
@@ -57,9 +61,10 @@ def debug(commands: Iterable[str] | None = None, rank: int | None = None) -> Non
         rank: the rank to debug; None: the first that failed (the root cause, as the error names it).
 
     ``p``, ``pp``, ``l``, ``u``/``d``, ``w`` and expressions on the rank's variables work as in
-    pdb; ``q`` leaves, and the session keeps its ranks and their state. Only a session's ranks keep
-    a failed cell's frames (``%horovod start --np N``); otherwise this prints, in one line, how to
-    get them. Stop ends pdb (the session keeps its ranks) and raises ``JobInterrupted``.
+    pdb; ``q`` leaves, and the session keeps its ranks and their state. A session's ranks keep a
+    failed cell's frames (``%horovod start --np N``), and a fresh cell's failed rank waits for this
+    with ``--hold-on-error S`` (it ends once pdb quits); otherwise this prints, in one line, how to
+    get them. Stop ends pdb (the session keeps its ranks; a held rank ends) and raises ``JobInterrupted``.
 
     Example::
 
@@ -72,6 +77,9 @@ def debug(commands: Iterable[str] | None = None, rank: int | None = None) -> Non
         print(f"hvdmagic: {why}", flush=True)
         return
     failure = _last
+    if failure.held is not None:
+        _debug_held(failure.held, commands)
+        return
     chosen = rank if rank is not None else failure.ranks[0]
     failure.session.check_ranks([chosen])  # a ValueError in one sentence for a rank it does not have
     ask = _typed(commands) if commands is not None else _asked
@@ -84,6 +92,17 @@ def debug(commands: Iterable[str] | None = None, rank: int | None = None) -> Non
         others = f" (ranks that failed: {', '.join(map(str, failure.ranks))})" if failure.ranks else ""
         print(f"hvdmagic: rank {chosen} holds no traceback: no cell of this session failed on it{others}.",
               flush=True)
+
+
+def _debug_held(held: HeldRank, commands: Iterable[str] | None) -> None:
+    def header(event: dict) -> None:
+        print(f"hvdmagic: pdb in rank {held.rank}, held after the cell failed (--hold-on-error), where "
+              f"{event.get('raised', held.raised)} was raised; q leaves it, and the rank ends.", flush=True)
+
+    try:
+        held.debug(_typed(commands) if commands is not None else _asked, _show, on_start=header)
+    except LaunchError as exc:
+        print(f"hvdmagic: {exc}", flush=True)
 
 
 def install(shell) -> None:
@@ -117,13 +136,21 @@ def debug_as_magic(rank: int | None = None) -> None:
 
 def _why_not(failure: _Failure | None, rank: int | None) -> str | None:
     """Why no rank can be debugged now, in one line; None when one can."""
-    how = ("run the cell on a session's ranks (%horovod start --np N, then the cell without --np): they keep a "
-           "failed cell's frames for %debug")
+    how = ("give the cell --hold-on-error SECONDS to keep its failed rank that long for %debug, or run it on a "
+           "session's ranks (%horovod start --np N, then the cell without --np), which keep a failed cell's frames")
     if failure is None:
         return f"no hvdmagic run has failed in this kernel yet. Once one has, %debug opens pdb where it raised; {how}."
     if not isinstance(failure.error, (JobFailed, JobInterrupted)):
         return (f"the last run ended before any rank ran its code ({type(failure.error).__name__}): there is no "
                 "rank frame to debug.")
+    if failure.held is not None:
+        if rank is not None and rank != failure.held.rank:
+            return (f"only rank {failure.held.rank} was held after the cell failed (--hold-on-error keeps the first "
+                    f"rank that raised): %debug reaches it; rank {rank} ended with the cell.")
+        if not failure.held.alive:
+            return (f"rank {failure.held.rank}, held after the cell failed, has ended ({failure.held.ended}), and "
+                    "its frames with it: run the cell again, then %debug.")
+        return None
     if failure.session is None:
         return f"the failed cell's ranks ended with it, and their frames with them: {how}."
     session = failure.session

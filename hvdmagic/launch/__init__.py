@@ -10,6 +10,7 @@ its ``Placement`` says; the modules:
 - ``elastic``: ``ElasticJob``, Horovod's elastic driver with Spark tasks as its hosts.
 - ``warm_ranks``: ``Session``, one job whose ranks stay up and run cells as they come.
 - ``pdb_relay``: ``PdbRelay``, the kernel's side of a rank's pdb (``Session.debug``).
+- ``held_rank``: ``HeldRank``, a fresh cell's failed rank kept for ``%debug`` (``--hold-on-error``).
 - ``backend``: what a job asks of a backend (``Backend``); ``make_backend`` picks one.
   ``spark`` (a Spark stage, on a classic or a Spark Connect session) and ``local``
   (threads on the driver).
@@ -36,6 +37,7 @@ from collections.abc import Callable
 
 from hvdmagic import protocol
 from hvdmagic.errors import JobInterrupted, LaunchError
+from hvdmagic.launch import held_rank
 from hvdmagic.launch.backend import Backend
 from hvdmagic.launch.elastic import ElasticJob
 from hvdmagic.launch.interrupts import interrupted_before_job, interruptible
@@ -94,6 +96,7 @@ def make_backend(placement: Placement, on_event: Callable[[dict], None] | None, 
     interrupt here ends in one line that says what it left behind.
     """
     notify = on_event or (lambda event: None)
+    held_rank.end_for_next_run(notify)
     reached: list[Stage] = []
 
     def on_stage(stage: Stage) -> None:

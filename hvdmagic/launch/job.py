@@ -22,6 +22,7 @@ from typing import Any
 from hvdmagic import blob_transfer, channel, protocol, rank_ranges
 from hvdmagic.errors import ALIVE_GUESS, JobFailed, JobInterrupted, JobTimeout, LaunchError, RankFailure
 from hvdmagic.launch import versions
+from hvdmagic.launch.held_rank import HeldRank
 from hvdmagic.launch.interrupts import interruptible
 from hvdmagic.launch.layout import compute_layout, visible_devices
 from hvdmagic.launch.mpi import MpiDriver
@@ -89,6 +90,7 @@ class JobState:
     # By rank: when its task's connection closed (a FIN: its process ended) before the rank's end came,
     # and the GONE event that said so. Its Spark task's failure usually explains it a moment later.
     closed: dict[int, tuple[float, dict]] = field(default_factory=dict)
+    held: dict[int, float] = field(default_factory=dict)  # by rank: seconds it waits for %debug (--hold-on-error)
 
     @property
     def clean(self) -> bool:
@@ -176,6 +178,7 @@ class Job:
         self.job_id = uuid.uuid4().hex[:12]
         # How long a task whose connection broke may take to come back (task.kernel_link), both sides.
         self.reconnect_grace = backend.reconnect_grace if reconnect_grace is None else reconnect_grace
+        self.held: HeldRank | None = None  # a failed rank left waiting for %debug, its task and channel with it
 
     def _template(self) -> dict:
         """The TaskSpec's rank template: none under mpirun, nor where HVDMAGIC_TEMPLATE=0."""
@@ -271,7 +274,7 @@ class Job:
             elif now - aborted_at > ABORT_GRACE:
                 break
             elif not aborted_all and now - aborted_at > EXIT_GRACE:
-                server.broadcast(protocol.bare(Event.ABORT))  # a failed rank that does not end on its own
+                self._abort_unheld(server, state, set(state.held))  # a failed rank that does not end on its own
                 aborted_all = True
             if not self.session:  # a session serves its cells' requests itself (launch.warm_ranks)
                 self.shipping.poll()
@@ -292,7 +295,10 @@ class Job:
                 notes.append(f"rank(s) {rank_ranges.compress(finished)} had finished the cell; a rank that ends "
                              "while others still call collectives makes those fail")
             error = JobTimeout if verdict else JobFailed
-            raise error(state.failures, stopped, note="; ".join(notes), stacks=state.stacks)
+            failed = error(state.failures, stopped, note="; ".join(notes), stacks=state.stacks)
+            if not verdict:
+                self.held = failed.held = self._hold(failed, state)
+            raise failed
 
     def _abort_others(self, server: channel.ChannelServer, state: JobState, failed: set[int] | None) -> bool:
         """Abort every task, or with ``failed``, every task but those whose rank failed; say
@@ -315,6 +321,28 @@ class Job:
             except OSError:
                 pass  # that task is gone; its missing exit ends the job
         return True
+
+    def _hold(self, failed: JobFailed, state: JobState) -> HeldRank | None:
+        """The rank left waiting for %debug: the first of those that said HELD, in the error's order (the
+        root cause first); the others are aborted with the rest."""
+        rank = next((f.rank for f in failed.failures if f.rank in state.held and f.rank in self._task_of), None)
+        if rank is None:
+            return None
+        failure = next(f for f in failed.failures if f.rank == rank)
+        return HeldRank(rank, state.held[rank], failure.summary, self.send_to)
+
+    def _abort_unheld(self, server: channel.ChannelServer, state: JobState, held: set[int]) -> None:
+        """Abort every task but those of the ``held`` ranks (waiting for %debug: ``_hold``)."""
+        keep = [self._task_of[rank] for rank in held if rank in self._task_of]
+        if not keep:
+            server.broadcast(protocol.bare(Event.ABORT))
+            return
+        for link, _ in state.hellos.values():
+            if all(link is not task for task in keep):
+                try:
+                    link.send(protocol.bare(Event.ABORT))
+                except OSError:
+                    pass  # that task is gone; its exit is not waited for
 
     def _collect_stacks(self, server: channel.ChannelServer, state: JobState, rendezvous) -> None:
         """Ask every running rank where it is, before the watchdog stops them: the answer to a hang."""
@@ -442,6 +470,9 @@ class Job:
         elif kind == Event.STACKS:
             if rank not in state.exits:  # a rank that had finished answers with nothing
                 state.stacks[rank] = str(event.get("text", ""))
+        elif kind == Event.HELD:  # it failed, and waits: the cell is over for it
+            state.held[rank] = float(event.get("seconds", 0))
+            state.exits.setdefault(rank, 1)
         elif kind == Event.EXIT:
             code = int(event.get("code", -1))
             state.exits[rank] = code
@@ -508,7 +539,7 @@ class Job:
         """
         try:
             if not state.clean:
-                server.broadcast(protocol.bare(Event.ABORT))
+                self._abort_unheld(server, state, {self.held.rank} if self.held is not None else set())
                 grace_end = time.monotonic() + ABORT_GRACE
                 while len(state.exits) < len(state.slots) and time.monotonic() < grace_end:
                     try:
@@ -522,11 +553,15 @@ class Job:
         finally:
             if self.mpi is not None:
                 self.mpi.stop(state.clean)
-            if not state.clean:
-                self.backend.cancel()
-            self.backend.join(timeout=30)
-            rendezvous.stop()
-            server.close()
+            if self.held is not None:  # its task and the channel outlive the cell: the HeldRank ends them
+                rendezvous.stop()
+                self.held.start(self.backend, server, self._task_of.get(self.held.rank))
+            else:
+                if not state.clean:
+                    self.backend.cancel()
+                self.backend.join(timeout=30)
+                rendezvous.stop()
+                server.close()
 
 
 def lost_contact(event: dict) -> str:

@@ -18,7 +18,7 @@ import threading
 
 from hvdmagic import protocol
 from hvdmagic.protocol import CRASH_HOLD_ENV, STACKS_ENV, STACKS_SIGNAL, Stage
-from hvdmagic.rank import framework_bars, telemetry
+from hvdmagic.rank import error_hold, framework_bars, telemetry
 from hvdmagic.rank.outcome import report_error, report_result
 
 _stacks_file = None
@@ -79,7 +79,11 @@ def main() -> int:
     payload = protocol.read_payload(stdin)
     if payload is None:
         return 137
-    threading.Thread(target=_exit_when_supervisor_dies, name="hvdmagic-parent-watch", daemon=True).start()
+    hold = 0.0 if boot.elastic else error_hold.seconds()  # --hold-on-error: a failure waits for %debug
+    if hold:
+        stdin = error_hold.relay_stdin()  # the kernel's DEBUG comes on stdin, which the parent watch reads
+    else:
+        threading.Thread(target=_exit_when_supervisor_dies, name="hvdmagic-parent-watch", daemon=True).start()
     if boot.elastic:
         from hvdmagic.rank import elastic
 
@@ -108,6 +112,8 @@ def main() -> int:
         report_error(exc)
         sys.stdout.flush()
         sys.stderr.flush()
+        if hold and not isinstance(exc, KeyboardInterrupt):
+            error_hold.hold(exc, boot.rank, hold, stdin)
         return 1
     sys.stdout.flush()
     sys.stderr.flush()
