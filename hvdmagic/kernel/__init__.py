@@ -9,6 +9,7 @@ Entry points, each handing a run to ``runner``:
 - ``serverless_gpu``: Databricks' serverless GPU ``@distributed`` as a drop-in, and its imports' stand-in.
 - ``rank_debugger``: ``%debug``, ``%pdb on``, ``%horovod debug`` and ``hvdmagic.debug``: pdb in the rank whose
   session cell failed.
+- ``breakpoint_console``: where a rank's ``breakpoint()`` asks: the notebook's input box, or a terminal.
 
 What a run goes through:
 

@@ -77,6 +77,7 @@ class RankRecord:
     # Since when (time.time()) its task's connection to the kernel has been broken, while it is; None while
     # in contact. Its rank trains on meanwhile, and what it sends waits in its task (task.kernel_link).
     out_of_contact_since: float | None = None
+    in_debugger: bool = False  # stopped at breakpoint(), in pdb (rank.debugger), from its prompt until it runs again
     # Every bar's advances added up (a restarted bar's from 0), and the rank's clock at the latest:
     # kernel.stragglers turns them into step rates.
     steps: float = 0.0
@@ -238,6 +239,9 @@ class RunRecord:
             if kind == Event.LOST:
                 record.state, record.lost, record.world_rank = "lost", str(event.get("reason", "")), None
                 return
+            if kind in (Event.DEBUG_PROMPT, Event.DEBUG_END):
+                record.in_debugger = kind == Event.DEBUG_PROMPT
+                return
             if kind == Event.CONTACT:
                 since = event.get("since")
                 record.out_of_contact_since = (since if isinstance(since, (int, float)) else time.time()) \
@@ -283,10 +287,10 @@ class RunRecord:
             elif kind == Event.REPORT:
                 self._apply_report(rank, record, event)
             elif kind == Event.ERROR:
-                record.state = "failed"
+                record.state, record.in_debugger = "failed", False
                 self._mark_failure(rank)
             elif kind == Event.EXIT:
-                record.exit_code = event.get("code")
+                record.exit_code, record.in_debugger = event.get("code"), False
                 if record.state != "failed":
                     record.state = "finished" if event.get("code") == 0 else (
                         "stopped" if event.get("aborted") else "failed")

@@ -11,7 +11,7 @@ from typing import Any
 
 from hvdmagic import protocol
 from hvdmagic.errors import JobFailed, JobInterrupted
-from hvdmagic.kernel import rank_debugger
+from hvdmagic.kernel import breakpoint_console, rank_debugger
 from hvdmagic.kernel.busy_status import kernel_stays_busy
 from hvdmagic.kernel.cell_frames import CellFrames
 from hvdmagic.kernel.record import RunRecord, set_last
@@ -96,11 +96,12 @@ def _run(payload, placement, record, view, *, timeout, stall_timeout, env, spark
                 raise
         if session is not None:
             values = session.run_cell(payload, on_event, timeout=timeout, stall_timeout=stall_timeout,
-                                      requests=record.requests, ranks=ranks)
+                                      requests=record.requests, ranks=ranks, console=breakpoint_console.console())
         else:
             values = launch(payload, placement, timeout=timeout, stall_timeout=stall_timeout, env=env,
                             on_event=on_event, spark=spark, data=data, results=results,
-                            requests=record.requests, reconnect_grace=reconnect_grace).results
+                            requests=record.requests, reconnect_grace=reconnect_grace,
+                            console=breakpoint_console.console()).results
     except JobInterrupted as exc:
         exc.stacks = record.cell_frames.each_named(exc.stacks)
         record.stacks = exc.stacks

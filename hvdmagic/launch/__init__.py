@@ -10,6 +10,8 @@ its ``Placement`` says; the modules:
 - ``elastic``: ``ElasticJob``, Horovod's elastic driver with Spark tasks as its hosts.
 - ``warm_ranks``: ``Session``, one job whose ranks stay up and run cells as they come.
 - ``pdb_relay``: ``PdbRelay``, the kernel's side of a rank's pdb (``Session.debug``).
+- ``breakpoint_prompts``: ``BreakpointPrompts``, the prompts of a running cell's ranks stopped at
+  ``breakpoint()``, one rank at a time, on the kernel's ``Console``.
 - ``held_rank``: ``HeldRank``, a fresh cell's failed rank kept for ``%debug`` (``--hold-on-error``).
 - ``backend``: what a job asks of a backend (``Backend``); ``make_backend`` picks one.
   ``spark`` (a Spark stage, on a classic or a Spark Connect session) and ``local``
@@ -39,6 +41,7 @@ from hvdmagic import protocol
 from hvdmagic.errors import JobInterrupted, LaunchError
 from hvdmagic.launch import held_rank
 from hvdmagic.launch.backend import Backend
+from hvdmagic.launch.breakpoint_prompts import Console
 from hvdmagic.launch.elastic import ElasticJob
 from hvdmagic.launch.interrupts import interrupted_before_job, interruptible
 from hvdmagic.launch.job import Job, JobResult, UnsentResult
@@ -51,7 +54,7 @@ def launch(payload: Shipment, placement: Placement, *, timeout: float | None = N
            stall_timeout: float | None = None, env: dict[str, str] | None = None,
            on_event: Callable[[dict], None] | None = None, spark=None, data=None,
            results: ResultPolicy = ResultPolicy.ALL, requests=None,
-           reconnect_grace: float | None = None) -> JobResult:
+           reconnect_grace: float | None = None, console: Console | None = None) -> JobResult:
     """Run a packed ``(fn, args, kwargs)`` (``shipment.pack``) as ``placement`` says (whose ``check_options``
     the caller ran on ``data`` and ``stall_timeout``, where it took them from the user).
 
@@ -60,11 +63,12 @@ def launch(payload: Shipment, placement: Placement, *, timeout: float | None = N
     ``results``: which ranks send their value back (``ResultPolicy``). ``requests``: a queue
     the views put requests in while the job runs (``Event.STACKS``). ``reconnect_grace``: seconds a task
     whose connection to the kernel broke may take to come back (default: the backend's, from
-    ``spark.hvdmagic.reconnectGrace``).
+    ``spark.hvdmagic.reconnectGrace``). ``console``: where a rank's ``breakpoint()`` asks the user
+    (``breakpoint_prompts``); None: each breakpoint is passed, with a note.
     """
     preflight(placement)
     options = dict(timeout=timeout, stall_timeout=stall_timeout, env=env, results=results, on_event=on_event,
-                   requests=requests, reconnect_grace=reconnect_grace)
+                   requests=requests, reconnect_grace=reconnect_grace, console=console)
     backend = make_backend(placement, on_event, spark=spark, data=data)
     if placement.elastic is None:
         return Job(backend, payload, placement, **options).run()

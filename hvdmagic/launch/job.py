@@ -22,6 +22,7 @@ from typing import Any
 from hvdmagic import blob_transfer, channel, protocol, rank_ranges
 from hvdmagic.errors import ALIVE_GUESS, JobFailed, JobInterrupted, JobTimeout, LaunchError, RankFailure
 from hvdmagic.launch import versions
+from hvdmagic.launch.breakpoint_prompts import BreakpointPrompts, Console
 from hvdmagic.launch.held_rank import HeldRank
 from hvdmagic.launch.interrupts import interruptible
 from hvdmagic.launch.layout import compute_layout, visible_devices
@@ -155,7 +156,7 @@ class Job:
                  stall_timeout: float | None = None, env: dict[str, str] | None = None,
                  results: ResultPolicy = ResultPolicy.ALL, session: bool = False,
                  on_event: Callable[[dict], None] | None = None, requests: queue.SimpleQueue | None = None,
-                 reconnect_grace: float | None = None):
+                 reconnect_grace: float | None = None, console: Console | None = None):
         self.backend = backend
         self.np = backend.np  # the tasks: an elastic run's max_np
         self.payload = payload
@@ -178,6 +179,9 @@ class Job:
         self.job_id = uuid.uuid4().hex[:12]
         # How long a task whose connection broke may take to come back (task.kernel_link), both sides.
         self.reconnect_grace = backend.reconnect_grace if reconnect_grace is None else reconnect_grace
+        # The ranks that stop at breakpoint(): their pdb's prompts asked on ``console`` (a session's cells
+        # are served by launch.warm_ranks, which reads their events).
+        self.breakpoints = BreakpointPrompts(self.send_to, console, self.on_event)
         self.held: HeldRank | None = None  # a failed rank left waiting for %debug, its task and channel with it
 
     def _template(self) -> dict:
@@ -263,6 +267,7 @@ class Job:
                     # to cross the limit (the one asleep, say, while the other waits for it) is named too.
                     verdict = self._watchdog(state, time.monotonic(), deadline) or verdict
                 if state.failures or verdict:
+                    self.breakpoints.stop()  # a rank in pdb would not see the abort's grace out
                     # Fail fast: stop the others now, then give them a moment to report.
                     aborted_all = not self._abort_others(server, state, None if verdict else
                                                          {f.rank for f in state.failures})
@@ -356,8 +361,9 @@ class Job:
             self._handle(event, state, rendezvous, link)
 
     def _watchdog(self, state: JobState, now: float, deadline: float | None) -> str | None:
-        """Why the job must stop now (timeout, stall), or None."""
-        if deadline is not None and now > deadline:
+        """Why the job must stop now (timeout, stall), or None. The time a rank spent in pdb at a
+        breakpoint() is not counted against ``--timeout``."""
+        if deadline is not None and now > deadline + (state.clock.in_debugger_for(now) if state.clock else 0.0):
             return f"the run exceeded --timeout {self.timeout:g} s{self._stuck(state, now)}"
         if self.stall_timeout and state.clock is not None:
             if stalled := state.clock.stalled(state.running(), now, self.stall_timeout):
@@ -480,6 +486,8 @@ class Job:
                 state.failures.append(RankFailure(rank, describe_exit(code), "", state.hosts.get(rank, "")))
         if kind != Event.HEARTBEAT:
             self.on_event(event)
+        if not self.session:
+            self.breakpoints.handle(event)  # after the views have the rank "in the debugger": it asks the user
 
     def send(self, event: dict) -> None:
         """``event`` to every task of the running job (a session's cells and interrupts)."""

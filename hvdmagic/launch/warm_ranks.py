@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from hvdmagic import protocol, rank_ranges
 from hvdmagic.errors import JobFailed, JobInterrupted, JobTimeout, LaunchError, RankFailure
 from hvdmagic.launch import make_backend, preflight
+from hvdmagic.launch.breakpoint_prompts import BreakpointPrompts, Console
 from hvdmagic.launch.interrupts import interruptible
 from hvdmagic.launch.job import STACKS_WAIT, Job, ShippingReports, result_value, serve_requests
 from hvdmagic.launch.pdb_relay import PdbRelay
@@ -174,10 +175,12 @@ class Session:
 
     # -- cells ------------------------------------------------------------------
     def run_cell(self, payload: Shipment, on_event: Callable[[dict], None], *, timeout: float | None = None,
-                 stall_timeout: float | None = None, requests=None, ranks: list[int] | None = None) -> list:
+                 stall_timeout: float | None = None, requests=None, ranks: list[int] | None = None,
+                 console: Console | None = None) -> list:
         """Run a packed ``(fn, args, kwargs)`` (a CellFunction runs in the ranks' namespaces);
         return every rank's value, raising as a one-shot job would. ``ranks``: run it on those ranks
-        only, and return their values in rank order; the others stay idle and keep their state."""
+        only, and return their values in rank order; the others stay idle and keep their state.
+        ``console``: where a rank's ``breakpoint()`` asks the user (``launch.breakpoint_prompts``)."""
         ranks = self.check_ranks(ranks)
         if not self.running:
             raise LaunchError(f"the session is not running ({self.ended or 'its ranks have exited'}): start one "
@@ -186,7 +189,8 @@ class Session:
             raise LaunchError("the session is running another cell; sessions run one cell at a time.")
         try:
             with interruptible():
-                return self._run_cell(payload, on_event, timeout, stall_timeout, requests, ranks)
+                return self._run_cell(payload, on_event, timeout, stall_timeout, requests, ranks,
+                                      BreakpointPrompts(self._job.send_to, console, on_event))
         finally:
             if self._job is not None and self._job.blobs is not None:
                 self._job.blobs.withdraw(payload.buffers)
@@ -257,7 +261,8 @@ class Session:
         """The number the next cell gets: its ranks compile it as ``rank.cell.session_filename`` of it."""
         return self._cells + 1
 
-    def _run_cell(self, payload, on_event, timeout, stall_timeout, requests, ranks) -> list:
+    def _run_cell(self, payload, on_event, timeout, stall_timeout, requests, ranks,
+                  breakpoints: BreakpointPrompts) -> list:
         self._cells += 1
         cell = self._cells
         self._busy = True
@@ -284,12 +289,14 @@ class Session:
                 now = time.monotonic()
                 if first_failure_at is not None and now - first_failure_at > FAILURE_GRACE:
                     # The others wait in a collective for the failed rank: interrupt them, or restart.
+                    breakpoints.stop()  # a rank in pdb reads its lines with SIGINT held: EOF ends its pdb
                     stuck = self._interrupt(pending, on_event)
                     if stuck:
                         broken = True
                     break
                 verdict = self._watchdog(started, now, clock, pending, timeout, stall_timeout)
                 if verdict:
+                    breakpoints.stop()
                     stacks = self._stacks(pending, on_event)
                     verdict = self._watchdog(started, time.monotonic(), clock, pending, timeout, stall_timeout) \
                         or verdict  # as a one-shot job does (launch.job): the ranks silent by now
@@ -303,12 +310,13 @@ class Session:
                 if event is None:
                     continue
                 kind, rank = event.get("type"), event.get("rank")
-                if event.get("cell", cell) != cell:
+                if event.get("cell", cell) != cell and kind != Event.DEBUG_PROMPT:  # a breakpoint's names no cell
                     continue  # a late answer to an earlier, interrupted cell
                 clock.saw(event, time.monotonic())
                 if kind == Event.IDLE:
                     pending.discard(rank)
                     self._note_idle(event)
+                    breakpoints.handle(event)
                     continue
                 if kind == Event.RESULT:
                     values[rank] = result_value(event)
@@ -319,7 +327,9 @@ class Session:
                     broken |= bool(event.get("broken"))
                     first_failure_at = first_failure_at or time.monotonic()
                 on_event(event)
+                breakpoints.handle(event)  # after the views have the rank "in the debugger": it asks the user
         except KeyboardInterrupt:
+            breakpoints.stop()
             stuck = self._interrupt(pending, on_event)
             if stuck:
                 try:
@@ -379,7 +389,7 @@ class Session:
 
     @staticmethod
     def _watchdog(started, now, clock: StallClock, pending, timeout, stall_timeout) -> str | None:
-        if timeout and now - started > timeout:
+        if timeout and now - started - clock.in_debugger_for(now) > timeout:  # pdb's time is the user's
             return f"the cell exceeded --timeout {timeout:g} s"
         if stall_timeout:
             if stalled := clock.stalled(pending, now, stall_timeout):

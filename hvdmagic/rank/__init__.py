@@ -4,7 +4,7 @@ forked from its host's template (``python -m hvdmagic.rank --template``).
 - ``__main__``: the rank's entry point: reads its Boot and payload, runs the cell once.
 - ``cell_loop``: a session's rank: runs each cell's payload as it comes, in one namespace.
 - ``debugger``: ``ChannelPdb``, pdb whose prompt is the notebook's input box, on a failed
-  cell's frame (``%debug``).
+  cell's frame (``%debug``), or on a running cell's at ``breakpoint()`` (``sys.breakpointhook``).
 - ``error_hold``: ``--hold-on-error``: a fresh cell's failed rank waits for ``%debug``, its frames kept.
 - ``cell``: ``CellFunction``, a notebook cell as a rank runs it, and the notebook sources
   that make its tracebacks name cells as IPython does.

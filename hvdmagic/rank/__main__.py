@@ -14,22 +14,13 @@ from __future__ import annotations
 import faulthandler
 import os
 import sys
-import threading
 
 from hvdmagic import protocol
 from hvdmagic.protocol import CRASH_HOLD_ENV, STACKS_ENV, STACKS_SIGNAL, Stage
-from hvdmagic.rank import error_hold, framework_bars, telemetry
+from hvdmagic.rank import debugger, error_hold, framework_bars, telemetry
 from hvdmagic.rank.outcome import report_error, report_result
 
 _stacks_file = None
-
-
-def _exit_when_supervisor_dies() -> None:
-    # Raw reads on fd 0: a daemon thread blocked in the buffered reader would
-    # abort the interpreter at shutdown while holding its lock.
-    while os.read(0, 4096):
-        pass
-    os._exit(137)
 
 
 def _shutdown_horovod() -> None:
@@ -80,10 +71,11 @@ def main() -> int:
     if payload is None:
         return 137
     hold = 0.0 if boot.elastic else error_hold.seconds()  # --hold-on-error: a failure waits for %debug
-    if hold:
-        stdin = error_hold.relay_stdin()  # the kernel's DEBUG comes on stdin, which the parent watch reads
-    else:
-        threading.Thread(target=_exit_when_supervisor_dies, name="hvdmagic-parent-watch", daemon=True).start()
+    # The kernel's lines come on stdin, which the parent watch reads: pdb's at a breakpoint(), and
+    # --hold-on-error's DEBUG. Nothing follows the payload until the rank has asked, so the buffered
+    # reader above cannot have read one ahead.
+    stdin = error_hold.relay_stdin()
+    debugger.install_breakpoint_hook(boot.rank, lambda: protocol.read_request(stdin))
     if boot.elastic:
         from hvdmagic.rank import elastic
 

@@ -11,7 +11,9 @@ those that run it ``subset_guard`` refuses the collectives the others would neve
 
 A cell that fails leaves its exception here, with its frames, until the next failure (as
 IPython keeps ``sys.last_traceback``): ``%debug`` sends DEBUG, between cells, and
-``rank.debugger`` runs pdb on it, its lines read from the same stdin.
+``rank.debugger`` runs pdb on it, its lines read from the same stdin. A ``breakpoint()`` in a
+cell reads its lines there too, while the cell runs: nothing else comes on stdin until the cell
+ends, since the kernel sends the next cell only then.
 """
 
 from __future__ import annotations
@@ -61,6 +63,7 @@ def serve(rank: int, policy: str, stdin) -> int:
     interrupts = Interrupts()
     namespace: dict = {}
     failed: tuple[BaseException, int | None] | None = None  # the last failed cell's exception, and the cell
+    debugger.install_breakpoint_hook(rank, lambda: protocol.read_request(stdin), interrupts)
     telemetry.emit(protocol.idle(None, _rss()))
     while (request := protocol.read_request(stdin)) is not None:
         if isinstance(request, dict):  # a control message between cells

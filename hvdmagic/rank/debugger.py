@@ -13,14 +13,20 @@ waiting for a line that will not come. Stop also sends SIGINT, which raises Keyb
 what pdb evaluates (``interrupts.allowed``), never while it reads a line: a frame cut in half
 would leave the next reader out of step.
 
-``ChannelPdb`` serves any frame: post-mortem here; a ``breakpoint()`` hook can run it as well.
+``ChannelPdb`` serves any frame: post-mortem on a failed cell's (``post_mortem``), or a running
+cell's at ``breakpoint()`` (``install_breakpoint_hook``: ``sys.breakpointhook`` in every rank). At a
+breakpoint each stop (the breakpoint, each ``n`` or ``s`` after it) ends with DEBUG_END, so that the
+kernel knows the rank runs again; its prompt names the rank, ``(Pdb rank 1)``, since several ranks
+may stop at once. ``q`` raises BdbQuit in the cell, as pdb's quit does in a script: the cell fails.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import pdb
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from hvdmagic import protocol
@@ -68,7 +74,7 @@ class _Lines:
             text = text[:-len(prompt)]
         telemetry.emit(protocol.debug_prompt(text, prompt, debugger.raised, debugger.cell))
         with debugger.interrupts.held():
-            request = protocol.read_request(debugger.rank_stdin)
+            request = debugger.read_control()
         if request is None:
             self.stdin_closed = True
         line = request.get("line") if isinstance(request, dict) and request.get("type") == Event.DEBUG_INPUT else None
@@ -78,18 +84,32 @@ class _Lines:
         return str(line).replace("\n", " ") + "\n"
 
 
-class ChannelPdb(pdb.Pdb):
-    """pdb whose prompt is the notebook's input box. ``stdin``: the rank's stdin, where the supervisor
-    writes the lines; ``interrupts``: when SIGINT may raise (``cell_loop.Interrupts``); ``raised`` and
-    ``cell``: what it debugs, for the kernel's header."""
+class _NoInterrupts:
+    """A one-shot rank's SIGINT: Python's own (Stop ends such a rank with the job's ABORT, not SIGINT)."""
 
-    def __init__(self, stdin, interrupts, raised: str = "", cell: int | None = None, at_the_users_call: bool = False):
-        self.rank_stdin, self.interrupts, self.raised, self.cell = stdin, interrupts, raised, cell
+    def allowed(self, allowed: bool = True):
+        return contextlib.nullcontext()
+
+    def held(self):
+        return contextlib.nullcontext()
+
+
+class ChannelPdb(pdb.Pdb):
+    """pdb whose prompt is the notebook's input box. ``read_control``: the next frame on the rank's
+    stdin, where the supervisor writes the lines (None at EOF); ``interrupts``: when SIGINT may raise
+    (``cell_loop.Interrupts``); ``raised`` and ``cell``: what it debugs, for the kernel's header;
+    ``prompt``: pdb's prompt, when not "(Pdb) "; ``skip``: pdb's modules not to step into."""
+
+    def __init__(self, read_control: Callable[[], object], interrupts, raised: str = "", cell: int | None = None,
+                 at_the_users_call: bool = False, prompt: str | None = None, skip: list[str] | None = None):
+        self.read_control, self.interrupts, self.raised, self.cell = read_control, interrupts, raised, cell
         self.at_the_users_call = at_the_users_call
         self.out = _Buffer()
         self.lines = _Lines(self)
         # nosigint: Stop is the kernel's (its SIGINT reaches what pdb evaluates, as a cell's code); no .pdbrc.
-        super().__init__(stdin=self.lines, stdout=self.out, nosigint=True, readrc=False)
+        super().__init__(stdin=self.lines, stdout=self.out, nosigint=True, readrc=False, skip=skip)
+        if prompt is not None:
+            self.prompt = prompt
 
     def setup(self, f, tb) -> None:
         super().setup(f, tb)
@@ -108,7 +128,8 @@ def post_mortem(failure: BaseException | None, cell: int | None, stdin, interrup
         telemetry.emit(protocol.debug_end("", kept=False))
         return True
     raised = f"{type(failure).__name__}: {failure}".splitlines()[0][:300]
-    debugger = ChannelPdb(stdin, interrupts, raised, cell, getattr(failure, "ends_at_the_users_call", False))
+    debugger = ChannelPdb(lambda: protocol.read_request(stdin), interrupts, raised, cell,
+                          getattr(failure, "ends_at_the_users_call", False))
     debugger.reset()
     # pdb catches what a command raises, and a KeyboardInterrupt while it reads; one between (Stop as it
     # prints where it is) ends it here, as q would.
@@ -121,6 +142,35 @@ def post_mortem(failure: BaseException | None, cell: int | None, stdin, interrup
     telemetry.emit(protocol.debug_end(debugger.out.take() + failed, kept=True))
     sys.stdout.flush()
     return not debugger.lines.stdin_closed
+
+
+class _BreakpointPdb(ChannelPdb):
+    """pdb at a ``breakpoint()`` in a running cell: each stop ends with DEBUG_END (the rank runs again)."""
+
+    def interaction(self, frame, tb) -> None:
+        try:
+            super().interaction(frame, tb)
+        finally:
+            telemetry.emit(protocol.debug_end(self.out.take(), kept=True))
+            telemetry.flush()
+
+
+def install_breakpoint_hook(rank: int, read_control: Callable[[], object], interrupts=None) -> None:
+    """Make ``breakpoint()`` in this rank's code open pdb on the frame that called it, its prompt in
+    the notebook (``read_control``: the next frame on the rank's stdin, None at EOF; ``interrupts``:
+    a session's ``cell_loop.Interrupts``, None in a one-shot rank). ``PYTHONBREAKPOINT=0`` turns it
+    off, as it turns Python's own hook off."""
+
+    def hook(*_args, **_kwargs) -> None:
+        if os.environ.get("PYTHONBREAKPOINT") == "0":
+            return
+        # hvdmagic's own frames (the cell loop under the cell) are not stepped into: n at the cell's end
+        # leaves pdb rather than showing how the rank reports the cell.
+        debugger = _BreakpointPdb(read_control, interrupts or _NoInterrupts(), raised="breakpoint()",
+                                  prompt=f"(Pdb rank {rank}) ", skip=["hvdmagic.*"])
+        debugger.set_trace(sys._getframe(1))
+
+    sys.breakpointhook = hook
 
 
 def _users_frames(tb):

@@ -7,6 +7,7 @@ Used by the one-shot rank (``rank.__main__``) and the session's cell loop
 from __future__ import annotations
 
 import base64
+import bdb
 import os
 import sys
 import sysconfig
@@ -82,6 +83,8 @@ _REBUILD = ("this host's horovod does not match its frameworks: rebuild it here 
 
 
 def error_event(exc: BaseException, **fields) -> protocol.Error:
+    if isinstance(exc, bdb.BdbQuit):  # q at a breakpoint()'s pdb: the user ended the cell, no traceback to read
+        return protocol.error("BdbQuit", "q in pdb at breakpoint() ended the cell", "", time.time(), **fields)
     message, trace = str(exc), _user_traceback(exc)
     if any(sign in message for sign in _BUILD_MISMATCH) and "horovod" in trace:
         message = f"{message} ({_REBUILD})"

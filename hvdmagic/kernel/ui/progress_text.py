@@ -58,7 +58,10 @@ def row_name(record: RunRecord, row: int) -> str:
 
 
 def row_state(rank: RankRecord) -> str:
-    """A row's state, with why an elastic task's rank was lost, or how long the kernel has not heard its task."""
+    """A row's state, with why an elastic task's rank was lost, or how long the kernel has not heard its task;
+    "in the debugger" while the rank is stopped at breakpoint()."""
+    if rank.in_debugger and rank.state == "running":
+        return "in the debugger"
     if rank.state == "lost" and rank.lost:
         return f"lost: {rank.lost}"
     if rank.out_of_contact_since is not None and rank.state not in UP:
