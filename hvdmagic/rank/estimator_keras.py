@@ -9,7 +9,9 @@ callbacks write on rank 0 only, into the store's logs of the run.
 The gradients are averaged with Horovod's TensorFlow collectives inside the optimizer's
 ``apply_gradients``, which Keras 3 and Keras 2 (``tf_keras``) both call from their training step:
 horovod.tensorflow.keras's own DistributedOptimizer does not average under Keras 3, and a notebook's
-model is Keras 3 on today's TensorFlow. The model comes in the Keras it was built in
+model is Keras 3 on today's TensorFlow. ``backward_passes_per_step`` becomes Keras 3's
+``gradient_accumulation_steps``: each batch's gradients are averaged over the ranks, and their mean over
+the passes is applied once every that many batches. The model comes in the Keras it was built in
 (``hvdmagic.keras_archive``).
 """
 
@@ -45,6 +47,8 @@ def fit(spec: FitSpec) -> FitResult | None:
     saved = hvd.broadcast_object(_newest_checkpoint(spec) if hvd.rank() == 0 else None, root_rank=0,
                                  name="hvdmagic.checkpoint")
     config = dict(spec.optimizer["config"])
+    if spec.backward_passes_per_step > 1:  # Keras 3's accumulation (the estimator refuses a Keras without it)
+        config["gradient_accumulation_steps"] = spec.backward_passes_per_step
     if saved is None:
         config["learning_rate"] = _scaled(config.get("learning_rate"), hvd.size())
     optimizer = _averaging(keras.optimizers.deserialize({**spec.optimizer, "config": config}), hvd, tf, spec)
@@ -185,7 +189,8 @@ def _keras_batch(arrays, spec: FitSpec, output_shapes):
         per_row = int(np.prod([d for d in shape[1:] if d])) if len(shape) > 1 else 1
         labels.append(values.reshape([len(values), *shape[1:]]) if values.size == len(values) * per_row
                       and None not in shape[1:] else values)
-    batch = (inputs[0] if len(inputs) == 1 else inputs, labels[0] if len(labels) == 1 else labels)
+    # Several as tuples: Keras 3's generator adapter takes no lists in a batch's structure.
+    batch = (inputs[0] if len(inputs) == 1 else tuple(inputs), labels[0] if len(labels) == 1 else tuple(labels))
     return (*batch, as_float32(arrays[spec.sample_weight_col])) if spec.sample_weight_col else batch
 
 

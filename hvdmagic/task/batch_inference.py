@@ -25,7 +25,7 @@ from typing import Any
 from hvdmagic.protocol import Blob
 from hvdmagic.task.transform_reports import ReportTo, TaskReport
 
-_loaded: dict[str, Any] = {}  # by model digest: (model, device), for this worker's life
+_loaded: dict[tuple[str, str], Any] = {}  # by model digest and device: (model, device), for this worker's life
 _KEEP = 3  # models a worker keeps (a CrossValidator's folds each bring one)
 _relays: dict[tuple, Any] = {}  # by (kernel's blob server, secret): this worker's BlobRelay toward the other hosts
 _relays_lock = threading.Lock()
@@ -105,18 +105,20 @@ def _shaped(values, shape):
 
 
 def _model(spec: PredictSpec):
-    digest = spec.model.digest
-    if digest not in _loaded:
+    # By device too: this task's (its GPU, or use_gpu=False's CPU) may not be the one a task before it in
+    # this worker loaded the same model on.
+    device = _device(spec)
+    key = (spec.model.digest, device)
+    if key not in _loaded:
         import cloudpickle
 
         while len(_loaded) >= _KEEP:
             _loaded.pop(next(iter(_loaded)))
         model = cloudpickle.loads(_model_bytes(spec.model))
-        device = _device(spec)
         if spec.framework in ("torch", "lightning"):
             model = model.to(device).eval()
-        _loaded[digest] = (model, device)
-    return _loaded[digest]
+        _loaded[key] = (model, device)
+    return _loaded[key]
 
 
 def _model_bytes(source: ModelSource) -> bytes:

@@ -24,11 +24,14 @@ def _columns(value) -> list[str]:
     return [value] if isinstance(value, str) else TypeConverters.toListString(value)
 
 
-# Petastorm's knobs in horovod.spark: accepted, and said once in the run's notes to change nothing.
+# Petastorm's knobs in horovod.spark: accepted, and said once in the run's notes to change nothing. Among them
+# the schema of Petastorm's TransformSpec (here transformation_fn's pandas batch needs none) and the sparse
+# vectors' compression in its Parquet files.
 PETASTORM_ONLY = ("partitions_per_process", "reader_pool_type", "train_reader_num_workers",
                   "val_reader_num_workers", "inmemory_cache_all", "shuffle_buffer_size", "loader_num_epochs",
                   "train_async_data_loader_queue_size", "val_async_data_loader_queue_size", "mp_start_method",
-                  "debug_data_loader", "reader_shuffle", "data_module")
+                  "debug_data_loader", "reader_shuffle", "data_module", "transformation_edit_fields",
+                  "transformation_removed_fields", "compress_sparse_cols")
 
 
 class EstimatorParams(Params):

@@ -138,9 +138,11 @@ class KerasEstimator(HorovodEstimator, _KerasPersistent):
         if self.getOrDefault("loss") is None and not self.getOrDefault("loss_constructors"):
             raise FitFailed("KerasEstimator needs a loss (loss='mse', keras.losses.CategoricalCrossentropy(), or one "
                             "per label column).")
-        if self.getOrDefault("backward_passes_per_step") != 1:
-            raise FitFailed("backward_passes_per_step is not supported by KerasEstimator here: give the optimizer "
-                            "gradient_accumulation_steps (Keras 3) instead.")
+        passes = self.getOrDefault("backward_passes_per_step")
+        if passes != 1 and "gradient_accumulation_steps" not in _serialized_optimizer(keras, optimizer)["config"]:
+            raise FitFailed(f"backward_passes_per_step={passes} becomes the optimizer's gradient_accumulation_steps, "
+                            f"which Keras 3's optimizers have and {keras.__name__}'s do not: build the model and "
+                            "optimizer with Keras 3 (import keras), or leave backward_passes_per_step out.")
 
     def _rank_environment(self) -> dict[str, str]:
         # tf.keras in the ranks is the model's Keras: hvdmagic's Keras 2 default for cells is not this fit's.
