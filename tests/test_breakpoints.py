@@ -160,7 +160,8 @@ def test_breakpoint_in_a_jupyter_kernel_asks_in_its_input_box_and_stop_ends_the_
     reply, texts = execute(client, "%horovod start --np -2", timeout=180)
     assert reply["status"] == "ok", texts
     # No collective after the breakpoint: rank 0 ends the cell, and only rank 1's pdb is left for Stop to end.
-    no_collective = "import horovod.torch as hvd\nhvd.init()\nx = hvd.rank() * 3\nif hvd.rank() == 1:\n    breakpoint()\nx"
+    no_collective = ("import horovod.torch as hvd\nhvd.init()\nx = hvd.rank() * 3\n"
+                     "if hvd.rank() == 1:\n    breakpoint()\nx")
     reply, out, _ = _converse(client, f"%%horovod\n{no_collective}", stop, timeout=120)
     assert reply["status"] == "error" and "the session keeps its ranks and their state" in out, out
     reply, texts = execute(client, "%%horovod\nx", timeout=60)
