@@ -16,8 +16,8 @@ import time
 import pytest
 from conftest import run
 from helpers import execute
+from pdb_conversation import converse, typed_lines
 from procs import rank_processes, wait_until_gone
-from test_session_debugging import _converse, _typing
 
 import hvdmagic
 from hvdmagic.errors import JobFailed
@@ -142,7 +142,7 @@ def test_breakpoint_in_a_jupyter_kernel_asks_in_its_input_box_and_stop_ends_the_
     manager, client = kernel
     reply, texts = execute(client, "%load_ext hvdmagic\nimport hvdmagic", timeout=60)
     assert reply["status"] == "ok", texts
-    reply, out, prompts = _converse(client, f"%%horovod --np -2\n{RANK_1_STOPS}", _typing("p x", "c"), timeout=120)
+    reply, out, prompts = converse(client, f"%%horovod --np -2\n{RANK_1_STOPS}", typed_lines("p x", "c"), timeout=120)
     assert reply["status"] == "ok" and prompts == ["(Pdb rank 1) "] * 2, (prompts, out)
     assert "hvdmagic: rank 1 stopped at breakpoint()" in out and "\n3\n" in out, out
 
@@ -152,7 +152,7 @@ def test_breakpoint_in_a_jupyter_kernel_asks_in_its_input_box_and_stop_ends_the_
         stopped_at["ranks"] = [p.pid for p in rank_processes(manager.provisioner.process.pid)]
         manager.interrupt_kernel()
 
-    reply, out, _ = _converse(client, f"%%horovod --np -2\n{RANK_1_STOPS}", stop, timeout=120)
+    reply, out, _ = converse(client, f"%%horovod --np -2\n{RANK_1_STOPS}", stop, timeout=120)
     assert reply["status"] == "error" and "interrupted while the ranks ran" in out, out
     assert len(stopped_at["ranks"]) == 2, stopped_at
     wait_until_gone(stopped_at["ranks"], within=15)
@@ -162,7 +162,7 @@ def test_breakpoint_in_a_jupyter_kernel_asks_in_its_input_box_and_stop_ends_the_
     # No collective after the breakpoint: rank 0 ends the cell, and only rank 1's pdb is left for Stop to end.
     no_collective = ("import horovod.torch as hvd\nhvd.init()\nx = hvd.rank() * 3\n"
                      "if hvd.rank() == 1:\n    breakpoint()\nx")
-    reply, out, _ = _converse(client, f"%%horovod\n{no_collective}", stop, timeout=120)
+    reply, out, _ = converse(client, f"%%horovod\n{no_collective}", stop, timeout=120)
     assert reply["status"] == "error" and "the session keeps its ranks and their state" in out, out
     reply, texts = execute(client, "%%horovod\nx", timeout=60)
     assert reply["status"] == "ok", texts

@@ -6,16 +6,15 @@ tests of this file (each test leaves it as it found it: up, its ranks the same p
 
 from __future__ import annotations
 
-import contextlib
-import queue
 import re
 import time
 
 import psutil
 import pytest
 from conftest import run
-from helpers import WaitTimeout, execute, shell_reply, wait_until
+from helpers import execute
 from IPython.core.error import UsageError
+from pdb_conversation import converse, typed_lines
 from procs import rank_processes, wait_until_gone
 
 import hvdmagic
@@ -150,50 +149,6 @@ def test_debug_opens_pdb_in_the_failed_rank_at_its_frame_and_the_session_keeps_i
     assert error is None and hvdmagic.last_run().results == [(0, 0, 2.0), (10, 3, 2.0)], error
 
 
-def _converse(client, code: str, on_prompt, timeout: float, on_output=None) -> tuple[dict, str, list[str]]:
-    """Run ``code`` in a Jupyter kernel with stdin allowed, as a notebook does; answer each input_request
-    with ``on_prompt(prompt)`` (None: no answer, the caller stopped the kernel instead). Return the
-    execute reply, the cell's output (streams and errors, in order) and the prompts asked."""
-    msg_id = client.execute(code, allow_stdin=True)
-    out: list[str] = []
-    prompts: list[str] = []
-    deadline = time.monotonic() + timeout
-    while True:
-        if time.monotonic() > deadline:
-            raise WaitTimeout(f"{code!r} did not end within {timeout:g} s; its output so far:\n{''.join(out)}")
-        with contextlib.suppress(queue.Empty):
-            request = client.get_stdin_msg(timeout=0.02)
-            if request["msg_type"] == "input_request":
-                prompts.append(request["content"]["prompt"])
-                if (line := on_prompt(prompts[-1])) is not None:
-                    client.input(line)
-        try:
-            msg = client.get_iopub_msg(timeout=0.02)
-        except queue.Empty:
-            continue
-        if msg["parent_header"].get("msg_id") != msg_id:
-            continue
-        if msg["msg_type"] == "stream":
-            out.append(msg["content"]["text"])
-            if on_output is not None:
-                on_output("".join(out))
-        elif msg["msg_type"] == "error":
-            out.append("\n".join(msg["content"]["traceback"]) + "\n")
-        elif msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
-            return shell_reply(client, msg_id), "".join(out), prompts
-
-
-def _typing(*lines: str):
-    """``on_prompt`` that types ``lines`` in order, and fails the test if pdb asks for more."""
-    queued = list(lines)
-
-    def answer(prompt: str) -> str:
-        assert queued, f"pdb asked once more ({prompt!r}) than the test had lines for"
-        return queued.pop(0)
-
-    return answer
-
-
 @pytest.mark.parametrize("np", [-2, 2], ids=["local", "spark"])
 def test_debug_in_a_jupyter_kernel_asks_in_its_input_box_and_stop_ends_it(kernel, np):
     """%debug and %pdb on as a notebook user meets them: pdb's prompt is the front end's input box (ipykernel's
@@ -204,7 +159,7 @@ def test_debug_in_a_jupyter_kernel_asks_in_its_input_box_and_stop_ends_it(kernel
     # A fresh cell's ranks end with it: %debug says how to keep a traceback, in one line, and opens no pdb.
     reply, _ = execute(client, "%%horovod --np -2\nraise ValueError('fresh')", timeout=120)
     assert reply["status"] == "error"
-    reply, out, prompts = _converse(client, "%debug", _typing(), timeout=30)
+    reply, out, prompts = converse(client, "%debug", typed_lines(), timeout=30)
     assert reply["status"] == "ok" and not prompts, out
     assert out == ("hvdmagic: the failed cell's ranks ended with it, and their frames with them: give the cell "
                    "--hold-on-error SECONDS to keep its failed rank that long for %debug, or run it on a session's "
@@ -222,18 +177,18 @@ def test_debug_in_a_jupyter_kernel_asks_in_its_input_box_and_stop_ends_it(kernel
 
     # %pdb on: the failing cell opens rank 1's pdb as it fails, below its error.
     execute(client, "%pdb on", timeout=30)
-    reply, out, prompts = _converse(client, FAILING, _typing("p a, b", "q"), timeout=60)
+    reply, out, prompts = converse(client, FAILING, typed_lines("p a, b", "q"), timeout=60)
     assert reply["status"] == "error" and prompts == ["(Pdb) ", "(Pdb) "], (prompts, out)
     assert out.index("ZeroDivisionError") < out.index("hvdmagic: pdb in rank 1, where ZeroDivisionError"), out
     assert "-> ratio = a / b\n" in out and "(3, 0)\n" in out, out
     execute(client, "%pdb off", timeout=30)
     # %debug: the same frame, each line typed in the input box.
-    reply, out, prompts = _converse(client, "%debug", _typing("p b", "u", "p table['xs']", "q"), timeout=60)
+    reply, out, prompts = converse(client, "%debug", typed_lines("p b", "u", "p table['xs']", "q"), timeout=60)
     assert reply["status"] == "ok" and len(prompts) == 4, (prompts, out)
     assert "\n0\n" in out and "-> divide(x, hvd.rank() - 1)\n" in out and "[1, 2]\n" in out, out
 
     # Stop at pdb's prompt: %debug says so in a line (as IPython's own %debug raises nothing).
-    reply, out, _ = _converse(client, "%debug", lambda prompt: manager.interrupt_kernel(), timeout=60)
+    reply, out, _ = converse(client, "%debug", lambda prompt: manager.interrupt_kernel(), timeout=60)
     assert reply["status"] == "ok", (reply, out)
     assert out.endswith("hvdmagic: interrupted: Stop ended the debugger on rank 1; the session keeps its ranks and "
                         "their state.\n"), out
@@ -245,8 +200,8 @@ def test_debug_in_a_jupyter_kernel_asks_in_its_input_box_and_stop_ends_it(kernel
             started["at"] = time.monotonic()
             manager.interrupt_kernel()
 
-    reply, out, _ = _converse(client, "%debug", _typing("import os, time; os.write(1, b'sleeping\\n'); time.sleep(60)"),
-                              timeout=60, on_output=stop_once_sleeping)
+    sleeping = typed_lines("import os, time; os.write(1, b'sleeping\\n'); time.sleep(60)")
+    reply, out, _ = converse(client, "%debug", sleeping, timeout=60, on_output=stop_once_sleeping)
     assert started and "Stop ended the debugger on rank 1" in out, out
     assert time.monotonic() - started["at"] < 10, "Stop took the length of the sleep to end pdb"
 
@@ -256,106 +211,9 @@ def test_debug_in_a_jupyter_kernel_asks_in_its_input_box_and_stop_ends_it(kernel
     reply, texts = execute(client, "print(hvdmagic.last_run().results)", timeout=30)
     assert texts[-1].strip() == f"[(0, {pids[0]}), (3, {pids[1]})]", texts
     # A rank that never failed holds nothing to debug.
-    reply, out, prompts = _converse(client, "%horovod debug --rank 0", _typing(), timeout=30)
+    reply, out, prompts = converse(client, "%horovod debug --rank 0", typed_lines(), timeout=30)
     assert out == ("hvdmagic: rank 0 holds no traceback: no cell of this session failed on it (ranks that failed: "
                    "1).\n") and not prompts, out
     reply, texts = execute(client, "%horovod stop", timeout=60)
     assert reply["status"] == "ok", texts
     wait_until_gone(pids, within=10)  # Stop left no rank, nor pdb, behind
-
-
-HELD = """%%horovod --np {np} --hold-on-error {seconds}
-import os, torch, horovod.torch as hvd
-hvd.init()
-x = hvd.rank() * 3
-print('pid', os.getpid())
-if hvd.rank() == 1:
-    1 / 0
-"""
-
-
-def _held_pid(error) -> int:
-    """The pid rank 1 printed before it failed, from the failed cell's record."""
-    assert isinstance(error, JobFailed) and error.failures[0].rank == 1, error
-    return int(re.search(r"pid (\d+)", hvdmagic.last_run().logs[1]).group(1))
-
-
-@pytest.mark.parametrize("np", [-2, 2], ids=["local", "spark"])
-def test_a_fresh_cells_failed_rank_is_held_for_debug_and_ends_with_pdb_or_the_next_run(ip, capsys, np):
-    """--hold-on-error: the cell fails at once, the other rank ends as today, rank 1 waits with its frames;
-    %debug's pdb runs there, and q ends it (on Spark its barrier task, so its slot is free). A hold left
-    alone is ended by the next run, which says so in a note."""
-    started = time.monotonic()
-    _, error = run(ip, HELD.format(np=np, seconds=120))
-    took = time.monotonic() - started
-    held = _held_pid(error)
-    assert took < 60, f"the failed cell took {took:.0f} s: it waited for its held rank"
-    assert [p.pid for p in rank_processes()] == [held], "rank 0 ended with the cell; rank 1 alone is held"
-    capsys.readouterr()
-    hvdmagic.debug(commands=["p x", "p hvd.allreduce(torch.ones(1))"])
-    out = capsys.readouterr().out
-    assert out.startswith("hvdmagic: pdb in rank 1, held after the cell failed (--hold-on-error), where "
-                          "ZeroDivisionError: division by zero was raised; q leaves it, and the rank ends.\n"), out
-    assert "-> 1 / 0\n(Pdb) p x\n3\n" in out and "(Pdb) q\n" in out, out
-    # The other rank has ended: a collective in pdb is refused, not left waiting for it.
-    assert "`hvd.allreduce` is a collective: every rank must call it, and pdb runs on rank 1 alone" in out, out
-    wait_until_gone([held], within=10, what="the held rank, after q,")
-    assert not rank_processes(), rank_processes()
-    hvdmagic.debug()
-    assert capsys.readouterr().out == ("hvdmagic: rank 1, held after the cell failed, has ended (its pdb ended), "
-                                       "and its frames with it: run the cell again, then %debug.\n")
-
-    _, error = run(ip, HELD.format(np=np, seconds=120))
-    held = _held_pid(error)
-    result, error = run(ip, f"%%horovod --np {np}\n2 + 2")
-    assert error is None and result == 4, error
-    assert ("hvdmagic: ended rank 1, held for %debug after the last cell failed (--hold-on-error), to free its slot "
-            "for this run.") in hvdmagic.last_run().notes, hvdmagic.last_run().notes
-    wait_until_gone([held], within=10, what="the held rank, after the next run,")
-    assert not rank_processes(), rank_processes()
-
-
-def test_a_hold_ends_after_its_seconds_and_the_kernels_variable_is_its_default(ip, capsys, monkeypatch):
-    monkeypatch.setenv("HVDMAGIC_HOLD_ON_ERROR", "2")
-    _, error = run(ip, HELD.format(np=-2, seconds=2).replace(" --hold-on-error 2", ""))
-    held = _held_pid(error)
-    assert [p.pid for p in rank_processes()] == [held]
-    wait_until_gone([held], within=15, what="a rank held for 2 s")
-    wait_until(lambda: not error.held.alive, 10, "the kernel did not see the held rank end")
-    capsys.readouterr()
-    hvdmagic.debug()
-    assert "has ended (its 2 s (--hold-on-error) passed)" in capsys.readouterr().out
-    monkeypatch.setenv("HVDMAGIC_HOLD_ON_ERROR", "soon")
-    _, error = run(ip, "%%horovod --np -2\n1")
-    assert isinstance(error, UsageError) and "HVDMAGIC_HOLD_ON_ERROR (the default of --hold-on-error) must be a " \
-        "number of seconds, such as 300, not 'soon'" in str(error), error
-    _, error = run(ip, "%%horovod --np -2 --hold-on-error -1\n1")
-    assert isinstance(error, UsageError) and "--hold-on-error must be 0" in str(error), error
-
-
-@pytest.mark.parametrize("np", [-2, 2], ids=["local", "spark"])
-def test_pdb_on_enters_a_held_rank_as_the_fresh_cell_fails_and_stop_ends_it(kernel, np):
-    """%pdb on in a Jupyter kernel: the fresh cell's held rank's pdb asks in the input box as the cell fails;
-    Stop at its prompt ends pdb, the rank and its task, and the kernel goes on."""
-    manager, client = kernel
-    reply, texts = execute(client, "%load_ext hvdmagic\n%pdb on", timeout=60)
-    assert reply["status"] == "ok", texts
-    prompts_seen = []
-
-    def answer(prompt: str):
-        prompts_seen.append(prompt)
-        if len(prompts_seen) == 1:
-            return "p x"
-        manager.interrupt_kernel()  # Stop at the second prompt
-        return None
-
-    reply, out, prompts = _converse(client, HELD.format(np=np, seconds=120), answer, timeout=180)
-    assert reply["status"] == "error" and prompts == ["(Pdb) ", "(Pdb) "], (prompts, out)
-    assert out.index("ZeroDivisionError") < out.index("hvdmagic: pdb in rank 1, held after the cell failed"), out
-    assert "-> 1 / 0\n" in out and "\n3\n" in out, out
-    assert "hvdmagic: interrupted: Stop ended the debugger on rank 1, and the rank held for it.\n" in out, out
-    reply, texts = execute(client, "%pdb off\nimport hvdmagic\nprint(hvdmagic.last_run().logs[1].split()[1])",
-                           timeout=30)
-    wait_until_gone([int(texts[-1].split()[-1])], within=10, what="the held rank, after Stop,")
-    reply, texts = execute(client, f"%%horovod --np {np}\n2 + 2", timeout=120)
-    assert reply["status"] == "ok", texts
