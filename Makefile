@@ -12,10 +12,10 @@ setup:
 demo: setup
 	$(PY) scripts/run_notebook.py notebooks/quickstart.ipynb
 
-# TEST_WORKERS=2: two pytest-xdist workers, each taking whole files (a notebook's cells stay in order on one
-# kernel): 34 min against 40 on this 2-core machine (2026-12-06), but three tests still fail under the load
-# two workers make (docs/development.md, "CI's budget"), so CI runs one process.
-TEST_WORKERS ?= 0
+# Two pytest-xdist workers, each taking whole files (a notebook's cells stay in order on one kernel): the
+# suite waits more than it computes, so two fit this 2-core machine (docs/development.md, "CI's budget").
+# TEST_WORKERS=0 runs one process.
+TEST_WORKERS ?= 2
 # DURATIONS=0: every test's setup, call and teardown time (docs/development.md's table of where the time goes).
 DURATIONS ?= 20
 test: setup
