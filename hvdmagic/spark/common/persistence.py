@@ -53,7 +53,7 @@ class StageIOError(HvdmagicError, OSError):
 class _HadoopFiles:
     """The classic session's Hadoop file system of one URL, through py4j: what Spark ML's writers use."""
 
-    def __init__(self, url: str, scheme: str):
+    def __init__(self, url: str):
         from hvdmagic.launch import spark_connect
         from hvdmagic.launch.spark_session import users_session
 
@@ -126,7 +126,7 @@ def _remote_files(url: str, scheme: str):
     """The session's Hadoop file system for ``url``, as Spark ML's own stages use; else fsspec's driver for its
     scheme; else one paragraph saying why neither."""
     try:
-        return _HadoopFiles(url, scheme)
+        return _HadoopFiles(url)
     except _NoHadoopFileSystem as no_hadoop:
         try:
             return _FsspecFiles(url)
