@@ -9,23 +9,12 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def listening(port: int) -> bool:
-    with socket.socket() as sock:
-        return sock.connect_ex(("127.0.0.1", port)) == 0
-
+from ports import listening, reserve_port
 
 SERVER_CLASS = "org.apache.spark.sql.connect.service.SparkConnectServer"
 
@@ -51,7 +40,7 @@ class ConnectServer:
         from hvdmagic.launch import jvm_archive
 
         self.spark_home = Path(pyspark.__file__).parent
-        self.port = free_port()
+        self.port = reserve_port()
         self.url = f"sc://127.0.0.1:{self.port}"
         self.log = workdir / "connect-server.log"
         self.started = time.monotonic()

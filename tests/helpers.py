@@ -18,7 +18,6 @@ import os
 import queue
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -28,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from ports import reserve_port
 
 from hvdmagic.task import blob_cache
 
@@ -196,12 +196,6 @@ def stop_active_session() -> None:
     spark._embedded = None
 
 
-def _free_port(host: str) -> int:
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
-
-
 class StandaloneCluster:
     """A real Spark standalone cluster, started from the installed pyspark: one master and
     ``workers`` workers of ``cores`` cores, on 127.0.0.1 by default.
@@ -228,8 +222,8 @@ class StandaloneCluster:
         self.worker_hosts = worker_hosts or [(host, None)] * workers
         self.workers = len(self.worker_hosts)
         self.worker_env = worker_env or [{}] * self.workers
-        self.port = _free_port(host)
-        self.ui_port = _free_port(host)
+        self.port = reserve_port(host)
+        self.ui_port = reserve_port(host)
         self.url = f"spark://{host}:{self.port}"
         self.procs: list[subprocess.Popen] = []
 

@@ -13,8 +13,8 @@ import sys
 import uuid
 
 import pytest
-from connect_server import free_port, listening
 from helpers import wait_until
+from ports import listening, reserve_port
 
 CREDENTIALS = {"AWS_ACCESS_KEY_ID": "hvdmagic-test", "AWS_SECRET_ACCESS_KEY": "hvdmagic-test-secret",
                "AWS_DEFAULT_REGION": "us-east-1"}
@@ -23,7 +23,7 @@ CREDENTIALS = {"AWS_ACCESS_KEY_ID": "hvdmagic-test", "AWS_SECRET_ACCESS_KEY": "h
 @pytest.fixture(scope="module")
 def s3_endpoint(tmp_path_factory):
     """moto's S3 server for the module's tests: its URL."""
-    port = free_port()
+    port = reserve_port()
     log = tmp_path_factory.mktemp("moto") / "server.log"
     with log.open("w") as out:
         server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],

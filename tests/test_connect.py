@@ -35,6 +35,7 @@ from helpers import (
     wait_for_reply,
     wait_until,
 )
+from ports import reserve_port
 from procs import alive, rank_processes, registered_rank, wait_until_gone, wait_until_no_mpi_processes
 from test_elastic import SPARE_WORKER, _check_training, _kill_the_worker_of
 
@@ -570,7 +571,7 @@ def test_an_unreachable_kernel_is_one_paragraph_from_the_task():
     from hvdmagic.protocol import Payload, TaskSpec
     from hvdmagic.task import barrier
 
-    port = connect_server.free_port()  # closed: nothing listens there
+    port = reserve_port()  # nothing listens there
     spec = TaskSpec(job_id="x", driver_host="127.0.0.1", channel_port=port, rendezvous_port=0, secret=b"s" * 32,
                     payload=Payload(b""))
     with pytest.raises(barrier.Unreachable) as caught:

@@ -10,7 +10,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import urllib.error
@@ -19,6 +18,7 @@ from pathlib import Path
 
 import psutil
 from helpers import wait_until
+from ports import reserve_port
 
 CHROMIUM = os.environ.get("HVDMAGIC_CHROMIUM", "/usr/bin/chromium")
 # The Python that serves JupyterLab; the kernel is always this one (sys.executable). A runtime profile
@@ -28,12 +28,6 @@ LAB_PYTHON = os.environ.get("HVDMAGIC_LAB_PYTHON") or sys.executable
 # Background traffic must stay off: the test machines have no internet.
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking",
                  "--disable-component-update", "--disable-sync", "--no-first-run", "--disable-quic"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _prepare_home(home: Path) -> dict[str, str]:
@@ -75,7 +69,7 @@ class JupyterLab:
 
     def __init__(self, root: Path, home: Path, log: Path):
         self.root, self.home, self.log = root, home, log
-        self.port = _free_port()
+        self.port = reserve_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc: subprocess.Popen | None = None
 
