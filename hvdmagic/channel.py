@@ -71,11 +71,26 @@ class PeerClosed(ChannelError):
     """The other side closed the connection (a FIN): its process ended, or it chose to. Not the network."""
 
 
+_TCP_CLOSE = 7  # Linux's tcp_states.h: what a reset or an abort leaves; a FIN received leaves CLOSE_WAIT
+
+
+def _was_reset(sock: socket.socket) -> bool:
+    """Whether a read's end of stream was a reset, not the peer's FIN. A reset's error goes to whichever
+    call meets it first: when this link's writer thread did, its reader then reads an empty stream, as
+    after a FIN. The connection's TCP state tells them apart (Linux; elsewhere an end of stream is a FIN)."""
+    try:
+        return sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 1)[0] == _TCP_CLOSE
+    except (AttributeError, OSError):  # not Linux, or not TCP
+        return False
+
+
 def _recv_exact(sock: socket.socket, size: int, heard: list[float] | None = None) -> bytes:
     chunks = bytearray()
     while len(chunks) < size:
         chunk = sock.recv(min(size - len(chunks), 1 << 20))
         if not chunk:
+            if _was_reset(sock):
+                raise ConnectionResetError("connection reset")
             raise PeerClosed("connection closed")
         chunks += chunk
         if heard is not None:  # a frame of 500 MB on a slow link is not silence

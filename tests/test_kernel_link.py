@@ -81,6 +81,37 @@ def test_a_reset_mid_stream_loses_nothing_and_repeats_nothing_in_either_directio
     assert link.finish(timeout=10), "the kernel acknowledged everything"
 
 
+def _connected_pair() -> tuple[socket.socket, socket.socket]:
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        near = socket.create_connection(listener.getsockname())
+        far, _ = listener.accept()
+    return near, far
+
+
+def test_a_reset_that_the_writer_met_first_is_still_a_reset_to_the_reader():
+    """A reset's error goes to whichever call meets it first; when the link's writer thread does, its reader
+    then reads an empty stream, as after a FIN. It must still reconnect, not end the task (under load, the
+    reset above once ended a task with "the kernel closed the connection")."""
+    near, far = _connected_pair()
+    with near:
+        far.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\0\0\0\0\0\0\0")  # on, 0 s: close sends RST
+        far.close()
+        end = time.monotonic() + 5
+        with pytest.raises(ConnectionResetError):  # the writer meets the reset
+            while time.monotonic() < end:
+                near.send(b"x")
+        with pytest.raises(OSError) as read:
+            channel._recv_exact(near, 4)
+        assert not isinstance(read.value, channel.PeerClosed), read.value
+    near, far = _connected_pair()
+    with near:
+        far.close()  # a FIN: final
+        with pytest.raises(channel.PeerClosed):
+            channel._recv_exact(near, 4)
+
+
 def test_the_kernel_sees_the_outage_and_the_return(pair):
     server, _, _ = pair
     peer = _peer(server)
