@@ -87,9 +87,12 @@ def test_q_at_a_breakpoint_fails_the_fresh_cell_in_one_line(ip, np, monkeypatch)
     typist = _Typist("q")
     _typed_by(monkeypatch, typist)
     _, error = run(ip, f"%%horovod --np {np} {LIMITS}\n{RANK_1_STOPS}")
-    assert isinstance(error, JobFailed) and [f.rank for f in error.failures] == [1], error
+    assert isinstance(error, JobFailed) and error.failures[0].rank == 1, error
     failure = error.failures[0]
     assert failure.summary == "BdbQuit: q in pdb at breakpoint() ended the cell" and not failure.traceback, failure
+    # Rank 0 waits in the allreduce: it is stopped, or, on a loaded machine, Horovod's shutdown at rank 1's
+    # exit reaches it first, which is fallout and never the cause.
+    assert all(other.is_fallout for other in error.failures[1:]), error.failures
     assert "rank 1" in str(error) and "Traceback" not in str(error), error
 
 
