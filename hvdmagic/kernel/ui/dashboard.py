@@ -246,7 +246,7 @@ class _RankRow:
                 self.bar.bar_style = "danger"
             self.bar.style.bar_color = "#bbb" if grey else None  # a lost task's bar stops, greyed out
         colour = _STATE_COLOURS.get(record.state, "#888")
-        shown = "in the debugger" if record.in_debugger and record.state == "running" else record.state  # breakpoint()
+        shown = progress_text.state_or_debugger(record)
         self.state.layout.width = "115px" if shown != record.state else "70px"  # whole, for as long as pdb waits
         self.state.value = f'<div style="{_ONE_LINE};color:{colour}">{shown}</div>'
         marker, usage = progress_text.straggler_text(record), progress_text.usage_text(record)

@@ -57,16 +57,20 @@ def row_name(record: RunRecord, row: int) -> str:
     return f"task {row}" if record.elastic else f"rank {row}"
 
 
+def state_or_debugger(rank: RankRecord) -> str:
+    """The rank's state, or "in the debugger" while it is stopped at breakpoint()."""
+    return "in the debugger" if rank.in_debugger and rank.state == "running" else rank.state
+
+
 def row_state(rank: RankRecord) -> str:
     """A row's state, with why an elastic task's rank was lost, or how long the kernel has not heard its task;
     "in the debugger" while the rank is stopped at breakpoint()."""
-    if rank.in_debugger and rank.state == "running":
-        return "in the debugger"
+    shown = state_or_debugger(rank)
     if rank.state == "lost" and rank.lost:
         return f"lost: {rank.lost}"
-    if rank.out_of_contact_since is not None and rank.state not in UP:
+    if shown == rank.state and rank.out_of_contact_since is not None and rank.state not in UP:  # pdb's wait first
         return f"no contact for {max(0, time.time() - rank.out_of_contact_since):.0f} s"
-    return rank.state
+    return shown
 
 
 def where_it_ended(rank: RankRecord) -> str | None:
