@@ -18,6 +18,7 @@ from pdb_conversation import converse, typed_lines
 from procs import rank_processes, wait_until_gone
 
 import hvdmagic
+from hvdmagic import protocol
 from hvdmagic.errors import JobFailed
 from hvdmagic.kernel import warm_sessions
 from hvdmagic.protocol import Framework
@@ -217,3 +218,42 @@ def test_debug_in_a_jupyter_kernel_asks_in_its_input_box_and_stop_ends_it(kernel
     reply, texts = execute(client, "%horovod stop", timeout=60)
     assert reply["status"] == "ok", texts
     wait_until_gone(pids, within=10)  # Stop left no rank, nor pdb, behind
+
+
+def test_stop_as_pdbs_read_returns_still_ends_pdb():
+    """Stop sends the rank EOF, then SIGINT. Under load the signal can be handled just as the read of EOF
+    returns, after SIGINT is allowed again. pdb then catches the KeyboardInterrupt and asks again. The
+    EOF must already be recorded by then, or pdb waits for a line that never comes (CI saw this: 'did not
+    end within 15 s of Stop')."""
+    import contextlib
+    import io
+    import os
+    import signal
+
+    from hvdmagic.rank import debugger
+    from hvdmagic.rank.cell_loop import Interrupts
+
+    class SignalAsTheReadReturns(Interrupts):
+        signalled = False
+
+        @contextlib.contextmanager
+        def held(self):
+            with super().held():
+                yield
+            if not self.signalled:  # Stop's one SIGINT, handled at the next bytecode, with SIGINT allowed
+                self.signalled = True
+                os.kill(os.getpid(), signal.SIGINT)
+
+    stdin = io.BytesIO()
+    protocol.write_control(stdin, protocol.debug_input(1, None))  # Stop's line of None, as the supervisor writes it
+    stdin.seek(0)  # then the end of the stream: a second read finds the rank's stdin closed
+    before = signal.getsignal(signal.SIGINT)
+    try:
+        try:
+            (lambda a, b: a / b)(3, 0)
+        except ZeroDivisionError as exc:
+            failure = exc
+        read_eof_only = debugger.post_mortem(failure, 1, stdin, SignalAsTheReadReturns())
+    finally:
+        signal.signal(signal.SIGINT, before)
+    assert read_eof_only, "pdb read again after Stop's EOF: at a rank, that read waits for a line that never comes"

@@ -35,9 +35,6 @@ from hvdmagic.launch.stall_clock import StallClock
 from hvdmagic.protocol import Event, Payload, ResultPolicy
 
 INTERRUPT_GRACE = 5.0  # seconds the ranks get to leave a cell after Stop, before they are restarted
-# seconds a rank's pdb gets to end after Stop: a message's round trip through the task and the rank's stdin,
-# which a loaded machine stretches past INTERRUPT_GRACE (once seen at 5 s); only a rank stuck in C uses it up
-DEBUGGER_STOP_GRACE = 15.0
 FAILURE_GRACE = 5.0  # seconds the other ranks get to finish a cell after one rank's error
 POLL = 0.05
 _JOB_ENDED: dict = {}  # put in the inbox, after the last event, when the job has ended
@@ -206,7 +203,7 @@ class Session:
         ``rank.cell_loop``), its I/O relayed by a ``PdbRelay`` (``ask``, ``show``, ``on_start``) until the
         user quits. The session is busy meanwhile, as during a cell. False when the rank holds no
         traceback. Stop ends pdb and raises JobInterrupted; the ranks and their state stay, unless the
-        rank does not end its pdb within ``DEBUGGER_STOP_GRACE`` (then they are restarted, and it says so).
+        rank does not end its pdb within ``INTERRUPT_GRACE`` (then they are restarted, and it says so).
         """
         self.check_ranks([rank])
         if not self.running:
@@ -225,9 +222,8 @@ class Session:
                     relay.stop()
                     if not self._await_end(relay):
                         self._restart_after(lambda event: None)
-                        raise JobInterrupted(
-                            f"interrupted: rank {rank}'s debugger did not end within {DEBUGGER_STOP_GRACE:g} s of "
-                            f"Stop (stuck in C?), so {LOST_STATE}.") from None
+                        raise JobInterrupted(f"interrupted: rank {rank}'s debugger did not end within "
+                                             f"{INTERRUPT_GRACE:g} s of Stop (stuck in C?), so {LOST_STATE}.") from None
                     raise JobInterrupted(f"interrupted: Stop ended the debugger on rank {rank}; the session keeps its "
                                          "ranks and their state.") from None
             return relay.kept
@@ -237,8 +233,8 @@ class Session:
             self._lock.release()
 
     def _await_end(self, relay: PdbRelay) -> bool:
-        """Whether the rank's pdb ends within ``DEBUGGER_STOP_GRACE`` of ``relay.stop()``; a second Stop gives up."""
-        deadline = time.monotonic() + DEBUGGER_STOP_GRACE
+        """Whether the rank's pdb ends within ``INTERRUPT_GRACE`` of ``relay.stop()``; a second Stop gives up."""
+        deadline = time.monotonic() + INTERRUPT_GRACE
         try:
             while not relay.ended and time.monotonic() < deadline:
                 event = self._next_event(None, "cell")

@@ -73,15 +73,16 @@ class _Lines:
         if text.endswith(prompt):  # pdb writes its prompt, then reads: the kernel shows it in its input box
             text = text[:-len(prompt)]
         telemetry.emit(protocol.debug_prompt(text, prompt, debugger.raised, debugger.cell))
+        # EOF is recorded before SIGINT may raise again: Stop's SIGINT, handled as this read returns, makes
+        # pdb catch a KeyboardInterrupt and read once more, and that read must not wait for a line.
         with debugger.interrupts.held():
             request = debugger.read_control()
-        if request is None:
-            self.stdin_closed = True
-        line = request.get("line") if isinstance(request, dict) and request.get("type") == Event.DEBUG_INPUT else None
-        if line is None:
-            self.ended = True
-            return ""
-        return str(line).replace("\n", " ") + "\n"
+            if request is None:
+                self.stdin_closed = True
+            line = request.get("line") if isinstance(request, dict) and request.get("type") == Event.DEBUG_INPUT \
+                else None
+            self.ended = line is None
+        return "" if line is None else str(line).replace("\n", " ") + "\n"
 
 
 class _NoInterrupts:
