@@ -94,7 +94,6 @@ train(15, kill=(1, 7), marker=marker)
 
 
 def test_reset_limit_fails_the_cell_naming_the_loss(ip, tmp_path):
-
     ip.user_ns.update(train=train, marker=str(tmp_path / "killed"), outcome="untouched")
     threads = threading.active_count()
     _, error = run(ip, """%%horovod --np 2 --min-np 1 --reset-limit 0 --out outcome
@@ -353,7 +352,6 @@ def test_a_lost_worker_does_not_lose_the_run(three_workers, tmp_path):
     executor). The other rank resumes alone from the commit; then a third worker starts
     (``_kill_the_worker_of``), Spark runs task 1 again there, its rank joins at a commit, and the
     run ends on two ranks."""
-
     cluster, _ = three_workers
     ready, killed = str(tmp_path / "ready"), []
     killer = threading.Thread(target=_kill_the_worker_of, args=(cluster, "t1.", ready, killed), daemon=True)
@@ -398,7 +396,6 @@ print(service._server.socket.getsockname()[0], service.addresses())
 def test_stop_mid_training_stops_every_rank_and_the_next_elastic_cell_runs(ip, tmp_path):
     """Stop (SIGINT to the kernel's process) once both ranks train: one line, no rank left,
     no Spark job left; then another elastic cell runs on the same Spark."""
-
     from pyspark import SparkContext
 
     ready = tmp_path / "ready"

@@ -6,7 +6,11 @@ tests of this file (each test leaves it as it found it: up, its ranks the same p
 
 from __future__ import annotations
 
+import contextlib
+import io
+import os
 import re
+import signal
 import time
 
 import psutil
@@ -22,6 +26,8 @@ from hvdmagic import protocol
 from hvdmagic.errors import JobFailed
 from hvdmagic.kernel import warm_sessions
 from hvdmagic.protocol import Framework
+from hvdmagic.rank import debugger
+from hvdmagic.rank.cell_loop import Interrupts
 
 SETUP = """%%horovod
 import os, torch, horovod.torch as hvd
@@ -225,14 +231,6 @@ def test_stop_as_pdbs_read_returns_still_ends_pdb():
     returns, after SIGINT is allowed again. pdb then catches the KeyboardInterrupt and asks again. The
     EOF must already be recorded by then, or pdb waits for a line that never comes (CI saw this: 'did not
     end within 15 s of Stop')."""
-    import contextlib
-    import io
-    import os
-    import signal
-
-    from hvdmagic.rank import debugger
-    from hvdmagic.rank.cell_loop import Interrupts
-
     class SignalAsTheReadReturns(Interrupts):
         signalled = False
 
