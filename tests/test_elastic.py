@@ -15,6 +15,7 @@ import signal
 import socket
 import sys
 import threading
+import traceback
 import urllib.error
 import urllib.request
 
@@ -93,15 +94,28 @@ train(15, kill=(1, 7), marker=marker)
     assert repr(run_record).startswith("<RunRecord finished elastic 1 of 2 tasks (spark)")
 
 
+def _new_threads_in_horovod(before: set[threading.Thread]) -> list[str]:
+    """Threads not in ``before`` whose stacks run Horovod's code now, each as its name and innermost
+    Horovod frame. Counting every thread would count the embedded Spark's, which a first cell starts."""
+    stacks = sys._current_frames()
+    found = []
+    for thread in threading.enumerate():
+        frames = [frame for frame in traceback.extract_stack(stacks[thread.ident]) if "/horovod/" in frame.filename
+                  ] if thread.ident in stacks and thread not in before else []
+        if frames:
+            found.append(f"{thread.name} at {frames[-1].filename}:{frames[-1].lineno}")
+    return found
+
+
 def test_reset_limit_fails_the_cell_naming_the_loss(ip, tmp_path):
     ip.user_ns.update(train=train, marker=str(tmp_path / "killed"), outcome="untouched")
-    threads = threading.active_count()
+    before = set(threading.enumerate())
     _, error = run(ip, """%%horovod --np 2 --min-np 1 --reset-limit 0 --out outcome
 train(40, kill=(1, 3), marker=marker)
 """)
     # Horovod's driver stops the run from inside its registry's barrier, where a rank's
     # rendezvous request may wait: nothing may stay blocked there (it once deadlocked).
-    wait_until(lambda: threading.active_count() <= threads, 10, lambda: str([t.name for t in threading.enumerate()]))
+    wait_until(lambda: not _new_threads_in_horovod(before), 10, lambda: str(_new_threads_in_horovod(before)))
     assert isinstance(error, JobFailed), error
     text = str(error)
     assert "number of resets during elastic job exceeded limit: 0" in text and "--reset-limit 0" in text, text

@@ -12,11 +12,16 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 
-# 3000 updates of an 8 KB display: more than zmq's two 1000-message pipes and TCP's buffers hold.
-FLOOD = ("from IPython.display import HTML, display\n"
+# A flood no receiver can hold while nbval waits for the reply: zmq's two pipes hold 1000 messages each,
+# and TCP's buffers at most 36 MB (this machine's tcp_rmem and tcp_wmem maxima), about 1150 of these
+# 32 KB updates; 4000 are sent. The flush waits until the kernel's IOPub thread has handed every update
+# to its socket, so they meet the full pipes before the reply lets nbval read, however slow either side is.
+FLOOD = ("import sys\n"
+         "from IPython.display import HTML, display\n"
          "handle = display(HTML(''), display_id=True)\n"
-         "for i in range(3000):\n"
-         "    handle.update(HTML(str(i) + ' ' * 8000))\n"
+         "for i in range(4000):\n"
+         "    handle.update(HTML(str(i) + ' ' * 32000))\n"
+         "sys.stdout.flush()\n"
          "print('flooded')")
 
 

@@ -79,10 +79,26 @@ def _expand(ranks: str) -> list[int]:
     return out
 
 
-def _rows(index: int) -> str:
-    """The live dashboard's rows in cell ``index``, as their labels read."""
-    return cell_js(index, f"Array.from(cell?.querySelectorAll({json.dumps(GROUP_ROWS)}) || [], "
-                          "row => row.innerText.split('\\n')[0])")
+def _rows_naming_every_rank_once(index: int, ranks: int) -> str:
+    """The live dashboard's row labels in cell ``index`` once they name each of ``ranks`` ranks exactly once.
+
+    A refresh redraws the rows' widgets one comm message at a time, so while the slowest rank changes
+    the page can read the group row's new label beside the slowest row's old one for as long as the
+    messages between them take. What a user sees is the rows between refreshes; a product that named a
+    rank twice there never matches, and the wait fails."""
+    return cell_js(index, f"""(() => {{
+        const labels = Array.from(cell?.querySelectorAll({json.dumps(GROUP_ROWS)}) || [],
+                                  row => row.innerText.split('\\n')[0]);
+        const named = labels.flatMap(label => {{
+            const match = /^ranks? ([\\d–, ]+)/.exec(label);
+            if (!match) return [NaN];
+            return match[1].split(',').map(part => part.trim()).filter(Boolean).flatMap(part => {{
+                const [first, last] = part.split('–').map(Number);
+                return Array.from({{length: (last ?? first) - first + 1}}, (_, i) => first + i);
+            }});
+        }});
+        return named.length === {ranks} && new Set(named).size === {ranks} && labels;
+    }})()""")
 
 
 @pytest.mark.timeout(600)
@@ -126,9 +142,10 @@ def test_twelve_and_sixty_four_ranks_are_grouped_rows_with_every_rank_one_click_
                     return rows.length >= 1 && rows.length <= 4 && moving && /^ranks \\d/.test(texts[0]) && texts;
                 }})()"""), timeout=240, failure="64 ranks did not show as at most 4 moving rows, a group's first")
             page.locator(f"{DASHBOARD}").first.evaluate("e => e.scrollIntoView({block: 'start'})")
-            page.screenshot(path=SCREENSHOTS / "many-64-live.png")
             # What the screenshot shows: every row named by its own ranks, no two rows naming the same rank.
-            seen["shot64"] = page.evaluate(_rows(2))
+            seen["shot64"] = wait_for(page, _rows_naming_every_rank_once(2, 64), timeout=30,
+                                      failure="The live rows never named each of the 64 ranks exactly once")
+            page.screenshot(path=SCREENSHOTS / "many-64-live.png")
             seen["state64"] = wait_for_snapshot(page, 2, timeout=240, what="The 64-rank run did not end")
             wait_until_idle(page, timeout=60, what="After the 64-rank run")
             snapshot = page.locator(f"{SNAPSHOT} >> nth=1")
