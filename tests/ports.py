@@ -14,11 +14,13 @@ Standard library only, so that benchmarks can import it without pytest.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import random
 import socket
 import tempfile
+import time
 from pathlib import Path
 
 # Linux's default ephemeral range starts at 32768; read the machine's own where there is one.
@@ -52,6 +54,32 @@ def reserve_port(host: str = "127.0.0.1") -> int:
             return port
         os.close(fd)  # something outside the tests has it
     raise RuntimeError(f"no free port on {host} in {_LOW}-{_HIGH - 1} after 2000 tries")
+
+
+@contextlib.contextmanager
+def holding(port: int, within: float, host: str = "127.0.0.1"):
+    """Hold a fixed ``port`` that a server takes by itself, as ``remote("local[N]")``'s Spark Connect
+    server takes 15002 (its client knows no other), for as long as the block runs. Another test process
+    that holds it (a second ``make test`` beside this one) is waited for, ``within`` seconds at most,
+    and so is the port's last server, until the port can be bound again."""
+    _LOCKS.mkdir(mode=0o1777, exist_ok=True)
+    fd = os.open(_LOCKS / str(port), os.O_RDWR | os.O_CREAT, 0o666)
+    deadline = time.monotonic() + within
+    try:
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                if _bindable(host, port):
+                    break
+                fcntl.flock(fd, fcntl.LOCK_UN)  # its last server is still going: let its holder see it go
+            except BlockingIOError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"port {port} on {host} was held or bound by another process for {within:g} s")
+            time.sleep(0.2)
+        yield port
+    finally:
+        os.close(fd)
 
 
 def _bindable(host: str, port: int) -> bool:

@@ -35,7 +35,7 @@ from helpers import (
     wait_for_reply,
     wait_until,
 )
-from ports import reserve_port
+from ports import holding, reserve_port
 from procs import alive, rank_processes, registered_rank, wait_until_gone, wait_until_no_mpi_processes
 from test_elastic import SPARE_WORKER, _check_training, _kill_the_worker_of
 
@@ -584,7 +584,17 @@ def test_an_unreachable_kernel_is_one_paragraph_from_the_task():
     assert "tunnel" in tunnelled and "open the kernel's TCP ports" not in tunnelled
 
 
-def test_a_connect_server_inside_the_kernel_is_used_as_it_is(kernel_factory):
+@pytest.fixture
+def connect_default_port():
+    """Spark Connect's 15002, held until the test's kernels have stopped (ask for it before
+    ``kernel_factory``): ``remote("local[N]")``'s server binds it and its client connects there, so another
+    test process's such server must be gone first. Its wait is within the test's time."""
+    with holding(15002, within=300):
+        yield
+
+
+@pytest.mark.timeout(600)
+def test_a_connect_server_inside_the_kernel_is_used_as_it_is(connect_default_port, kernel_factory):
     """``remote("local[2]")`` runs the server in the kernel's own process, a classic SparkContext
     with it: hvdmagic runs on the Connect session, starts no session of its own, and never tells
     the user to stop theirs."""

@@ -361,6 +361,7 @@ def _kill_the_worker_of(cluster, host_prefix: str, ready: str, killed: list, wit
 
 
 @pytest.mark.cluster
+@pytest.mark.timeout(600)  # a spare worker starts mid-run: beside a second make test, 264 s, and once over 300
 def test_a_lost_worker_does_not_lose_the_run(three_workers, tmp_path):
     """Two ranks on two one-core workers; the worker under task 1 is killed (its Worker JVM and
     executor). The other rank resumes alone from the commit; then a third worker starts

@@ -19,6 +19,7 @@ from procs import rank_processes, wait_until_gone
 
 import hvdmagic
 from hvdmagic.errors import JobFailed
+from hvdmagic.kernel.breakpoint_console import show
 
 HELD = """%%horovod --np {np} --hold-on-error {seconds}
 import os, torch, horovod.torch as hvd
@@ -115,3 +116,16 @@ def test_pdb_on_enters_a_held_rank_as_the_fresh_cell_fails_and_stop_ends_it(kern
     wait_until_gone([int(texts[-1].split()[-1])], within=10, what="the held rank, after Stop,")
     reply, texts = execute(client, f"%%horovod --np {np}\n2 + 2", timeout=120)
     assert reply["status"] == "ok", texts
+
+
+def test_horovods_echo_of_the_other_ranks_exit_is_left_out_of_pdbs_text(capsys):
+    """A held rank's Horovod thread notices the other ranks' exit whenever it runs, on a loaded machine
+    after pdb has started (CI saw it head the text): its line stays out of the pdb text, as it stays
+    out of the live views, and pdb's own lines and the rank's other output are shown whole."""
+    echo = ("[2026-12-07 01:21:01.530073: E /tmp/hvd-build/src/horovod-0.28.1/horovod/common/operations.cc:697] "
+            "[1]: Horovod background loop uncaught exception: [/tmp/hvd-build/src/horovod-0.28.1/third_party/gloo/"
+            "gloo/transport/tcp/pair.cc:589] Read error [127.0.0.1]:46480: Connection reset by peer\n")
+    pdb = "> <horovod-cell>(7)<module>()\n-> 1 / 0\n(Pdb) "
+    show(echo + "a line the cell's thread printed\n")
+    show(pdb)
+    assert capsys.readouterr().out == "a line the cell's thread printed\n" + pdb

@@ -238,6 +238,26 @@ def test_a_run_that_outlives_the_delay_gets_the_dashboard_drawn_from_the_whole_r
 
 
 @pytest.mark.unit
+def test_a_breakpoint_before_the_delay_shows_the_dashboard_above_pdbs_prompt(displayed):
+    """A rank that stops at breakpoint() asks in the cell's output: the dashboard is built at that event,
+    on the thread that asks next, so it comes above pdb's lines (on a loaded machine the delay's thread
+    once built it after the prompt, between the typed line and its answer), and only once."""
+    from hvdmagic.kernel.ui.live import LiveView
+
+    shown, boards = displayed
+    record = RunRecord(Placement.of(-2))
+    view = LiveView(record, delay_s=30)
+    view.start()
+    view.on_event({"type": "debug_prompt", "rank": 1, "prompt": "(Pdb rank 1) ", "text": ""})
+    assert view.dashboard is not None and len(boards) == 1, "the breakpoint's event did not show the dashboard"
+    view._timer.join(5)
+    assert not view._timer.is_alive() and len(boards) == 1, "the delay built a second dashboard"
+    record.finish(results=[1, 1])
+    view.close()
+    assert not shown
+
+
+@pytest.mark.unit
 def test_the_live_text_is_the_rows_and_goes_out_at_most_once_a_second():
     from hvdmagic.kernel.ui import dashboard
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import sys
 
+from hvdmagic.kernel.noise import is_startup_noise
 from hvdmagic.launch.breakpoint_prompts import CannotAsk, Console
 
 
@@ -18,7 +19,7 @@ def console() -> Console | None:
     """The console for a run started now; None where nothing can answer pdb's prompt."""
     if not _can_prompt():
         return None
-    return Console(ask=_ask, show=_show, on_start=_header)
+    return Console(ask=_ask, show=show, on_start=_header)
 
 
 def _can_prompt() -> bool:
@@ -49,7 +50,10 @@ def _ask(prompt: str) -> str | None:
         raise CannotAsk from None
 
 
-def _show(text: str) -> None:
+def show(text: str) -> None:
+    """pdb's text, and what the rank's own streams print meanwhile, in the cell's output. Those pass the
+    live views' filter: a held rank's Horovod echoes, whenever its thread notices, the other ranks' exit."""
+    text = "".join(line for line in text.splitlines(keepends=True) if not is_startup_noise(line))
     if text:
         sys.stdout.write(text)
         sys.stdout.flush()

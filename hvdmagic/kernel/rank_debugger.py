@@ -24,6 +24,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from hvdmagic.errors import HvdmagicError, JobFailed, JobInterrupted, LaunchError
+from hvdmagic.kernel.breakpoint_console import show
 from hvdmagic.launch.held_rank import HeldRank
 from hvdmagic.launch.warm_ranks import Session
 
@@ -84,7 +85,7 @@ def debug(commands: Iterable[str] | None = None, rank: int | None = None) -> Non
     failure.session.check_ranks([chosen])  # a ValueError in one sentence for a rank it does not have
     ask = _typed(commands) if commands is not None else _asked
     try:
-        kept = failure.session.debug(chosen, ask, _show, on_start=lambda event: _header(chosen, event, failure))
+        kept = failure.session.debug(chosen, ask, show, on_start=lambda event: _header(chosen, event, failure))
     except LaunchError as exc:
         print(f"hvdmagic: {exc}", flush=True)
         return
@@ -100,7 +101,7 @@ def _debug_held(held: HeldRank, commands: Iterable[str] | None) -> None:
               f"{event.get('raised', held.raised)} was raised; q leaves it, and the rank ends.", flush=True)
 
     try:
-        held.debug(_typed(commands) if commands is not None else _asked, _show, on_start=header)
+        held.debug(_typed(commands) if commands is not None else _asked, show, on_start=header)
     except LaunchError as exc:
         print(f"hvdmagic: {exc}", flush=True)
 
@@ -186,12 +187,6 @@ def _typed(commands: Iterable[str]):
         return line
 
     return ask
-
-
-def _show(text: str) -> None:
-    if text:
-        sys.stdout.write(text)
-        sys.stdout.flush()
 
 
 def _header(rank: int, event: dict, failure: _Failure) -> None:

@@ -10,7 +10,9 @@ the rank's Gloo interface only.
 
 After every reset (``State.on_reset``) the rank tells the driver its new world
 rank and size and the commit it went back to, which the dashboard shows as
-"resumed on 3 ranks from the commit at epoch 2, batch 40".
+"resumed on 3 ranks from the commit at epoch 2, batch 40". After every commit it sends
+the metrics it buffered: the steps up to a commit are never trained again, so their
+rows must not die with a rank lost before its next flush.
 """
 
 from __future__ import annotations
@@ -42,6 +44,15 @@ def install() -> None:
         telemetry.emit(protocol.reset(committed(state), **world()))
 
     elastic.State.on_reset = on_reset
+    save_and_check_hosts = elastic.State.commit
+
+    def commit(state) -> None:
+        try:
+            save_and_check_hosts(state)
+        finally:  # also when the check raises HostsUpdatedInterrupt: the save is done by then
+            telemetry.flush()  # a committed step's metrics leave now, so a rank lost later cannot take them with it
+
+    elastic.State.commit = commit
 
 
 def world() -> dict:

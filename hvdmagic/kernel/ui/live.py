@@ -22,6 +22,7 @@ import os
 import threading
 
 from hvdmagic.kernel.record import RunRecord
+from hvdmagic.protocol import Event
 
 DELAY = 0.4  # seconds a run goes on before its live widgets appear
 DELAY_ENV = "HVDMAGIC_DASHBOARD_DELAY"
@@ -60,7 +61,12 @@ class LiveView:
         self._timer.start()
 
     def on_event(self, event: dict) -> None:
-        pass  # everything is in the record, which the dashboard is drawn from
+        # Everything is in the record, which the dashboard is drawn from. But a rank stopped at
+        # breakpoint() is about to ask in the cell's output: the dashboard goes above pdb's lines
+        # rather than between them, however late the delay's thread would have built it.
+        if event.get("type") == Event.DEBUG_PROMPT and self.dashboard is None and self._timer is not None:
+            self._timer.cancel()
+            self._show()
 
     def close(self) -> None:
         if self._timer is not None:
@@ -82,8 +88,8 @@ class LiveView:
     # -- the delayed part -------------------------------------------------------
     def _show(self) -> None:
         with self._lock:
-            if self._closed:
-                return
+            if self._closed or self.dashboard is not None or self.error is not None:
+                return  # ended, or shown (or failed) already by the other of the delay and a breakpoint
             try:
                 from hvdmagic.kernel.ui.dashboard import Dashboard
 
