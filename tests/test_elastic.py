@@ -100,8 +100,9 @@ def _new_threads_in_horovod(before: set[threading.Thread]) -> list[str]:
     stacks = sys._current_frames()
     found = []
     for thread in threading.enumerate():
-        frames = [frame for frame in traceback.extract_stack(stacks[thread.ident]) if "/horovod/" in frame.filename
-                  ] if thread.ident in stacks and thread not in before else []
+        if thread in before or thread.ident not in stacks:
+            continue
+        frames = [frame for frame in traceback.extract_stack(stacks[thread.ident]) if "/horovod/" in frame.filename]
         if frames:
             found.append(f"{thread.name} at {frames[-1].filename}:{frames[-1].lineno}")
     return found
