@@ -153,16 +153,25 @@ def execute(client, code: str, timeout: float, on_output=None) -> tuple[dict, li
 
 
 def wait_for_reply(client, msg_id: str, timeout: float, on_output=None) -> tuple[dict, list[str]]:
-    """The reply to an execute request already sent, and the texts it output on the way."""
-    texts = []
+    """The reply to an execute request already sent, and the texts it output on the way: one text for each
+    run of one stream, as front ends show them. ipykernel sends a stream's text in chunks at its flush
+    timer's pace, so one print can come in two messages, its line and then its newline."""
+    texts, last_stream = [], None
     for msg in iopub_messages(client, msg_id, timeout):
         content = msg["content"]
         if msg["msg_type"] == "stream":
-            texts.append(content["text"])
+            if content["name"] == last_stream:
+                texts[-1] += content["text"]
+            else:
+                texts.append(content["text"])
+            last_stream = content["name"]
             if on_output:
                 on_output(content["text"])
         elif msg["msg_type"] == "error":
             texts.append("\n".join(content["traceback"]))
+            last_stream = None
+        elif msg["msg_type"] in ("display_data", "execute_result"):
+            last_stream = None  # front ends show a display between the runs of text it parts
     return shell_reply(client, msg_id), texts
 
 

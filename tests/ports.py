@@ -57,11 +57,12 @@ def reserve_port(host: str = "127.0.0.1") -> int:
 
 
 @contextlib.contextmanager
-def holding(port: int, within: float, host: str = "127.0.0.1"):
+def holding(port: int, within: float, host: str = "0.0.0.0"):
     """Hold a fixed ``port`` that a server takes by itself, as ``remote("local[N]")``'s Spark Connect
     server takes 15002 (its client knows no other), for as long as the block runs. Another test process
     that holds it (a second ``make test`` beside this one) is waited for, ``within`` seconds at most,
-    and so is the port's last server, until the port can be bound again."""
+    and so is the port's last server, until the port can be bound again: on the wildcard address, as
+    that server binds it, which anything on the port at any of the machine's addresses keeps from it."""
     _LOCKS.mkdir(mode=0o1777, exist_ok=True)
     fd = os.open(_LOCKS / str(port), os.O_RDWR | os.O_CREAT, 0o666)
     deadline = time.monotonic() + within

@@ -17,6 +17,7 @@ import json
 import os
 import re
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -602,7 +603,7 @@ def test_a_connect_server_inside_the_kernel_is_used_as_it_is(connect_default_por
     reply, texts = execute(client, "%load_ext hvdmagic\nimport hvdmagic\nfrom pyspark.sql import SparkSession\n"
                            "spark = SparkSession.builder.remote('local[2]').getOrCreate()\n"
                            "print(type(spark).__module__)", 240)
-    assert reply["status"] == "ok" and "pyspark.sql.connect" in "".join(texts), texts
+    assert reply["status"] == "ok" and "pyspark.sql.connect" in "".join(texts), (texts, _sockets_on(15002))
     reply, texts = execute(client, TRAIN, 240)
     text = "".join(texts)
     assert reply["status"] == "ok", text
@@ -611,6 +612,13 @@ def test_a_connect_server_inside_the_kernel_is_used_as_it_is(connect_default_por
     assert "".join(texts).split() == ["3.0", "None"], texts
     kernel_pid = manager.provisioner.process.pid
     wait_until(lambda: not rank_processes(kernel_pid), 15, "rank processes outlived the cell")
+
+
+def _sockets_on(port: int) -> str:
+    """The machine's sockets on ``port``, with their processes where this user may see them: who held it."""
+    shown = subprocess.run(["ss", "-tanpe", f"( sport = :{port} or dport = :{port} )"], capture_output=True,
+                           text=True, check=False)
+    return shown.stdout + shown.stderr
 
 
 @contextlib.contextmanager

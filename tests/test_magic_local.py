@@ -135,16 +135,18 @@ def test_a_rank_failing_in_its_first_line_keeps_its_own_exit_code_and_failed_in_
 
 
 # Rank 1 says why before it fails; its start-up printed a line of chatter; after its KeyError, its exit
-# prints what the stop of a Horovod job prints (Horovod's own line, and one that looks like Gloo's).
+# prints what the stop of a Horovod job prints (Horovod's own line, and one that looks like Gloo's). That
+# line is one write: a rank's stderr is unbuffered, so print() would write it and its newline apart, and
+# Horovod's thread, whose C++ stream writes each piece of its own line apart too, could write between them.
 ERROR_AMID_NOISE = """%%horovod --np -2
-import atexit, sys
+import atexit, os, sys
 import horovod.torch as hvd, torch
 hvd.init()
 print("oneDNN custom operations are on (start-up chatter)", file=sys.stderr)
 hvd.allreduce(torch.ones(1))  # both ranks past hvd.init before rank 1 fails: a slow rank 0 is still in it otherwise
 if hvd.rank() == 1:
     print("the data is bad")
-    atexit.register(print, "Read error [127.0.0.1]:4242: Connection reset by peer", file=sys.stderr)
+    atexit.register(os.write, 2, b"Read error [127.0.0.1]:4242: Connection reset by peer\\n")
     {}["missing"]
 while True:
     hvd.allreduce(torch.ones(1))

@@ -54,7 +54,10 @@ y * 10
 
 
 def _answer(page, cell: int, after: str, line: str, *, timeout: float) -> None:
-    """Wait until cell ``cell`` shows the stdin box with ``after`` in its output, then type ``line`` and Enter."""
+    """Wait until cell ``cell`` shows the stdin box with ``after`` in its output, then type ``line`` and Enter.
+    ``after`` is what a user reads before typing (where pdb stopped), not the box's own prompt: the kernel
+    sends the box on its stdin channel and the text above it on iopub, and the server may forward the box
+    first, so a line typed at once would be shown above pdb's header."""
     # One box: the one answered last is replaced by its line a moment after Enter.
     boxes = f"cell?.querySelectorAll({json.dumps(STDIN_BOX)}).length === 1"
     wait_for(page, cell_js(cell, f"{boxes} && cell.querySelector('.jp-OutputArea').innerText.includes("
@@ -78,14 +81,14 @@ def test_debug_and_breakpoint_are_typed_in_jupyterlabs_input_box(lab, browser): 
             page.get_by_role("menuitem", name="Run", exact=True).click()
             page.get_by_role("menuitem", name="Run Selected Cell and All Below", exact=True).click()
             # %debug: pdb in rank 1 at the failed assert.
-            _answer(page, 3, "(Pdb) ", "p x", timeout=180)
+            _answer(page, 3, "-> assert hvd.rank() != 1", "p x", timeout=180)
             # JupyterLab shows a typed line after its prompt with a space, and blank lines between outputs.
             answered = "/\\(Pdb\\)\\s+p x\\s+3\\s/.test(cell.querySelector('.jp-OutputArea').innerText)"
             wait_for(page, cell_js(3, answered), timeout=30, failure="%debug did not answer p x with rank 1's x")
             page.screenshot(path=SCREENSHOTS / "debug-prompt.png")
             _answer(page, 3, "(Pdb) ", "q", timeout=30)
             # breakpoint(): rank 1 stops, its prompt names it; rank 0 waits.
-            _answer(page, 4, "(Pdb rank 1) ", "p y", timeout=60)
+            _answer(page, 4, "-> breakpoint()", "p y", timeout=60)
             answered = "/\\(Pdb rank 1\\)\\s+p y\\s+4\\s/.test(cell.querySelector('.jp-OutputArea').innerText)"
             wait_for(page, cell_js(4, answered), timeout=30,
                      failure="breakpoint()'s pdb did not answer p y with rank 1's y")
