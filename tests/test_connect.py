@@ -603,7 +603,9 @@ def test_a_connect_server_inside_the_kernel_is_used_as_it_is(connect_default_por
     reply, texts = execute(client, "%load_ext hvdmagic\nimport hvdmagic\nfrom pyspark.sql import SparkSession\n"
                            "spark = SparkSession.builder.remote('local[2]').getOrCreate()\n"
                            "print(type(spark).__module__)", 240)
-    assert reply["status"] == "ok" and "pyspark.sql.connect" in "".join(texts), (texts, _sockets_on(15002))
+    if reply["status"] != "ok":
+        print(f"The sockets on 15002 as the session failed:\n{_sockets_on(15002)}")  # shown whole with the failure
+    assert reply["status"] == "ok" and "pyspark.sql.connect" in "".join(texts), texts
     reply, texts = execute(client, TRAIN, 240)
     text = "".join(texts)
     assert reply["status"] == "ok", text
