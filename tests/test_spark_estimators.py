@@ -162,7 +162,7 @@ def test_a_fit_that_checkpoints_to_s3_is_stopped_and_resumes_from_there(s3_bucke
     names = saved()
     epochs = sorted(int(re.fullmatch(r"checkpoint-(\d+)\.pt", name).group(1)) for name in names)
     epoch = epochs[-1]
-    assert len(epochs) <= 2, names
+    assert epochs in ([epoch], [epoch - 1, epoch]), names
     assert epoch < 1999, "the fit ran to its end: Stop did not reach it"
     again = _linear_estimator(store=store, run_id="stopped", epochs=epoch + 3).fit(df)
     assert again.fit_info["epochs_run"] == 2 and len(again.getHistory()["loss"]) == epoch + 3
