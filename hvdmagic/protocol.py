@@ -41,6 +41,9 @@ class Event(StrEnum):
     DEBUG_PROMPT = "debug_prompt"  # the rank's pdb waits for a line: what it wrote since its last prompt, the prompt
     DEBUG_END = "debug_end"  # the rank's pdb ended (q, or Stop), or there was no traceback to debug
     HELD = "held"  # a fresh cell's failed rank waits "seconds" for %debug (--hold-on-error), its traceback kept
+    # rank <-> its task only, on the rank's event socket, never relayed: the rank asks ("id"), and its task
+    # answers ("delivered") once the kernel has acknowledged every event the rank sent before it
+    SYNC = "sync"
     # driver -> task
     GO = "go"  # the task's slot, devices and rows per rank: start the rank
     ABORT = "abort"  # stop the rank now
@@ -94,7 +97,8 @@ STAGE_ORDER = {stage: i for i, stage in enumerate(Stage)}
 PROGRESS_EVENTS = frozenset({Event.OUTPUT, Event.REPORT, Event.RESULT})
 
 # Environment variables a supervisor sets for its rank.
-EVENT_FD_ENV = "HVDMAGIC_EVENT_FD"  # the rank's end of its event pipe
+EVENT_FD_ENV = "HVDMAGIC_EVENT_FD"  # the rank's end of its event socket
+SYNC_WAIT = 5.0  # seconds a task waits for the kernel to acknowledge what its rank sent before a sync
 JOB_ID_ENV = "HVDMAGIC_JOB_ID"
 SUPERVISOR_ENV = "HVDMAGIC_SUPERVISOR_PID"  # the process of the rank's task: its parent, unless a template forked it
 SHARD_ENV = "HVDMAGIC_SHARD"  # the rank's Arrow shard (--data)
@@ -366,6 +370,12 @@ class Worker(TypedDict, total=False):
     size: int
 
 
+class Sync(TypedDict, total=False):
+    type: Literal[Event.SYNC]
+    id: int  # the rank's count of its syncs: an answer to an earlier one, come late, is told apart
+    delivered: bool  # in the task's answer only: whether the kernel had it all within SYNC_WAIT
+
+
 class Reset(TypedDict, total=False):
     type: Literal[Event.RESET]
     commit: dict  # the plain values of the commit it restored
@@ -533,6 +543,7 @@ note = _builder(Note, Event.NOTE)
 stage_reached = _builder(StageReached, Event.STAGE)
 idle = _builder(Idle, Event.IDLE)
 reset = _builder(Reset, Event.RESET)
+sync = _builder(Sync, Event.SYNC)
 exec_command = _builder(Exec, Event.EXEC)
 rsh = _builder(Rsh, Event.RSH)
 rsh_exit = _builder(RshExit, Event.RSH_EXIT)

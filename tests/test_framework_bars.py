@@ -1,6 +1,6 @@
 """tqdm's and Keras' own progress bars drive the ranks' rows, and their text is printed nowhere.
 
-The unit tests run a plain Python process with a real event pipe, as a rank has one
+The unit tests run a plain Python process with a real event socket, as a rank has one
 (``telemetry.open_events`` and ``framework_bars.install``, as ``rank.__main__`` calls them),
 and read the events it wrote; the others run real ranks in local mode.
 """
@@ -50,7 +50,7 @@ def run_as_rank(code: str, before: str = "", timeout: float = 60, **env: str) ->
         process.kill()
     reader.join(timeout=10)  # EOF came when the process exited: its end of the pipe closed with it
     assert process.returncode == 0, f"the process failed ({process.returncode}):\n{err[-3000:]}"
-    assert received, "the event pipe was still open 10 s after the process ended"
+    assert received, "the event socket was still open 10 s after the process ended"
     return out, err, [json.loads(line) for line in received[0].splitlines()]
 
 

@@ -4,16 +4,20 @@ does). The faults of whole runs, in network namespaces with ss -K and iptables, 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import queue
 import socket
 import subprocess
+import sys
 import threading
 import time
 
 import pytest
+from helpers import wait_until
 
-from hvdmagic import channel, protocol
+from hvdmagic import channel, metric_rows, protocol
 from hvdmagic.protocol import Event
 from hvdmagic.task import kernel_link
 from hvdmagic.task.kernel_link import KernelLink
@@ -266,3 +270,77 @@ def test_a_full_buffer_drops_progress_first_and_never_a_metric_or_the_result(mon
     note = json.loads(link._pending[-1])
     assert note["type"] == Event.NOTE and "400 heartbeats" in note["text"] and "no metric" in note["text"]
     assert protocol.note(note["text"]) == note
+
+
+# A rank as far as its events go: it reports through rank.telemetry as a rank does, and says what
+# each deliver() returned in a file; it waits for a control line on its stdin between the two.
+_DELIVERING_RANK = """
+import json, os, sys, time
+from pathlib import Path
+from hvdmagic import protocol
+from hvdmagic.rank import telemetry
+
+protocol.read_boot(sys.stdin.buffer)
+telemetry.open_events()
+said = Path(os.environ["DELIVER_TEST_SAID"])
+for step in range(3):
+    telemetry.log_metrics(step=step, loss=1.0 / (step + 1))
+started = time.monotonic()
+first = telemetry.deliver(wait=1.0)
+said.write_text(json.dumps({"first": first, "waited": time.monotonic() - started}))
+protocol.read_request(sys.stdin.buffer)  # the test's go
+telemetry.log_metrics(step=3, loss=0.25)
+said.write_text(json.dumps({"first": first, "second": telemetry.deliver(wait=30.0)}))
+"""
+
+
+def test_a_ranks_deliver_returns_once_the_kernel_has_its_rows_and_says_when_it_has_not(tmp_path):
+    """``telemetry.deliver``, which an elastic commit calls before it commits: the supervisor answers the
+    rank's sync only once the kernel's end of the channel has acknowledged every event the rank sent
+    before it. A kernel whose job loop has fallen behind (its event queue full, so its channel reads
+    no further) has not: deliver says so within its wait, and the rank goes on; once the kernel takes
+    its events, the next deliver is True (the first's late answer told apart), and the rows are there."""
+    from hvdmagic.protocol import Boot
+    from hvdmagic.task.rank_process import RankProcess
+
+    secret = channel.new_secret()
+    server = channel.ChannelServer("127.0.0.1", secret, grace=30, maxsize=1)  # one event, then it reads no more
+    link = KernelLink(*server.address, secret, grace=30)
+    link.open()
+    said = tmp_path / "said.json"
+    rank = RankProcess(0, link.send, link.send_raw, link)
+
+    def start(env, events_w):
+        return subprocess.Popen([sys.executable, "-c", _DELIVERING_RANK], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, pass_fds=(events_w,),
+                                env={**env, "DELIVER_TEST_SAID": str(said)}, start_new_session=True)
+
+    taken: list[dict] = []
+
+    def take() -> None:  # the kernel's job loop, caught up
+        while rank.proc.poll() is None or not server.events.empty():
+            with contextlib.suppress(queue.Empty):
+                taken.append(server.events.get(timeout=0.1)[1])
+
+    try:
+        link.send(protocol.note("the one event the kernel's queue takes"))
+        wait_until(server.events.full, 10, "the kernel's queue did not fill")
+        assert rank.start(dict(os.environ), Boot(0), start)
+        first = wait_until(lambda: said.exists() and json.loads(said.read_text() or "{}"), 30,
+                           "the rank's first deliver() did not return within 30 s")
+        assert first["first"] is False, "deliver() said the kernel had rows its full queue never took"
+        assert 1.0 <= first["waited"] < 5, f"deliver() waited {first['waited']:.1f} s, not its 1 s"
+        taker = threading.Thread(target=take, daemon=True)
+        taker.start()
+        rank.control({"go": True})
+        assert rank.wait() == 0, said.read_text()
+        taker.join(timeout=30)
+        assert json.loads(said.read_text())["second"] is True, said.read_text()
+        steps = [step for event in taken if event.get("type") == Event.REPORT and "metrics" in event
+                 for step in metric_rows.decode(event["metrics"])[0]]
+        assert steps == [0, 1, 2, 3], steps
+    finally:
+        if rank.proc is not None and rank.proc.poll() is None:
+            rank.kill()
+        link.close()
+        server.close()

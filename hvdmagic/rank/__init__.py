@@ -10,7 +10,7 @@ forked from its host's template (``python -m hvdmagic.rank --template``).
   that make its tracebacks name cells as IPython does.
 - ``outcome``: the cell's result or error, as the events the driver reads.
 - ``telemetry``: what user code calls to report (``progress``, ``log_metrics``, ``track``),
-  batched onto the rank's event pipe with its stages and heartbeats.
+  batched onto the rank's event socket with its stages and heartbeats.
 - ``framework_bars``: tqdm's and Keras' own progress bars report through ``telemetry``
   instead of printing; adopted as they are imported.
 - ``training``: checkpoints and ``scale_lr``; ``shards``: ``hvdmagic.shard()`` (``--data``).

@@ -3,7 +3,7 @@
 The rank has no terminal. Its pdb reads its lines from the rank's stdin, where the supervisor
 writes each DEBUG_INPUT that the kernel sent this rank's task over the job's authenticated
 channel (``protocol.write_control``), and writes into a buffer that goes to the kernel with
-each prompt (a DEBUG_PROMPT event on the rank's event pipe) or with its end (DEBUG_END). One
+each prompt (a DEBUG_PROMPT event on the rank's event socket) or with its end (DEBUG_END). One
 pipe each way, so the kernel gets pdb's answers and prompts in the order pdb wrote them. The
 kernel asks the user with ``input()`` (``kernel.rank_debugger``); no port is opened anywhere.
 

@@ -3,16 +3,17 @@
 Horovod's worker registers its notification service (the addresses the driver
 calls when hosts come or go, and that service's secret) by a PUT to the
 rendezvous' HTTP store, which the driver unpickles: an unauthenticated pickle.
-Here the same registration goes to the driver over this rank's event pipe and
+Here the same registration goes to the driver over this rank's event socket and
 the job's HMAC channel instead, and the driver's HTTP handler refuses the PUT. The
 service itself (which checks an HMAC with that secret on every request) listens on
 the rank's Gloo interface only.
 
 After every reset (``State.on_reset``) the rank tells the driver its new world
 rank and size and the commit it went back to, which the dashboard shows as
-"resumed on 3 ranks from the commit at epoch 2, batch 40". After every commit it sends
-the metrics it buffered: the steps up to a commit are never trained again, so their
-rows must not die with a rank lost before its next flush.
+"resumed on 3 ranks from the commit at epoch 2, batch 40". Before every commit the
+kernel gets the metrics it buffered, and the commit waits until the kernel has them
+(``telemetry.deliver``): the steps up to a commit are never trained again, so their
+rows must not die with a worker lost after it, while they are still in its task.
 """
 
 from __future__ import annotations
@@ -47,10 +48,10 @@ def install() -> None:
     save_and_check_hosts = elastic.State.commit
 
     def commit(state) -> None:
-        try:
-            save_and_check_hosts(state)
-        finally:  # also when the check raises HostsUpdatedInterrupt: the save is done by then
-            telemetry.flush()  # a committed step's metrics leave now, so a rank lost later cannot take them with it
+        # Before the save and the check's collective: once any rank is past that collective the commit
+        # holds for every rank, and this rank's worker may be lost the moment after.
+        telemetry.deliver()
+        save_and_check_hosts(state)
 
     elastic.State.commit = commit
 

@@ -20,7 +20,7 @@ import sys
 from hvdmagic.protocol import EVENT_FD_ENV, SOCKET_DIR_ENV, TOKEN_ENV, read_message, send_message
 
 _MPI_PREFIXES = ("OMPI_", "PMIX_", "OPAL_", "ORTE_")
-FDS = 4  # the rank's stdin, stdout, stderr and event pipe
+FDS = 4  # the rank's stdin, stdout, stderr and event socket
 
 
 def main() -> int:

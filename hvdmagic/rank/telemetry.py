@@ -3,8 +3,9 @@
 ``progress``, ``log_metrics`` and ``track`` only touch memory: a call appends to
 typed columns (metrics, see ``metric_rows``) or overwrites the latest state
 (progress), and a background thread flushes everything as one JSON line on the
-event pipe every ``FLUSH_INTERVAL`` seconds. No call waits for the network.
-Outside a ``%%horovod`` run (no event pipe) they are no-ops, so the same code
+event socket every ``FLUSH_INTERVAL`` seconds. No call waits for the network;
+``deliver``, which an elastic commit calls, waits until the kernel has it all.
+Outside a ``%%horovod`` run (no event socket) they are no-ops, so the same code
 runs on a single node.
 """
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import sys
 import threading
 import time
@@ -20,7 +22,7 @@ from typing import TypeVar
 
 from hvdmagic import protocol
 from hvdmagic.metric_rows import GAP_ROW, MetricRows, pad
-from hvdmagic.protocol import EVENT_FD_ENV, LEGACY_KERAS_SET_ENV, Event, Stage
+from hvdmagic.protocol import EVENT_FD_ENV, LEGACY_KERAS_SET_ENV, SYNC_WAIT, Event, Stage
 
 FLUSH_INTERVAL = 0.1
 HEARTBEAT_INTERVAL = 1.0  # tells the driver's watchdog this rank is alive even when it reports nothing
@@ -29,7 +31,7 @@ MAX_BUFFERED_METRICS = 1_000_000  # beyond this a caller waits for a flush: memo
 T = TypeVar("T")
 
 _write_lock = threading.Lock()
-_events = None  # the event pipe, opened by the rank process
+_events = None  # the event socket, opened by the rank process
 # The flusher swaps in fresh rows under this lock, so a call never writes into rows already sent.
 _rows_lock = threading.Lock()
 _rows = MetricRows()
@@ -45,6 +47,9 @@ _metric_steps = 0
 _waited = 0.0  # seconds this rank has waited in collectives (rank.collective_wait), 0 where not timed
 _flusher: threading.Thread | None = None
 _wake = threading.Event()
+_sync_lock = threading.Lock()
+_syncs = 0  # how many syncs this rank has asked for: each answer names the one it answers
+_answers = b""  # what the supervisor wrote back and no sync has read yet: a partial line
 
 
 def open_events() -> None:
@@ -249,6 +254,48 @@ def flush() -> None:
         _events.flush()
 
 
+def deliver(wait: float = 2 * SYNC_WAIT) -> bool:
+    """Send what is buffered, and wait until the kernel has it and everything this rank sent before.
+
+    The supervisor answers once the kernel's end of the channel has acknowledged those events (it
+    waits ``protocol.SYNC_WAIT`` seconds for that at most); ``wait`` bounds this side's wait, should
+    the supervisor not answer at all. True when the kernel has them; False when it did not within
+    the wait (the network is down: they stay in the task's buffer and go when it is back), or
+    outside a run. An elastic commit calls it (``rank.elastic``): the steps it keeps are never
+    trained again, so their rows must be in the kernel before a lost worker can take them along.
+    """
+    global _syncs
+    if _events is None:
+        return False
+    flush()
+    with _sync_lock:
+        _syncs += 1
+        emit(protocol.sync(_syncs))
+        return _await_answer(_syncs, time.monotonic() + wait)
+
+
+def _await_answer(number: int, deadline: float) -> bool:
+    """Read the supervisor's answers until the one to sync ``number``; earlier ones came too late."""
+    global _answers
+    fd = _events.fileno()
+    while True:
+        while b"\n" in _answers:
+            line, _answers = _answers.split(b"\n", 1)
+            try:
+                answer = json.loads(line)
+            except ValueError:
+                continue
+            if answer.get("id") == number:
+                return bool(answer.get("delivered"))
+        left = deadline - time.monotonic()
+        if left <= 0 or not select.select([fd], [], [], left)[0]:
+            return False
+        chunk = os.read(fd, 4096)
+        if not chunk:  # the supervisor is gone
+            return False
+        _answers += chunk
+
+
 HOROVOD_MODULES = ("horovod.torch", "horovod.tensorflow", "horovod.tensorflow.keras", "horovod.keras")
 
 
@@ -313,6 +360,6 @@ def _flush_loop() -> None:
                 emit(protocol.bare(Event.HEARTBEAT))
                 next_beat = time.monotonic() + HEARTBEAT_INTERVAL
         except (OSError, ValueError):
-            # The pipe is gone, so is the supervisor that read it (a killed kernel, a lost task):
+            # The socket is gone, so is the supervisor that read it (a killed kernel, a lost task):
             # nobody will read this rank again, and a session's rank mid-cell would otherwise live on.
             os._exit(137)

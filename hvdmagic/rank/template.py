@@ -44,7 +44,7 @@ from pathlib import Path
 from hvdmagic.protocol import EVENT_FD_ENV, read_message, send_message
 from hvdmagic.rank.file_watch import FileWatch
 
-FDS = 4  # the rank's stdin, stdout, stderr and event pipe
+FDS = 4  # the rank's stdin, stdout, stderr and event socket
 OWNER_POLL = 1.0  # seconds between checks that the owner lives, where no pidfd can tell at once
 PR_SET_PTRACER = 0x59616D61  # Yama: lets the task's py-spy read a rank that is not its descendant
 PR_SET_NAME = 15

@@ -28,7 +28,7 @@ class RankPipes:
 
     def handed_over(self) -> None:
         """The child's ends are with the other process (or failed to go): ours need them no more.
-        (The event pipe's write end is the caller's, who closes it.)"""
+        (The rank's end of the event socket is the caller's, who closes it.)"""
         if not self._sent:
             self._sent = True
             for fd in self.child_ends[:3]:

@@ -122,16 +122,31 @@ class KernelLink:
         """Wait until the kernel has everything sent, or the channel has ended (a connection that goes
         silent is found within ``channel.SILENT``, and the outage that follows lasts the grace at most);
         say whether the kernel has it all. ``timeout``: give up sooner."""
+        return self._await(lambda: not (self._pending or self._sent.frames), timeout)
+
+    def count(self) -> int:
+        """How many frames this side has sent: every frame sent before the call is below the number."""
+        with self._cond:
+            return self._sent.end + len(self._pending)
+
+    def delivered(self, count: int, timeout: float) -> bool:
+        """Wait until the kernel has acknowledged every frame below ``count`` (from ``count()``), at most
+        ``timeout`` seconds, and say whether it has. (A frame dropped from a full buffer moves the later
+        ones down, so this may wait for some sent after ``count()``: never for less than asked.)"""
+        return self._await(lambda: self._sent.first >= count or not (self._pending or self._sent.frames), timeout)
+
+    def _await(self, done, timeout: float | None) -> bool:
+        """Ask the kernel to acknowledge now, until ``done()``, the channel's end or ``timeout``."""
         deadline = time.monotonic() + timeout if timeout is not None else float("inf")
         with self._cond:
-            while self._over is None and (self._pending or self._sent.frames):
+            while self._over is None and not done():
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return False
                 self._sync = True
                 self._cond.notify_all()
                 self._cond.wait(min(left, 1.0))
-            return not (self._pending or self._sent.frames)
+            return done()
 
     def close(self) -> None:
         self._closing.set()

@@ -6,15 +6,19 @@ group (``python -m hvdmagic.rank``), or, under mpirun, a process that mpirun
 started and the task adopted (``task.mpi``). Its stdin carries its Boot and then
 its payloads (``protocol.write_boot``/``write_payload``) and stays open: EOF tells
 the rank that its supervisor is gone. Its stdout and stderr are relayed as OUTPUT
-events, and its own events (one JSON line each, on the pipe named by
-``HVDMAGIC_EVENT_FD``) as they are, tagged with its row.
+events, and its own events (one JSON line each, on the socket named by
+``HVDMAGIC_EVENT_FD``) as they are, tagged with its row. A SYNC line is the one
+the rank expects an answer to, on the same socket: it is answered once the kernel
+has acknowledged every event the rank sent before it (``rank.telemetry.deliver``).
 """
 
 from __future__ import annotations
 
 import codecs
+import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -31,10 +35,13 @@ from hvdmagic.protocol import (
     NATIVE_STACKS_MARK,
     STACKS_ENV,
     STACKS_SIGNAL,
+    SYNC_WAIT,
     Boot,
+    Event,
 )
 from hvdmagic.task import native_stacks
 from hvdmagic.task.flight_recorder import ASKED_WAIT, FlightRecorder
+from hvdmagic.task.kernel_link import KernelLink
 from hvdmagic.task.lines import LineSplitter, relayed, split_at_marks
 from hvdmagic.task.resources import Sampler
 
@@ -42,7 +49,9 @@ KILL_GRACE = 3.0
 STACKS_WAIT = 2.0  # seconds a rank's fault handler gets to write its stacks
 MARK_WAIT = 2.0  # seconds a cell's idle waits for its output (a rank that closed its stdout sends no mark)
 
-# Starts the rank's process with this environment, its event pipe's write end passed on;
+_SYNC_MARKER = protocol.type_marker(Event.SYNC)
+
+# Starts the rank's process with this environment, its end of the event socket passed on;
 # returns None when the start was abandoned (an abort while mpirun had not started it yet).
 Starter = Callable[[dict[str, str], int], "subprocess.Popen | None"]
 
@@ -58,12 +67,17 @@ def spawn(env: dict[str, str], events_w: int) -> subprocess.Popen:
 
 class RankProcess:
     """``send`` delivers an event to the driver (and stops the rank if the driver is gone);
-    ``send_raw`` an already encoded one; ``row`` tags every event the rank sends."""
+    ``send_raw`` an already encoded one; ``row`` tags every event the rank sends; ``link``, the
+    task's channel to the kernel, answers the rank's syncs (without one they are answered at once,
+    as not delivered)."""
 
-    def __init__(self, row: int, send: Callable[[dict], None], send_raw: Callable[[bytes], None]):
+    def __init__(self, row: int, send: Callable[[dict], None], send_raw: Callable[[bytes], None],
+                 link: KernelLink | None = None):
         self.row = row
         self._send = send
         self._send_raw = send_raw
+        self._link = link
+        self._events: socket.socket | None = None  # this side of the rank's event socket
         self.proc: subprocess.Popen | None = None
         self._relays: list[threading.Thread] = []
         self._sent: set[int] = set()  # the signals kill() delivered while the rank was alive
@@ -85,7 +99,8 @@ class RankProcess:
 
     def start(self, env: dict[str, str], boot: Boot, start: Starter = spawn) -> bool:
         """Start the rank and hand it its Boot; False when ``start`` gave up."""
-        events_r, events_w = os.pipe()
+        self._events, theirs = socket.socketpair()
+        events_w = theirs.fileno()
         handle, self._stacks_path = tempfile.mkstemp(prefix="hvdmagic-stacks-")
         os.close(handle)
         self._flight = FlightRecorder(env)
@@ -96,9 +111,9 @@ class RankProcess:
         try:
             self.proc = start(env, events_w)
         finally:
-            os.close(events_w)
+            theirs.close()
         if self.proc is None:
-            os.close(events_r)
+            self._events.close()
             self._forget_stacks()
             self._flight.close()
             return False
@@ -106,7 +121,7 @@ class RankProcess:
         self._relays = [
             threading.Thread(target=self._relay_stream, args=(self.proc.stdout, "stdout"), daemon=True),
             threading.Thread(target=self._relay_stream, args=(self.proc.stderr, "stderr"), daemon=True),
-            threading.Thread(target=self._relay_events, args=(os.fdopen(events_r, "rb"),), daemon=True),
+            threading.Thread(target=self._relay_events, args=(self._events.makefile("rb"),), daemon=True),
         ]
         for thread in self._relays:
             thread.start()
@@ -268,6 +283,9 @@ class RankProcess:
         with events:
             for line in events:
                 self._listening.set()
+                if line.startswith(_SYNC_MARKER):
+                    self._answer_sync(line)
+                    continue
                 frame = relayed(line, tail)
                 if frame is None:
                     continue
@@ -284,4 +302,25 @@ class RankProcess:
                     with self._marks_changed:
                         self._marked_events_sent += 1
                         self._marks_changed.notify_all()
+        if self._events is not None:
+            self._events.close()  # an answer still on its way then fails on the closed socket, harmlessly
 
+    def _answer_sync(self, line: bytes) -> None:
+        """Answer the rank's sync once the kernel has every event relayed before it: counted here, in
+        the relay's order, and waited for on another thread, so that the relay goes on meanwhile."""
+        try:
+            number = json.loads(line)["id"]
+        except (ValueError, KeyError, TypeError):
+            return
+        link = self._link
+        count = link.count() if link is not None else 0
+
+        def answer() -> None:
+            delivered = link is not None and link.delivered(count, SYNC_WAIT)
+            reply = json.dumps(protocol.sync(number, delivered), separators=(",", ":")).encode() + b"\n"
+            try:
+                self._events.sendall(reply)
+            except (AttributeError, OSError):
+                pass  # the rank is gone, or stopped waiting: nobody reads the answer
+
+        threading.Thread(target=answer, name="hvdmagic-sync", daemon=True).start()

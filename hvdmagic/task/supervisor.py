@@ -119,7 +119,7 @@ class Supervisor:
         if self.shard:
             # Every rank runs the same number of steps: pad to the longest shard.
             pad_shard(Path(self.shard[0]), int(go["rows_per_rank"]))
-        self.rank = RankProcess(slot.rank, self._send, self._send_raw)
+        self.rank = RankProcess(slot.rank, self._send, self._send_raw, self._link)
         threading.Thread(target=self._listen, name="hvdmagic-abort-listener", daemon=True).start()
         env = self._rank_env(slot, go.get("devices"))
         boot = Boot(slot.rank, self.spec.results, session=self.spec.session)
@@ -143,7 +143,7 @@ class Supervisor:
         starts: queue.Queue = queue.Queue()
         threading.Thread(target=self._listen, args=(starts,), name="hvdmagic-abort-listener", daemon=True).start()
         while (go := starts.get()) is not None:
-            self.rank = RankProcess(self.task_index, self._send, self._send_raw)
+            self.rank = RankProcess(self.task_index, self._send, self._send_raw, self._link)
             env = self._rank_env(protocol.slot_of(go), go.get("devices"))
             env["HOROVOD_ELASTIC"] = "1"
             self.rank.start(env, Boot(self.task_index, self.spec.results, elastic=True), self._starter(self.task_index))
