@@ -36,8 +36,8 @@ def images(copies: int = 4, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
 MNIST_MEAN_PIXEL = 33.3
 
 
-def write_libsvm(path: Path, copies: int = 4) -> Path:
-    pixels, labels = images(copies)
+def write_libsvm(path: Path, copies: int = 4, seed: int = 0) -> Path:
+    pixels, labels = images(copies, seed)
     pixels = (pixels * (MNIST_MEAN_PIXEL / pixels.mean())).round()
     lines = []
     for image, label in zip(pixels.reshape(len(pixels), -1), labels):

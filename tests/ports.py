@@ -19,7 +19,6 @@ import fcntl
 import os
 import random
 import socket
-import tempfile
 import time
 from pathlib import Path
 
@@ -30,8 +29,11 @@ except (OSError, ValueError, IndexError):
     _EPHEMERAL_LOW = 32768
 _LOW = 20000
 _HIGH = max(_LOW + 1000, min(_EPHEMERAL_LOW, 32768))  # exclusive
-# Shared across test processes on purpose: the locks are how they keep out of each other's ports.
-_LOCKS = Path(tempfile.gettempdir()) / "hvdmagic-test-ports"
+# Shared across test processes on purpose: the locks are how they keep out of each other's ports. In the
+# machine's /tmp, not tempfile's: each test process has a TMPDIR of its own (tests/conftest.py), which a
+# pytest-xdist worker inherits from its controller, so tempfile's was one directory per `make test`, and a
+# second `make test` beside this one took the same ports (15002 among them).
+_LOCKS = Path("/tmp") / "hvdmagic-test-ports"
 _held: dict[int, int] = {}  # port -> the fd whose lock reserves it
 
 

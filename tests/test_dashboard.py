@@ -805,3 +805,20 @@ def test_the_where_pane_names_an_elastic_runs_rows_by_task():
     board._draw_where()
     assert "2 of 2 tasks answered" in board.where.value and "task 0:" in board.where.value, board.where.value
     assert "rank 0:" not in board.where.value
+
+
+@pytest.mark.unit
+def test_a_connection_that_breaks_after_its_ranks_exit_leaves_the_row_as_it_ended():
+    """Beside a second ``make test``, a stopped rank's row of sixteen read "no contact for 0 s": its task's
+    connection broke as the task ended, after the rank's exit was in. A row is final once its exit is:
+    the contact of a task that is ending is no news. While the rank runs, the loss still shows."""
+    from hvdmagic import protocol
+    from hvdmagic.kernel.ui.progress_text import row_state
+
+    record = RunRecord(Placement.of(2))
+    record.apply({"type": "exit", "rank": 0, "code": -15, "aborted": True})
+    record.apply({**protocol.contact(lost=True, since=time.time()), "rank": 0})
+    assert row_state(record.ranks[0]) == "stopped"
+    record.apply({"type": "stage", "rank": 1, "stage": "training"})
+    record.apply({**protocol.contact(lost=True, since=time.time() - 3), "rank": 1})
+    assert row_state(record.ranks[1]) == "no contact for 3 s"

@@ -22,6 +22,8 @@ from hvdmagic.kernel.stragglers import Straggler, StragglerDetector
 from hvdmagic.launch.placement import Placement
 from hvdmagic.protocol import STAGE_ORDER, Event, Stage
 
+ENDED = ("finished", "failed", "stopped")  # a rank's states once its exit is in
+
 
 @dataclass
 class Bar:
@@ -243,6 +245,10 @@ class RunRecord:
                 record.in_debugger = kind == Event.DEBUG_PROMPT
                 return
             if kind == Event.CONTACT:
+                if record.state in ENDED:
+                    # Its exit is in, so the row is final: the connection of a task that is ending may still
+                    # break (a close with the kernel's last frames unread resets it), and that is no news.
+                    return
                 since = event.get("since")
                 record.out_of_contact_since = (since if isinstance(since, (int, float)) else time.time()) \
                     if event.get("lost") else None
