@@ -122,7 +122,7 @@ class KernelLink:
         """Wait until the kernel has everything sent, or the channel has ended (a connection that goes
         silent is found within ``channel.SILENT``, and the outage that follows lasts the grace at most);
         say whether the kernel has it all. ``timeout``: give up sooner."""
-        return self._await(lambda: not (self._pending or self._sent.frames), timeout)
+        return self._await(self._all_acknowledged, timeout)
 
     def count(self) -> int:
         """How many frames this side has sent: every frame sent before the call is below the number."""
@@ -133,7 +133,10 @@ class KernelLink:
         """Wait until the kernel has acknowledged every frame below ``count`` (from ``count()``), at most
         ``timeout`` seconds, and say whether it has. (A frame dropped from a full buffer moves the later
         ones down, so this may wait for some sent after ``count()``: never for less than asked.)"""
-        return self._await(lambda: self._sent.first >= count or not (self._pending or self._sent.frames), timeout)
+        return self._await(lambda: self._sent.first >= count or self._all_acknowledged(), timeout)
+
+    def _all_acknowledged(self) -> bool:
+        return not (self._pending or self._sent.frames)
 
     def _await(self, done, timeout: float | None) -> bool:
         """Ask the kernel to acknowledge now, until ``done()``, the channel's end or ``timeout``."""
