@@ -141,6 +141,26 @@ train(40, kill=(1, 3), marker=marker)
     wait_until_gone([p.pid for p in rank_processes()], within=10)
 
 
+def test_the_first_tasks_take_as_long_as_they_take_whatever_the_elastic_timeout(ip):
+    """--elastic-timeout is how long to wait for slots after a loss. The run's first tasks are being
+    started when Horovod's driver begins to wait, and take the time they take (a new process each
+    here, longer than 0.1 s): the run starts on both, as a fixed-size run would."""
+    result, error = run(ip, """%%horovod --np -2 --elastic-timeout 0.1
+import horovod.torch as hvd
+hvd.init()
+state = hvd.elastic.TorchState(step=0)
+
+@hvd.elastic.run
+def loop(state):
+    return hvd.size()
+
+loop(state)
+""")
+    assert error is None, error
+    assert result == 2, result
+    assert hvdmagic.last_run().resets == []
+
+
 def test_an_exception_in_the_cell_fails_an_elastic_run_with_its_traceback(ip):
     _, error = run(ip, """%%horovod --np -2 --min-np 1
 import horovod.torch as hvd

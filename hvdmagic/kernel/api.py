@@ -63,8 +63,9 @@ def run(fn: Callable, np: int | None = None, *args, timeout: float | None = None
             back (Spark runs ``max_np`` tasks). Default: ``np``. Giving ``min_np``,
             ``max_np`` or ``reset_limit`` makes the run elastic (docs/reliability.md).
         reset_limit: elastic training: fail after this many resets. None: no limit.
-        elastic_timeout: elastic training: seconds to wait for ``min_np`` slots, at the start
-            and after a loss, before failing. Default 60.
+        elastic_timeout: elastic training: seconds to wait for ``min_np`` slots after a loss,
+            before failing. Default 60. (The first ``np`` tasks are waited for as a
+            fixed-size run's are: within ``timeout``.)
         stall_check: Horovod's stall check, in whole seconds (``HOROVOD_STALL_CHECK_TIME_SECONDS``;
             Horovod's default is 60): when some ranks have waited this long in a collective that
             others have not entered, the dashboard shows which (``last_run().hang_notices``).

@@ -129,7 +129,7 @@ evaluate(model)                                   # rank 0's value: the result, 
               help="elastic: up to N ranks (default --np), added as slots come back")
     @argument("--reset-limit", type=int, metavar="N", help="elastic: fail after N resets (default: no limit)")
     @argument("--elastic-timeout", type=float, metavar="SECONDS",
-              help="elastic: how long to wait for --min-np slots (default 60)")
+              help="elastic: how long to wait for --min-np slots after a loss (default 60)")
     @cell_magic
     def horovod(self, line: str, cell: str):
         """Run the cell on Horovod ranks and return rank 0's result (its help: ``cell_help``)."""

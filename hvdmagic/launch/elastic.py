@@ -121,7 +121,8 @@ class ElasticJob(Job):
 
     def _drive(self) -> None:
         try:
-            self._driver.wait_for_available_slots(self.start_np)
+            if not self._driver.wait_for_first_slots(self.start_np):
+                return  # stopped first (--timeout, Stop, the stage failed): the job loop says why
             self._driver.start(self.start_np, self._start_worker)
             self._outcome = self._driver.get_results()
         except BaseException as exc:  # reported by the job loop
@@ -426,6 +427,19 @@ def _driver_class():
     from horovod.runner.elastic.driver import ElasticDriver
 
     class Driver(ElasticDriver):
+        def wait_for_first_slots(self, np: int) -> bool:
+            """Horovod's wait_for_available_slots without its timeout, for the run's first ``np``
+            tasks: they are still being scheduled, and a fixed-size run waits for its tasks within
+            --timeout only (too few slots are the slot check's to report, before the stage). Horovod's
+            --elastic-timeout is for slots coming back after a loss: spent here, a short one failed
+            runs whose tasks were a few seconds late. False if the run was stopped first."""
+            with self._wait_hosts_cond:  # notified by Horovod's discovery as hosts join, and by stop()
+                while self._host_manager.current_hosts.count_available_slots() < np:
+                    if self._shutdown.is_set():
+                        return False
+                    self._wait_hosts_cond.wait(POLL)
+            return True
+
         def _handle_worker_exit(self, slot_info, exit_code, timestamp):
             try:
                 super()._handle_worker_exit(slot_info, exit_code, timestamp)
