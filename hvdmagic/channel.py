@@ -248,18 +248,21 @@ class Peer:
                 except OSError:
                     link.drop()  # its reader finds it lost; the frame is in the log
 
-    def _attach(self, link: Link, they_received: int) -> None:
+    def _attach(self, link: Link, they_received: int) -> bool:
         """Make ``link`` this peer's connection: tell the task how much of its output is here, and
-        send again what it lacks of ours. The connection it replaces is cut."""
+        send again what it lacks of ours. The connection it replaces is cut; True if there was one."""
         link.resumable()
         with self._recv_lock, self._send_lock:
             old, self.link, self.lost_at = self.link, link, None
-            link.send(link_frame(attached=True, received=self.received))
-            self.log.acknowledged(they_received)
-            for payload in self.log.since(they_received):
-                link.send_raw(payload)
-        if old is not None:
-            old.drop()
+            try:
+                link.send(link_frame(attached=True, received=self.received))
+                self.log.acknowledged(they_received)
+                for payload in self.log.since(they_received):
+                    link.send_raw(payload)
+            finally:
+                if old is not None:
+                    old.drop()
+        return old is not None
 
     def _deliver(self, link: Link, put: Any, event: dict[str, Any]) -> bool:
         """Queue one of the task's frames, unless a newer connection has taken this one's place."""
@@ -408,9 +411,15 @@ class ChannelServer:
             return None
         back = peer.lost_at is not None
         try:
-            peer._attach(link, they_received)
+            replaced = peer._attach(link, they_received)
         except OSError:
+            replaced = False  # the new connection broke at once: its reader tells of the outage
             link.drop()
+        if replaced and not back:
+            # The task found its connection broken and came back before this side's reader did (a reset
+            # the task met first; a reader not yet scheduled, under load): the same outage, told the same way.
+            self._put((peer, contact(lost=True, since=time.time())))
+            back = True
         if back:
             self._put((peer, contact(lost=False)))
         return peer

@@ -126,6 +126,25 @@ def test_the_kernel_sees_the_outage_and_the_return(pair):
     assert back == protocol.contact(lost=False)
 
 
+def test_a_task_back_before_the_kernel_found_its_connection_broken_is_an_outage_and_a_return_all_the_same(pair):
+    """The task may meet a reset, reconnect and attach before the kernel's reader has run (with a core kept
+    busy, the test above once got no event in 10 s): the kernel tells the same outage and return. Here a
+    second connection attaches as the task, as its reconnection does, while the first still looks whole."""
+    server, _, secret = pair
+    peer = _peer(server)
+    first = peer.link
+    again = channel.connect(*server.address, secret)
+    try:
+        again.send(protocol.link_frame(attach=peer.name, received=0))
+        assert again.recv()["type"] == Event.LINK
+        lost, back = _events(server, 2, skip=())[:2]
+        assert lost["type"] == Event.CONTACT and lost["lost"] is True and abs(lost["since"] - time.time()) < 10
+        assert back == protocol.contact(lost=False)
+        assert first.dropped and peer.link not in (None, first), "the connection it replaced is cut"
+    finally:
+        again.close()
+
+
 def test_the_task_ends_at_once_when_the_kernel_closes():
     secret = channel.new_secret()
     server = channel.ChannelServer("127.0.0.1", secret)
