@@ -433,7 +433,7 @@ def _driver_class():
             --timeout only (too few slots are the slot check's to report, before the stage). Horovod's
             --elastic-timeout is for slots coming back after a loss: spent here, a short one failed
             runs whose tasks were a few seconds late. False if the run was stopped first."""
-            with self._wait_hosts_cond:  # notified by Horovod's discovery as hosts join, and by stop()
+            with self._wait_hosts_cond:  # notified by Horovod's discovery as hosts join; stop() notifies nothing
                 while self._host_manager.current_hosts.count_available_slots() < np:
                     if self._shutdown.is_set():
                         return False
