@@ -76,7 +76,8 @@ def _interrupt_at(manager, client, delay: float) -> str:
     assert reply["status"] == "error" and reply["ename"] == "JobInterrupted", (delay, reply, texts)
     error = texts[-1]
     assert len(error.strip().splitlines()) == 1, f"Stop at {delay:.1f} s: not one line:\n{error}"
-    assert not any(word in text for text in texts[:-1] for word in NOISE), (delay, texts)
+    noisy = [text for text in texts[:-1] if any(word in text for word in NOISE)]
+    assert not noisy, f"Stop at {delay:.2f} s: noise before the error:\n" + "\n".join(noisy)  # whole, not repr'd
     reply, texts = _execute(client, WORKS, timeout=180)
     assert reply["status"] == "ok", f"the cell after Stop at {delay:.1f} s failed: {texts}"
     assert not any(word in text for text in texts for word in NOISE), texts

@@ -15,7 +15,8 @@ from helpers import execute
 from IPython.core.error import UsageError
 
 import hvdmagic
-from hvdmagic.errors import CaptureError, CellSyntaxError, JobFailed, LaunchError
+from hvdmagic import blob_transfer
+from hvdmagic.errors import CaptureError, CellSyntaxError, JobFailed, JobInterrupted, LaunchError
 
 
 @pytest.mark.profile
@@ -68,6 +69,50 @@ def test_open_file_global_names_its_type(ip, tmp_path):
         ip.user_ns["handle"].close()
     assert isinstance(error, CaptureError)
     assert "'handle' (_io.TextIOWrapper)" in str(error)
+
+
+@pytest.mark.unit
+def test_stop_while_the_capture_pickles_a_value_ends_the_cell_in_one_line_and_starts_no_run(ip):
+    """Stop can land before anything is launched: while the capture pickles a notebook value (seconds
+    for a large one) or its summary waits for the kernel's output thread. The cell ends as a Stop
+    during a run ends, in one line, and no run began. The value raises KeyboardInterrupt as SIGINT
+    would raise it there."""
+    ip.run_cell("class StopLandsHere:\n"
+                "    def __reduce__(self):\n"
+                "        raise KeyboardInterrupt\n"
+                "value = StopLandsHere()")
+    before = hvdmagic.last_run()
+    _, error = run(ip, "%%horovod --np -2\nvalue")
+    assert isinstance(error, JobInterrupted), error
+    assert error._render_traceback_() == ["JobInterrupted: interrupted before anything was started."]
+    assert hvdmagic.last_run() is before, "a run began"
+    del ip.user_ns["value"]
+    result, error = run(ip, "%%horovod --np -2\n2")
+    assert error is None and result == 2, error
+
+
+def test_stop_while_the_job_opens_its_servers_closes_them_and_ends_the_cell_in_one_line(ip, monkeypatch):
+    """A Stop that lands while the job opens the channel, the blob server and the rendezvous, before any
+    task is asked for, ends the cell in one line and leaves no port listening in the kernel."""
+    import psutil
+
+    def listening() -> set:
+        return {c.laddr for c in psutil.Process().net_connections("tcp") if c.status == psutil.CONN_LISTEN}
+
+    ports_before = listening()
+
+    def stop_lands_here(self, *args, **kwargs):
+        raise KeyboardInterrupt  # as SIGINT would, once the channel and the blob server listen
+
+    monkeypatch.setattr(blob_transfer.BlobServer, "publish", stop_lands_here)
+    _, error = run(ip, "%%horovod --np -2\n1")
+    assert isinstance(error, JobInterrupted), error
+    assert error._render_traceback_() == ["JobInterrupted: interrupted before anything was started."]
+    assert hvdmagic.last_run().state == "cancelled", hvdmagic.last_run().state
+    assert listening() == ports_before, f"left listening: {listening() - ports_before}"
+    monkeypatch.undo()
+    result, error = run(ip, "%%horovod --np -2\n2")
+    assert error is None and result == 2, error
 
 
 @pytest.mark.unit

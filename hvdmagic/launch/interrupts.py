@@ -6,6 +6,7 @@ import contextlib
 import signal
 import threading
 
+from hvdmagic.errors import JobInterrupted
 from hvdmagic.protocol import Stage
 
 # What an interrupt before the job starts leaves behind, by the stage it hit.
@@ -20,6 +21,17 @@ _BEFORE_JOB = {
 
 def interrupted_before_job(stage: Stage | None) -> str:
     return f"interrupted {_BEFORE_JOB.get(stage, _BEFORE_JOB[None])}."
+
+
+@contextlib.contextmanager
+def before_launch():
+    """Stop pressed while the cell is checked and captured, or its view is put up, ends it in one line:
+    a capture pickles the notebook's values (seconds for large ones), and its summary's print waits
+    for the kernel's output thread, so a Stop lands here too, not only once the ranks run."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        raise JobInterrupted(interrupted_before_job(None)) from None
 
 
 @contextlib.contextmanager

@@ -10,6 +10,7 @@ the time is up, a rank stalls or the user interrupts. Whatever happens,
 from __future__ import annotations
 
 import base64
+import contextlib
 import queue
 import signal
 import time
@@ -24,7 +25,7 @@ from hvdmagic.errors import ALIVE_GUESS, JobFailed, JobInterrupted, JobTimeout, 
 from hvdmagic.launch import versions
 from hvdmagic.launch.breakpoint_prompts import BreakpointPrompts, Console
 from hvdmagic.launch.held_rank import HeldRank
-from hvdmagic.launch.interrupts import interruptible
+from hvdmagic.launch.interrupts import interrupted_before_job, interruptible
 from hvdmagic.launch.layout import compute_layout, visible_devices
 from hvdmagic.launch.mpi import MpiDriver
 from hvdmagic.launch.placement import Placement
@@ -204,14 +205,11 @@ class Job:
     def _run(self) -> JobResult:
         started = time.monotonic()
         secret = channel.new_secret()
-        server = self.server = channel.ChannelServer(self.backend.bind_host, secret, grace=self.reconnect_grace)
-        self.blobs = blob_transfer.BlobServer(self.backend.bind_host, secret)
-        self.blobs.publish(self.payload.buffers, self.payload.labels)
-        self.shipping = ShippingReports(self.blobs, self.on_event)
-        rendezvous = self._make_rendezvous()
+        try:
+            server, rendezvous = self._open_services(secret)
+        except KeyboardInterrupt:
+            raise JobInterrupted(interrupted_before_job(None)) from None
         state = JobState(self.np)
-        if self.controller == "mpi":
-            self.mpi = MpiDriver(self.np, server.address, secret)
         try:
             spec = TaskSpec(
                 job_id=self.job_id, driver_host=self.backend.bind_host, channel_port=server.address[1],
@@ -239,6 +237,23 @@ class Job:
             slots=sorted(state.slots.values(), key=lambda s: s.rank),
             duration=time.monotonic() - started,
         )
+
+    def _open_services(self, secret: bytes):
+        """The channel, the blob server and the rendezvous the tasks will reach (and mpirun's driver);
+        a Stop while they open closes those that did."""
+        with contextlib.ExitStack() as opened:
+            server = self.server = channel.ChannelServer(self.backend.bind_host, secret, grace=self.reconnect_grace)
+            opened.callback(server.close)
+            self.blobs = blob_transfer.BlobServer(self.backend.bind_host, secret)
+            opened.callback(self.blobs.close)
+            self.blobs.publish(self.payload.buffers, self.payload.labels)
+            self.shipping = ShippingReports(self.blobs, self.on_event)
+            rendezvous = self._make_rendezvous()
+            opened.callback(rendezvous.stop)
+            if self.controller == "mpi":
+                self.mpi = MpiDriver(self.np, server.address, secret)
+            opened.pop_all()
+        return server, rendezvous
 
     def _make_rendezvous(self):
         # Imported here, not at the top: importing hvdmagic (and %load_ext) must work
