@@ -7,6 +7,8 @@ processes may connect to a dead peer and die of SIGABRT (docs/frameworks.md).
 
 from __future__ import annotations
 
+import socket
+import struct
 import threading
 import time
 import urllib.error
@@ -70,6 +72,30 @@ def test_a_request_for_a_key_not_there_yet_waits_for_it_instead_of_being_polled_
         assert time.monotonic() - started >= LONG_POLL * 0.9
     finally:
         server.stop()
+
+
+@pytest.mark.unit
+def test_a_rank_gone_mid_request_leaves_no_traceback_in_the_cell(capfd):
+    """Stop ends ranks that wait in hvd.init(), a GET of theirs held for a key; the answer then meets
+    a reset connection. Python's socket server printed its traceback to the kernel's stderr, which
+    is the cell's output: red text under the Stop's one line (test_interrupt in CI, at 33788f3)."""
+    server = Rendezvous("127.0.0.1")
+    try:
+        rank = socket.create_connection(("127.0.0.1", server.port), timeout=10)
+        rank.sendall(b"GET /global/rank_1 HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+        arrived = server._httpd.key_arrived
+        wait_until(lambda: arrived._waiters, 10, "the GET for a missing key was answered at once")
+        rank.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        rank.close()  # killed: its end of the connection resets
+        _request(server.port, "PUT", "global/rank_1", b"address of rank 1")  # the held GET answers now
+
+        def serving() -> list[str]:
+            return [t.name for t in threading.enumerate() if "process_request_thread" in t.name]
+
+        wait_until(lambda: not serving(), 10, lambda: f"still serving: {serving()}")
+    finally:
+        server.stop()
+    assert capfd.readouterr().err == ""
 
 
 # hvd.shutdown() then hvd.init() in the same ranks, as horovod's own test suite does between tests.

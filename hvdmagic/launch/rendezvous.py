@@ -9,6 +9,7 @@ and its GET, which answers a key not yet there at once (``LONG_POLL``).
 
 from __future__ import annotations
 
+import sys
 import threading
 
 from horovod.runner.http.http_server import OK, RendezvousHandler, RendezvousHTTPServer, RendezvousServer
@@ -67,6 +68,17 @@ class ScopedHandler(RendezvousHandler):
         self.send_status_code(OK)
 
 
+class QuietServer(RendezvousHTTPServer):
+    """Horovod's server, quiet about a rank gone mid-request: Stop ends ranks while they wait in
+    hvd.init(), and a lost host's ranks vanish, so an answer may meet a reset connection. Python's
+    socket server prints a traceback to the kernel's stderr then, which is the cell's output: red
+    text under a Stop's one line. The rank's own end says what happened; any other error still prints."""
+
+    def handle_error(self, request, client_address):
+        if not isinstance(sys.exc_info()[1], OSError):  # ConnectionResetError, BrokenPipeError, a timeout
+            super().handle_error(request, client_address)
+
+
 class Rendezvous(RendezvousServer):
     """``start=False``: the caller starts it with a handler of its own (an elastic driver's)."""
 
@@ -84,7 +96,7 @@ class Rendezvous(RendezvousServer):
         self.init(horovod_plan(layout))
 
     def start(self, handler_cls=ScopedHandler) -> int:
-        self._httpd = RendezvousHTTPServer((self._host, 0), handler_cls, self._verbose)
+        self._httpd = QuietServer((self._host, 0), handler_cls, self._verbose)
         self._httpd.key_arrived = threading.Condition()  # ScopedHandler's long poll
         # stop() must not wait for requests still being served: an elastic driver stops the
         # rendezvous from the very barrier that a rank's request waits at.
