@@ -25,7 +25,7 @@ from hvdmagic.errors import ALIVE_GUESS, JobFailed, JobInterrupted, JobTimeout, 
 from hvdmagic.launch import versions
 from hvdmagic.launch.breakpoint_prompts import BreakpointPrompts, Console
 from hvdmagic.launch.held_rank import HeldRank
-from hvdmagic.launch.interrupts import interrupted_before_job, interruptible
+from hvdmagic.launch.interrupts import before_launch, interruptible
 from hvdmagic.launch.layout import compute_layout, visible_devices
 from hvdmagic.launch.mpi import MpiDriver
 from hvdmagic.launch.placement import Placement
@@ -205,10 +205,8 @@ class Job:
     def _run(self) -> JobResult:
         started = time.monotonic()
         secret = channel.new_secret()
-        try:
+        with before_launch():
             server, rendezvous = self._open_services(secret)
-        except KeyboardInterrupt:
-            raise JobInterrupted(interrupted_before_job(None)) from None
         state = JobState(self.np)
         try:
             spec = TaskSpec(
