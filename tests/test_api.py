@@ -8,6 +8,7 @@ import pytest
 
 import hvdmagic
 from hvdmagic import HorovodRunner
+from hvdmagic.errors import JobInterrupted
 
 
 def train(learning_rate, scale=1.0):
@@ -34,6 +35,25 @@ def test_run_returns_every_rank_in_rank_order(spark_kind):
     results = hvdmagic.run(train, 2, 0.5)
     assert [r["rank"] for r in results] == [0, 1]
     assert hvdmagic.last_run().results == results
+
+
+class _StopLandsHere:
+    def __reduce__(self):
+        raise KeyboardInterrupt  # as SIGINT would, while the call's arguments are pickled
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("call", ["run", "HorovodRunner"])
+def test_stop_while_the_arguments_are_pickled_is_one_line_and_starts_no_run(call):
+    """Large arguments take seconds to pickle, before anything is launched: a Stop then ends the call
+    as a Stop during the run does, with a one-line JobInterrupted, and no run began."""
+    before = hvdmagic.last_run()
+    with pytest.raises(JobInterrupted, match=r"^interrupted before anything was started\.$"):
+        if call == "run":
+            hvdmagic.run(len, -2, _StopLandsHere())
+        else:
+            HorovodRunner(np=-2).run(len, value=_StopLandsHere())
+    assert hvdmagic.last_run() is before, "a run began"
 
 
 @pytest.mark.unit

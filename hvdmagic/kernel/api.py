@@ -15,6 +15,7 @@ from hvdmagic.kernel.capture import users_module_by_value, with_notebook_sources
 from hvdmagic.kernel.hang_notices import stall_check_env
 from hvdmagic.kernel.runner import execute
 from hvdmagic.launch import Elastic, Placement, ResultPolicy, Where, shipment
+from hvdmagic.launch.interrupts import before_launch
 from hvdmagic.launch.shipment import Shipment
 from hvdmagic.protocol import Framework
 from hvdmagic.rank.databricks_apis import run_deepspeed_script
@@ -134,9 +135,10 @@ def pack_call(obj, fn: Callable) -> Shipment:
     """Pack ``(fn, args, kwargs)``, shipping ``fn``'s module by value when it is the user's own file."""
     fn_, args, kwargs = obj
     # Functions from notebook cells carry their cells' source, so tracebacks show it.
-    obj = (with_notebook_sources(fn_, *args, *kwargs.values()), args, kwargs)
-    with users_module_by_value(fn):
-        return shipment.pack(obj)
+    with before_launch():  # pickling large arguments takes seconds: a Stop then is one line too
+        obj = (with_notebook_sources(fn_, *args, *kwargs.values()), args, kwargs)
+        with users_module_by_value(fn):
+            return shipment.pack(obj)
 
 
 class HorovodRunner:
