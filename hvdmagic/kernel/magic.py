@@ -183,62 +183,64 @@ evaluate(model)                                   # rank 0's value: the result, 
     def _launch(self, magic: str, args, cell: str, framework: Framework, *, controller: str = "gloo",
                 elastic: Elastic | None = None, timeline: str | None = None, env: dict[str, str] | None = None):
         """Check the arguments, capture the cell, run it, and store what --out and --metrics name."""
-        with before_launch():  # a Stop before execute starts the run is one line, as one after
-            session = placement = None
-            if args.np is None:
-                # The rank environment (--stall-check, --debug) is read when the ranks start, as --timeline is.
-                for flag in ("data", "timeline", "stall_check", "debug"):
-                    if getattr(args, flag, None) not in (None, False):
-                        raise UsageError(f"--{flag.replace('_', '-')} needs ranks of its own: give the cell --np N "
-                                         "(a session's ranks are already running).")
-                session = warm_sessions.for_cell(magic, framework)
-            elif args.ranks is not None:
-                raise UsageError(_RANKS_NEED_A_SESSION.format(magic=magic, line=magic[1:], **_RANK_CALLS[framework]))
-            else:
-                try:
-                    placement = Placement.of(args.np, framework=framework, controller=controller, elastic=elastic)
-                except PlacementError as exc:
-                    raise UsageError(str(exc)) from None
-            for flag, name in (("--out", args.out), ("--metrics", args.metrics)):
-                if name is not None and not name.isidentifier():
-                    raise UsageError(f"{flag} needs a valid Python variable name, not {name!r}.")
-            for flag, seconds in (("--timeout", args.timeout), ("--stall-timeout", args.stall_timeout),
-                                  ("--reconnect-grace", args.reconnect_grace)):
-                if seconds is not None and seconds <= 0:
-                    raise UsageError(f"{flag} must be a positive number of seconds.")
-            if args.hold_on_error is not None and args.hold_on_error < 0:
-                raise UsageError("--hold-on-error must be 0 (no hold) or a positive number of seconds.")
-            if args.hold_on_error and (session is not None or elastic is not None or controller == "mpi"):
-                raise UsageError("--hold-on-error keeps a fresh --np cell's failed rank for %debug: a session's ranks "
-                                 "keep a failed cell's frames anyway, mpirun ends every rank once one fails, and an "
-                                 "elastic run's ranks are reset, not held.")
-            if session is None and elastic is None and controller != "mpi":
-                env = {**(env or {}), **hold_on_error_env(args.hold_on_error)}
-            if args.reconnect_grace is not None and session is not None:
-                raise UsageError("--reconnect-grace applies to new ranks: a session's tasks keep the grace they "
-                                 "started with (spark.hvdmagic.reconnectGrace, set before %horovod start).")
-            ranks = None
-            if args.ranks is not None:
-                try:
-                    ranks = rank_ranges.parse(args.ranks, session.size)
-                except ValueError as exc:
-                    raise UsageError(f"--ranks: {exc}") from None
-            if not cell.strip():
-                raise UsageError(f"{magic} needs a cell body: the training code to run on every rank.")
-            data = None
-            if args.data is not None:
-                data = self.shell.user_ns.get(args.data)
-                if not hasattr(data, "mapInArrow"):
-                    raise UsageError(f"--data needs the name of a Spark DataFrame in the notebook; "
-                                     f"{args.data!r} is {'undefined' if data is None else type(data).__name__}.")
-            if placement is not None:
-                try:
-                    placement.check_options(data=data, stall_timeout=args.stall_timeout)
-                except PlacementError as exc:
-                    raise UsageError(str(exc)) from None
-            if args.mlflow is not None and importlib.util.find_spec("mlflow") is None:
-                raise UsageError("--mlflow needs MLflow in the notebook's environment: pip install mlflow-skinny.")
+        session = placement = None
+        if args.np is None:
+            # The rank environment (--stall-check, --debug) is read when the ranks start, as --timeline is.
+            for flag in ("data", "timeline", "stall_check", "debug"):
+                if getattr(args, flag, None) not in (None, False):
+                    raise UsageError(f"--{flag.replace('_', '-')} needs ranks of its own: give the cell --np N "
+                                     "(a session's ranks are already running).")
+            session = warm_sessions.for_cell(magic, framework)
+        elif args.ranks is not None:
+            raise UsageError(_RANKS_NEED_A_SESSION.format(magic=magic, line=magic[1:], **_RANK_CALLS[framework]))
+        else:
+            try:
+                placement = Placement.of(args.np, framework=framework, controller=controller, elastic=elastic)
+            except PlacementError as exc:
+                raise UsageError(str(exc)) from None
+        for flag, name in (("--out", args.out), ("--metrics", args.metrics)):
+            if name is not None and not name.isidentifier():
+                raise UsageError(f"{flag} needs a valid Python variable name, not {name!r}.")
+        for flag, seconds in (("--timeout", args.timeout), ("--stall-timeout", args.stall_timeout),
+                              ("--reconnect-grace", args.reconnect_grace)):
+            if seconds is not None and seconds <= 0:
+                raise UsageError(f"{flag} must be a positive number of seconds.")
+        if args.hold_on_error is not None and args.hold_on_error < 0:
+            raise UsageError("--hold-on-error must be 0 (no hold) or a positive number of seconds.")
+        if args.hold_on_error and (session is not None or elastic is not None or controller == "mpi"):
+            raise UsageError("--hold-on-error keeps a fresh --np cell's failed rank for %debug: a session's ranks "
+                             "keep a failed cell's frames anyway, mpirun ends every rank once one fails, and an "
+                             "elastic run's ranks are reset, not held.")
+        if session is None and elastic is None and controller != "mpi":
+            env = {**(env or {}), **hold_on_error_env(args.hold_on_error)}
+        if args.reconnect_grace is not None and session is not None:
+            raise UsageError("--reconnect-grace applies to new ranks: a session's tasks keep the grace they started "
+                             "with (spark.hvdmagic.reconnectGrace, set before %horovod start).")
+        ranks = None
+        if args.ranks is not None:
+            try:
+                ranks = rank_ranges.parse(args.ranks, session.size)
+            except ValueError as exc:
+                raise UsageError(f"--ranks: {exc}") from None
+        if not cell.strip():
+            raise UsageError(f"{magic} needs a cell body: the training code to run on every rank.")
+        data = None
+        if args.data is not None:
+            data = self.shell.user_ns.get(args.data)
+            if not hasattr(data, "mapInArrow"):
+                raise UsageError(f"--data needs the name of a Spark DataFrame in the notebook; "
+                                 f"{args.data!r} is {'undefined' if data is None else type(data).__name__}.")
+        if placement is not None:
+            try:
+                placement.check_options(data=data, stall_timeout=args.stall_timeout)
+            except PlacementError as exc:
+                raise UsageError(str(exc)) from None
+        if args.mlflow is not None and importlib.util.find_spec("mlflow") is None:
+            raise UsageError("--mlflow needs MLflow in the notebook's environment: pip install mlflow-skinny.")
 
+        # The capture pickles the notebook's values (seconds for large ones) and its summary's print waits
+        # for the kernel's output thread: a Stop there is one line, as one during the run.
+        with before_launch():
             source = cell_source(self.shell, cell)
             tree = parse_cell(source)  # the one parse: the checks, the capture and the ranks share it
             if framework == Framework.HOROVOD:

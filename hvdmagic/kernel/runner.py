@@ -53,23 +53,21 @@ def execute(payload: Shipment, placement: Placement | None, *, timeout: float | 
     ``ranks``: a session's cell on those ranks only (``--ranks``); the record's other rows stay "idle",
     and its ``results`` are the chosen ranks', in rank order.
     """
-    with before_launch():
-        if session is not None:
-            placement = session.placement
-            ranks = session.check_ranks(ranks)
-        record = RunRecord(placement, command, ranks=ranks)
-        record.capture = captured
-        record.charts_expected = charts_expected
-        record.bars_expected = bars_expected
-        filename = session_filename(session.next_cell) if session is not None else CELL_FILENAME
-        record.cell_frames = CellFrames(cell, filename)
-        env = dict(env or {})
-        if timeline:
-            record.timeline = str(Path(timeline).expanduser().resolve())
-            Path(record.timeline).parent.mkdir(parents=True, exist_ok=True)
-            env["HOROVOD_TIMELINE"] = record.timeline
-        set_last(record)
-        view = view or make_view(record)
+    if session is not None:
+        placement = session.placement
+        ranks = session.check_ranks(ranks)
+    record = RunRecord(placement, command, ranks=ranks)
+    record.capture = captured
+    record.charts_expected = charts_expected
+    record.bars_expected = bars_expected
+    record.cell_frames = CellFrames(cell, session_filename(session.next_cell) if session is not None else CELL_FILENAME)
+    env = dict(env or {})
+    if timeline:
+        record.timeline = str(Path(timeline).expanduser().resolve())
+        Path(record.timeline).parent.mkdir(parents=True, exist_ok=True)
+        env["HOROVOD_TIMELINE"] = record.timeline
+    set_last(record)
+    view = view or make_view(record)
     with kernel_stays_busy():
         return _run(payload, placement, record, view, timeout=timeout, stall_timeout=stall_timeout, env=env,
                     spark=spark, data=data, results=results, session=session, reconnect_grace=reconnect_grace,
@@ -87,7 +85,7 @@ def _run(payload, placement, record, view, *, timeout, stall_timeout, env, spark
 
     generation = session.generation if session is not None else 0  # a restart during the cell takes its frames
     try:
-        with before_launch():
+        with before_launch():  # the view's start starts a thread, and waits for it to run
             view.start()
         if prepare is not None:
             try:

@@ -25,9 +25,9 @@ def interrupted_before_job(stage: Stage | None) -> str:
 
 @contextlib.contextmanager
 def before_launch():
-    """Stop pressed while the cell is checked and captured, or its view is put up, ends it in one line:
-    a capture pickles the notebook's values (seconds for large ones), and its summary's print waits
-    for the kernel's output thread, so a Stop lands here too, not only once the ranks run."""
+    """A Stop before the launch ends the cell in one line, as one during the run does: pickling the
+    notebook's values or a call's arguments takes seconds for large ones, and a print's wait for the
+    kernel's output thread, or a thread's start, is where a Stop lands, not only once the ranks run."""
     try:
         yield
     except KeyboardInterrupt:
