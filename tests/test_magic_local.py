@@ -213,9 +213,14 @@ def test_an_error_leads_with_the_failed_rank_s_traceback_and_folds_what_the_stop
     assert body[chatter - 1] == "KeyError: 'missing'", rendered
     fold = body[chatter + 2]
     assert fold.startswith("(then, as the ranks were stopped, rank 1 printed \""), rendered
-    assert "Connection reset by peer\"" in fold, fold  # ours, or Gloo's own when it came first
-    assert "hvdmagic.last_run().logs[1]" in fold, fold
-    assert sum("Connection reset" in line for line in rendered) == 1, rendered
+    # It quotes the first of them: ours, or Gloo's own ("Connection reset by peer", or "Connection closed
+    # by peer" when the other rank's end came first, as it does under load), shortened at its front.
+    quoted = re.search(r'printed "\.*(.+?)"( and \d+ more)?: in hvdmagic\.last_run\(\)\.logs\[1\]\)$', fold)
+    assert quoted and "by peer" in quoted[1], fold
+    import hvdmagic
+
+    assert any(line.endswith(quoted[1]) for _, line in hvdmagic.last_run().ranks[1].logs), fold
+    assert sum("by peer" in line for line in rendered) == 1, rendered  # the fallout is folded, not repeated
 
     out = capfd.readouterr().out
     assert "[rank 1] the data is bad" in out, out  # printed before the error: shown, not folded
@@ -227,8 +232,6 @@ def test_an_error_leads_with_the_failed_rank_s_traceback_and_folds_what_the_stop
     # Rank 0 is stopped in its allreduce, or fails there first (Horovod shut down with rank 1's exit).
     assert re.search(r"rank 0: \[(stopped (in `allreduce` \(Cell In\[\d+\], line 12\)|while training)"
                      r"|failed in the cell \(Cell In\[\d+\], line 12\))\]", out), out
-    import hvdmagic
-
     assert any("Connection reset by peer" in line for _, line in hvdmagic.last_run().ranks[1].logs)
 
 
