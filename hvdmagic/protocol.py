@@ -98,7 +98,10 @@ PROGRESS_EVENTS = frozenset({Event.OUTPUT, Event.REPORT, Event.RESULT})
 
 # Environment variables a supervisor sets for its rank.
 EVENT_FD_ENV = "HVDMAGIC_EVENT_FD"  # the rank's end of its event socket
-SYNC_WAIT = 5.0  # seconds a task waits for the kernel to acknowledge what its rank sent before a sync
+# Seconds at most a task waits, while its connection is up, for the kernel to acknowledge what its rank
+# sent before a sync: a kernel on a loaded machine acknowledges late (5 s was too short at a load of 16);
+# while the connection is down it does not wait at all (KernelLink.delivered).
+SYNC_WAIT = 30.0
 JOB_ID_ENV = "HVDMAGIC_JOB_ID"
 SUPERVISOR_ENV = "HVDMAGIC_SUPERVISOR_PID"  # the process of the rank's task: its parent, unless a template forked it
 SHARD_ENV = "HVDMAGIC_SHARD"  # the rank's Arrow shard (--data)
@@ -373,7 +376,7 @@ class Worker(TypedDict, total=False):
 class Sync(TypedDict, total=False):
     type: Literal[Event.SYNC]
     id: int  # the rank's count of its syncs: an answer to an earlier one, come late, is told apart
-    delivered: bool  # in the task's answer only: whether the kernel had it all within SYNC_WAIT
+    delivered: bool  # in the task's answer only: whether the kernel had it all (KernelLink.delivered)
 
 
 class Reset(TypedDict, total=False):

@@ -293,6 +293,50 @@ def test_a_full_buffer_drops_progress_first_and_never_a_metric_or_the_result(mon
 
 # A rank as far as its events go: it reports through rank.telemetry as a rank does, and says what
 # each deliver() returned in a file; it waits for a control line on its stdin between the two.
+def test_a_kernel_that_acknowledges_late_is_waited_for_while_the_connection_is_up():
+    """An elastic commit's rows (``RankProcess`` answers a rank's sync with ``delivered(count, SYNC_WAIT)``)
+    must reach a kernel on a loaded machine, whose acknowledgement comes late but comes: here its job
+    loop reads nothing for 6 s (past the 5 s that the commit used to wait; a load average of 16 took
+    longer), and the wait, with the connection up all along, ends True once it has them."""
+    secret = channel.new_secret()
+    server = channel.ChannelServer("127.0.0.1", secret, grace=30, maxsize=1)  # one event, then it reads no more
+    link = KernelLink(*server.address, secret, grace=30)
+    try:
+        link.open()
+        link.send(protocol.note("the one event the kernel's queue takes"))
+        wait_until(server.events.full, 10, "the kernel's queue did not fill")
+        link.send({"type": Event.OUTPUT, "n": 1})
+        count = link.count()
+        answer: list[bool] = []
+        waiter = threading.Thread(target=lambda: answer.append(link.delivered(count, protocol.SYNC_WAIT)))
+        started = time.monotonic()
+        waiter.start()
+        waiter.join(timeout=6)  # the kernel's 6 s behind: the scenario, not synchronisation
+        assert not answer, f"delivered() answered {answer} before the kernel had the event"
+        while waiter.is_alive() and time.monotonic() - started < 30:  # the kernel catches up
+            with contextlib.suppress(queue.Empty):
+                server.events.get(timeout=0.1)
+        waiter.join(timeout=1)
+        assert answer == [True], f"delivered() said {answer} after {time.monotonic() - started:.1f} s"
+        assert link.outages == 0, "the connection broke: the test's premise is a slow kernel, not a lost one"
+    finally:
+        link.close()
+        server.close()
+
+
+def test_a_commit_does_not_wait_out_an_outage_for_the_kernels_acknowledgement(pair):
+    """While the connection is down, ``delivered`` says False at once rather than after its wait (an
+    elastic commit in every rank would otherwise stall for it); the events stay in the buffer."""
+    server, link, _ = pair
+    link._closing.set()  # the task will not reconnect (its host is cut off)
+    _reset(_peer(server).link)
+    wait_until(lambda: link.outages == 1, 10, "the task never saw its connection reset")
+    link.send({"type": Event.OUTPUT, "n": 1})
+    started = time.monotonic()
+    assert link.delivered(link.count(), protocol.SYNC_WAIT) is False
+    assert time.monotonic() - started < 2, f"delivered() waited {time.monotonic() - started:.1f} s of an outage"
+
+
 _DELIVERING_RANK = """
 import json, os, sys, time
 from pathlib import Path

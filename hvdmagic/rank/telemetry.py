@@ -258,10 +258,10 @@ def deliver(wait: float = 2 * SYNC_WAIT) -> bool:
     """Send what is buffered, and wait until the kernel has it and everything this rank sent before.
 
     The supervisor answers once the kernel's end of the channel has acknowledged those events (it
-    waits ``protocol.SYNC_WAIT`` seconds for that at most); ``wait`` bounds this side's wait, should
-    the supervisor not answer at all. True when the kernel has them; False when it did not within
-    the wait (the network is down: they stay in the task's buffer and go when it is back), or
-    outside a run. An elastic commit calls it (``rank.elastic``): the steps it keeps are never
+    waits for that while its connection is up, ``protocol.SYNC_WAIT`` seconds at most, and not at all
+    while it is down); ``wait`` bounds this side's wait, should the supervisor not answer at all.
+    True when the kernel has them; False when it did not (the network is down, or the kernel was
+    too slow: they stay in the task's buffer and go when it can take them), or outside a run. An elastic commit calls it (``rank.elastic``): the steps it keeps are never
     trained again, so their rows must be in the kernel before a lost worker can take them along.
     """
     global _syncs

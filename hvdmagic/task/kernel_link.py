@@ -130,21 +130,26 @@ class KernelLink:
             return self._sent.end + len(self._pending)
 
     def delivered(self, count: int, timeout: float) -> bool:
-        """Wait until the kernel has acknowledged every frame below ``count`` (from ``count()``), at most
-        ``timeout`` seconds, and say whether it has. (A frame dropped from a full buffer moves the later
-        ones down, so this may wait for some sent after ``count()``: never for less than asked.)"""
-        return self._await(lambda: self._sent.first >= count or self._all_acknowledged(), timeout)
+        """Wait until the kernel has acknowledged every frame below ``count`` (from ``count()``), and say
+        whether it has. It waits while the connection is up, ``timeout`` seconds at most (a kernel under
+        load acknowledges late, but it does), and gives up at once while it is down: the frames then
+        wait in the buffer, and a commit must not wait out an outage. (A frame dropped from a full
+        buffer moves the later ones down, so this may wait for some sent after ``count()``: never for
+        less than asked.)"""
+        return self._await(lambda: self._sent.first >= count or self._all_acknowledged(), timeout,
+                           while_connected=True)
 
     def _all_acknowledged(self) -> bool:
         return not (self._pending or self._sent.frames)
 
-    def _await(self, done, timeout: float | None) -> bool:
-        """Ask the kernel to acknowledge now, until ``done()``, the channel's end or ``timeout``."""
+    def _await(self, done, timeout: float | None, while_connected: bool = False) -> bool:
+        """Ask the kernel to acknowledge now, until ``done()``, the channel's end or ``timeout`` (or,
+        ``while_connected``, the connection's loss)."""
         deadline = time.monotonic() + timeout if timeout is not None else float("inf")
         with self._cond:
             while self._over is None and not done():
                 left = deadline - time.monotonic()
-                if left <= 0:
+                if left <= 0 or (while_connected and self._link is None):
                     return False
                 self._sync = True
                 self._cond.notify_all()
@@ -210,6 +215,7 @@ class KernelLink:
             self._link = None
             self.lost_at = time.monotonic()
             self.outages += 1
+            self._cond.notify_all()  # a wait for the kernel's acknowledgement while connected ends now
         broken.drop()
         broken.close()
         if self._closing.is_set():
