@@ -110,6 +110,10 @@ class Hosts:
             raise RuntimeError(f"could not build the test network: {' '.join(exc.cmd)}: {exc.stderr.strip()}") from None
         return self
 
+    def slow_down(self, host: int, rate: str) -> None:
+        """Cap what reaches host ``host`` (0, 1, ...) at ``rate`` from now on: a download held open."""
+        _tc(rate, f"hv{_OWN}v{host}o")
+
     def __exit__(self, *exc) -> None:
         for i, (_, ns) in enumerate(self.hosts):
             _ip("netns", "del", ns, check=False)  # takes the inside veth, and with it the pair

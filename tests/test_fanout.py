@@ -287,7 +287,9 @@ def test_a_host_that_dies_mid_transfer_does_not_stall_the_one_reading_from_it(tm
     """Three hosts on 100 Mbit/s links, 24 MB: the second host reads from the first while the first
     still receives. The first then dies (SIGKILL: its connections close) or freezes (SIGSTOP: they
     stay open and silent). The second asks the kernel for another source within seconds and
-    finishes with the right bytes; the third, reading from the second, never notices."""
+    finishes with the right bytes; the third, reading from the second, never notices. Once the first
+    has 2 MB, its own download slows to 1 Mbit/s: it is still receiving however long the others take
+    to start (beside a second suite, longer than its 24 MB took at 100 Mbit/s), and relays as it does."""
     data, blob = _blob(24 * MiB)
     secret = channel.new_secret()
     with netns.Hosts(3, rate="100mbit") as network, _kernel(network.driver, data, blob, secret) as server:
@@ -296,6 +298,7 @@ def test_a_host_that_dies_mid_transfer_does_not_stall_the_one_reading_from_it(tm
             first = _Host(network, 0, server.address, secret, blob, tmp_path)
             hosts.append(first)
             wait_until(lambda: first.received() >= 2 * MiB, 30, "the first host received nothing from the kernel")
+            network.slow_down(0, "1mbit")
             hosts += [_Host(network, i, server.address, secret, blob, tmp_path) for i in (1, 2)]
             second = hosts[1]
             wait_until(lambda: second.received() >= 2 * MiB, 30, "the second host received nothing from the first")
