@@ -115,6 +115,26 @@ def test_stop_while_the_job_opens_its_servers_closes_them_and_ends_the_cell_in_o
     assert error is None and result == 2, error
 
 
+def test_stop_while_an_estimator_prepares_its_data_says_how_far_the_launch_got():
+    """An estimator prepares its DataFrame with the dashboard up (``runner.execute``'s ``prepare``, Spark
+    jobs of seconds): a Stop then is the one line that names the stage it reached, as a Stop while Spark
+    starts or slots are awaited names theirs (``interrupts.before_launch``), and nothing was launched."""
+    from hvdmagic.kernel.runner import execute
+    from hvdmagic.launch import shipment
+    from hvdmagic.launch.placement import Placement
+    from hvdmagic.protocol import Stage
+
+    def prepare(on_stage):
+        on_stage(Stage.PREPARING_DATA)
+        raise KeyboardInterrupt  # as SIGINT would, in the middle of the DataFrame's Spark job
+
+    with pytest.raises(JobInterrupted) as caught:
+        execute(shipment.pack((abs, (-1,), {})), Placement.of(-2), prepare=prepare)
+    assert caught.value._render_traceback_() == [
+        "JobInterrupted: interrupted while the DataFrame was being prepared; no rank was started."]
+    assert hvdmagic.last_run().state == "cancelled" and hvdmagic.last_run().ended_before_launch
+
+
 @pytest.mark.unit
 def test_syntax_error_points_at_the_cell_line(ip):
     _, error = run(ip, "%%horovod --np -2\nx = 1\ny = (2 +\nprint(x)\n")

@@ -17,7 +17,7 @@ from hvdmagic.kernel.cell_frames import CellFrames
 from hvdmagic.kernel.record import RunRecord, set_last
 from hvdmagic.kernel.ui import make_view
 from hvdmagic.launch import Placement, ResultPolicy, UnsentResult, launch
-from hvdmagic.launch.interrupts import before_launch, interrupted_before_job
+from hvdmagic.launch.interrupts import before_launch
 from hvdmagic.launch.shipment import Shipment
 from hvdmagic.protocol import Stage
 from hvdmagic.rank.cell import CELL_FILENAME, CellFunction, session_filename
@@ -89,11 +89,10 @@ def _run(payload, placement, record, view, *, timeout, stall_timeout, env, spark
             view.start()
         if prepare is not None:
             try:
-                data = prepare(on_stage)
-            except BaseException as exc:
+                with before_launch(lambda: record.stage):
+                    data = prepare(on_stage)
+            except BaseException:
                 record.ended_before_launch = True
-                if isinstance(exc, KeyboardInterrupt):
-                    raise JobInterrupted(interrupted_before_job(record.stage)) from None
                 raise
         if session is not None:
             values = session.run_cell(payload, on_event, timeout=timeout, stall_timeout=stall_timeout,

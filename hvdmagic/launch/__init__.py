@@ -38,12 +38,12 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from hvdmagic import protocol
-from hvdmagic.errors import JobInterrupted, LaunchError
+from hvdmagic.errors import LaunchError
 from hvdmagic.launch import held_rank
 from hvdmagic.launch.backend import Backend
 from hvdmagic.launch.breakpoint_prompts import Console
 from hvdmagic.launch.elastic import ElasticJob
-from hvdmagic.launch.interrupts import interrupted_before_job, interruptible
+from hvdmagic.launch.interrupts import before_launch, interruptible
 from hvdmagic.launch.job import Job, JobResult, UnsentResult
 from hvdmagic.launch.placement import Elastic, Placement, PlacementError, Where
 from hvdmagic.launch.shipment import Shipment
@@ -107,28 +107,25 @@ def make_backend(placement: Placement, on_event: Callable[[dict], None] | None, 
         reached.append(stage)
         notify(protocol.stage_reached(stage))
 
-    with interruptible():
-        try:
-            if placement.where == Where.LOCAL:
-                from hvdmagic.launch.local import LocalBackend
+    with interruptible(), before_launch(lambda: reached[-1] if reached else None):
+        if placement.where == Where.LOCAL:
+            from hvdmagic.launch.local import LocalBackend
 
-                backend = LocalBackend(placement.tasks, data, gpus=placement.gpus)
-            else:
-                _require("pyspark", f"pyspark, which --np {placement.np} runs the ranks on,",
-                         f"In a new virtualenv, pip install 'hvdmagic[spark]' (pyspark 3.5 or 4.x; the embedded Spark "
-                         f"also needs Java 17); on Databricks or another Spark runtime the runtime's own pyspark is "
-                         f"there; or use "
-                         f"local mode, --np -{abs(placement.np)}, which runs the ranks on this machine without Spark")
-                from hvdmagic.launch.spark import SparkBackend
+            backend = LocalBackend(placement.tasks, data, gpus=placement.gpus)
+        else:
+            _require("pyspark", f"pyspark, which --np {placement.np} runs the ranks on,",
+                     f"In a new virtualenv, pip install 'hvdmagic[spark]' (pyspark 3.5 or 4.x; the embedded Spark "
+                     f"also needs Java 17); on Databricks or another Spark runtime the runtime's own pyspark is "
+                     f"there; or use "
+                     f"local mode, --np -{abs(placement.np)}, which runs the ranks on this machine without Spark")
+            from hvdmagic.launch.spark import SparkBackend
 
-                backend = SparkBackend(placement.tasks, spark, data, on_stage=on_stage, gpus=placement.gpus,
-                                       elastic_start=placement.np if placement.elastic else None,
-                                       asked=placement.asked)
-            for note in backend.notes:
-                notify(protocol.note(note))
-            return backend
-        except KeyboardInterrupt:
-            raise JobInterrupted(interrupted_before_job(reached[-1] if reached else None)) from None
+            backend = SparkBackend(placement.tasks, spark, data, on_stage=on_stage, gpus=placement.gpus,
+                                   elastic_start=placement.np if placement.elastic else None,
+                                   asked=placement.asked)
+        for note in backend.notes:
+            notify(protocol.note(note))
+        return backend
 
 
 def _require(module: str, name: str, how: str) -> None:

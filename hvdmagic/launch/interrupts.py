@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import signal
 import threading
+from collections.abc import Callable
 
 from hvdmagic.errors import JobInterrupted
 from hvdmagic.protocol import Stage
@@ -24,14 +25,15 @@ def interrupted_before_job(stage: Stage | None) -> str:
 
 
 @contextlib.contextmanager
-def before_launch():
+def before_launch(stage: Callable[[], Stage | None] = lambda: None):
     """A Stop before the launch ends the cell in one line, as one during the run does: pickling the
     notebook's values or a call's arguments takes seconds for large ones, and a print's wait for the
-    kernel's output thread, or a thread's start, is where a Stop lands, not only once the ranks run."""
+    kernel's output thread, a thread's start, or the Spark session's start (``stage()``, the last
+    stage reached, says how far it got) is where a Stop lands, not only once the ranks run."""
     try:
         yield
     except KeyboardInterrupt:
-        raise JobInterrupted(interrupted_before_job(None)) from None
+        raise JobInterrupted(interrupted_before_job(stage())) from None
 
 
 @contextlib.contextmanager

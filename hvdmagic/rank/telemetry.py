@@ -261,7 +261,8 @@ def deliver(wait: float = 2 * SYNC_WAIT) -> bool:
     waits for that while its connection is up, ``protocol.SYNC_WAIT`` seconds at most, and not at all
     while it is down); ``wait`` bounds this side's wait, should the supervisor not answer at all.
     True when the kernel has them; False when it did not (the network is down, or the kernel was
-    too slow: they stay in the task's buffer and go when it can take them), or outside a run. An elastic commit calls it (``rank.elastic``): the steps it keeps are never
+    too slow: they stay in the task's buffer and go when it can take them), or outside a run.
+    An elastic commit calls it (``rank.elastic``): the steps it keeps are never
     trained again, so their rows must be in the kernel before a lost worker can take them along.
     """
     global _syncs
