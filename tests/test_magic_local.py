@@ -115,6 +115,7 @@ def test_stop_while_the_job_opens_its_servers_closes_them_and_ends_the_cell_in_o
     assert error is None and result == 2, error
 
 
+@pytest.mark.unit
 def test_stop_while_an_estimator_prepares_its_data_says_how_far_the_launch_got():
     """An estimator prepares its DataFrame with the dashboard up (``runner.execute``'s ``prepare``, Spark
     jobs of seconds): a Stop then is the one line that names the stage it reached, as a Stop while Spark
