@@ -915,7 +915,10 @@ def test_a_hang_names_the_notebook_cells_and_says_where_each_rank_is(lab, browse
 
 
 BARRIER_CELL = "import tempfile\nbarrier = tempfile.mkdtemp(prefix='hvdmagic-tie-')"
-TIE_RANKS, TIE_STEPS = 24, 20
+TIE_RANKS, TIE_STEPS, TIE_PACED = 24, 20, range(3, 17)
+# From step 3 to 16 the ranks take a step per sample the test has taken of the live rows (a file each in
+# ``sampled``): the test sees the middle of the run however slowly a loaded machine draws the page
+# (beside a second suite, it once first saw step 14). They still step together: a tie.
 TIE_CELL = f"""\
 %%horovod --np -{TIE_RANKS}
 import os, time, hvdmagic
@@ -923,7 +926,11 @@ rank = int(os.environ["HOROVOD_RANK"])
 open(os.path.join(barrier, str(rank)), "w").close()
 while len(os.listdir(barrier)) < {TIE_RANKS}:  # every rank steps from the same moment: a tie, by construction
     time.sleep(0.05)
+deadline = time.monotonic() + 120  # a test gone wrong does not hold the ranks for ever
 for step in range({TIE_STEPS}):
+    paced = step in range({TIE_PACED.start}, {TIE_PACED.stop})
+    while paced and len(os.listdir(sampled)) < step - {TIE_PACED.start - 1} and time.monotonic() < deadline:
+        time.sleep(0.05)
     time.sleep(0.3)
     hvdmagic.progress(step + 1, total={TIE_STEPS}, desc="train")
 """
@@ -949,10 +956,12 @@ ROWS_NOW = f"""() => {{
 
 
 @pytest.mark.timeout(300)
-def test_tied_ranks_share_one_row_with_no_slowest_and_nothing_cut(lab, browser):
+def test_tied_ranks_share_one_row_with_no_slowest_and_nothing_cut(lab, browser, tmp_path):
     """24 ranks stepping together: one group row for all of them, none singled out as "slowest" (a tie is
     not a straggler), and the row's columns whole, its step range included."""
-    path = write_notebook(lab, "tie.ipynb", LOAD_CELL, BARRIER_CELL, TIE_CELL)
+    sampled = tmp_path / "sampled"
+    sampled.mkdir()
+    path = write_notebook(lab, "tie.ipynb", LOAD_CELL, f"{BARRIER_CELL}\nsampled = {str(sampled)!r}", TIE_CELL)
     samples: list = []
     try:
         with new_page(browser, "tie") as page:
@@ -966,6 +975,7 @@ def test_tied_ranks_share_one_row_with_no_slowest_and_nothing_cut(lab, browser):
             page.screenshot(path=SCREENSHOTS / "tie-live.png")
             while (rows := page.evaluate(ROWS_NOW)) is not None:
                 samples.append(rows)
+                (sampled / str(len(samples))).touch()  # the ranks' next step
                 page.wait_for_timeout(300)  # a sampling interval, not a wait for an event
             state = wait_for_snapshot(page, 2, timeout=60, what="The tied run did not end")
     finally:
