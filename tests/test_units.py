@@ -343,6 +343,29 @@ def test_a_hang_among_128_ranks_names_the_quiet_rank_and_its_host_in_one_clause_
     assert message.count("stopped progressing") == 2, message
 
 
+@pytest.mark.unit
+def test_a_task_the_kernel_sends_away_before_the_ranks_started_is_not_a_lost_task():
+    """--timeout ran out while the tasks were still saying hello (beside a second make test, the
+    [connect] timeout test at 840b9a8): the abort closes a task's connection before its rank has a
+    slot, and the cell's error must be the timeout, not "lost its connection before its rank
+    started". With no abort under way, that loss is still the launch's error."""
+    import types
+
+    from hvdmagic.errors import LaunchError
+    from hvdmagic.launch.job import Job, JobState
+    from hvdmagic.protocol import Event
+
+    link = object()
+    gone = {"type": Event.GONE, "why": "closed"}
+    job = types.SimpleNamespace(on_event=lambda event: None)
+    state = JobState(np=2, hellos={0: (link, {"task": 0})}, aborting=True)
+    Job._contact(job, link, gone, state)
+    assert state.failures == [] and state.exits == {}, "a task sent away by the kernel is not a failed rank"
+    state.aborting = False
+    with pytest.raises(LaunchError, match="Spark task 0 lost its connection to the kernel before its rank started"):
+        Job._contact(job, link, gone, state)
+
+
 # -- build_horovod's GPU flags (the GPU machine's build: tests/test_gpu.py, scripts/gpu_check.sh) ---------
 def _nvidia_smi_answering(lines: list[str], tmp_path, monkeypatch):
     """An nvidia-smi first on PATH that prints ``lines`` whatever it is asked, and no caller's CC list."""

@@ -93,6 +93,7 @@ class JobState:
     # and the GONE event that said so. Its Spark task's failure usually explains it a moment later.
     closed: dict[int, tuple[float, dict]] = field(default_factory=dict)
     held: dict[int, float] = field(default_factory=dict)  # by rank: seconds it waits for %debug (--hold-on-error)
+    aborting: bool = False  # the kernel is ending the job (a rank failed, a watchdog fired): tasks that go were sent
 
     @property
     def clean(self) -> bool:
@@ -285,6 +286,7 @@ class Job:
                     aborted_all = not self._abort_others(server, state, None if verdict else
                                                          {f.rank for f in state.failures})
                     aborted_at = now
+                    state.aborting = True
                 elif error := self.backend.failure() or (self.mpi and self.mpi.failure()):
                     raise LaunchError(error, details=self.backend.failure_details)
                 elif self._tasks_ended_unheard(server, state, now) or self._closed_unexplained(state, now):
@@ -442,7 +444,9 @@ class Job:
         task = next((task for task, (peer, _) in state.hellos.items() if peer is link), None)
         slot = state.slots.get(task) if task is not None else None
         if slot is None:
-            if event.get("type") == Event.GONE and task is not None:
+            # Not while the kernel ends the job: a --timeout that ran out before every task had said hello
+            # (a loaded machine) sent this one away, and the verdict is the cell's error.
+            if event.get("type") == Event.GONE and task is not None and not state.aborting:
                 raise LaunchError(f"Spark task {task} lost its connection to the kernel before its rank started "
                                   f"({lost_contact(event)}).")
             return
