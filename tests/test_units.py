@@ -358,10 +358,10 @@ def test_a_task_the_kernel_sends_away_before_the_ranks_started_is_not_a_lost_tas
     link = object()
     gone = {"type": Event.GONE, "why": "closed"}
     job = types.SimpleNamespace(on_event=lambda event: None)
-    state = JobState(np=2, hellos={0: (link, {"task": 0})}, aborting=True)
+    state = JobState(np=2, hellos={0: (link, {"task": 0})}, aborted_at=0.0)
     Job._contact(job, link, gone, state)
     assert state.failures == [] and state.exits == {}, "a task sent away by the kernel is not a failed rank"
-    state.aborting = False
+    state.aborted_at = None
     with pytest.raises(LaunchError, match="Spark task 0 lost its connection to the kernel before its rank started"):
         Job._contact(job, link, gone, state)
 

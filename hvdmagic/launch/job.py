@@ -93,7 +93,8 @@ class JobState:
     # and the GONE event that said so. Its Spark task's failure usually explains it a moment later.
     closed: dict[int, tuple[float, dict]] = field(default_factory=dict)
     held: dict[int, float] = field(default_factory=dict)  # by rank: seconds it waits for %debug (--hold-on-error)
-    aborting: bool = False  # the kernel is ending the job (a rank failed, a watchdog fired): tasks that go were sent
+    # When the kernel began to end the job (a rank failed, a watchdog fired): a task that goes after it was sent away.
+    aborted_at: float | None = None
 
     @property
     def clean(self) -> bool:
@@ -268,12 +269,11 @@ class Job:
 
     def _loop(self, server: channel.ChannelServer, rendezvous, state: JobState, started: float) -> None:
         deadline = started + self.timeout if self.timeout else None
-        aborted_at = None
         aborted_all = False  # the failed ranks too (they were left to exit on their own, _abort_others)
         verdict: str | None = None  # why the job was stopped without a rank failing
         while len(state.exits) < self.np:
             now = time.monotonic()
-            if aborted_at is None:
+            if state.aborted_at is None:
                 verdict = self._watchdog(state, now, deadline)
                 if verdict and state.go_at is not None:
                     self._collect_stacks(server, state, rendezvous)
@@ -285,15 +285,14 @@ class Job:
                     # Fail fast: stop the others now, then give them a moment to report.
                     aborted_all = not self._abort_others(server, state, None if verdict else
                                                          {f.rank for f in state.failures})
-                    aborted_at = now
-                    state.aborting = True
+                    state.aborted_at = now
                 elif error := self.backend.failure() or (self.mpi and self.mpi.failure()):
                     raise LaunchError(error, details=self.backend.failure_details)
                 elif self._tasks_ended_unheard(server, state, now) or self._closed_unexplained(state, now):
                     continue  # failures recorded: the next turn stops the rest
-            elif now - aborted_at > ABORT_GRACE:
+            elif now - state.aborted_at > ABORT_GRACE:
                 break
-            elif not aborted_all and now - aborted_at > EXIT_GRACE:
+            elif not aborted_all and now - state.aborted_at > EXIT_GRACE:
                 self._abort_unheld(server, state, set(state.held))  # a failed rank that does not end on its own
                 aborted_all = True
             if not self.session:  # a session serves its cells' requests itself (launch.warm_ranks)
@@ -446,7 +445,7 @@ class Job:
         if slot is None:
             # Not while the kernel ends the job: a --timeout that ran out before every task had said hello
             # (a loaded machine) sent this one away, and the verdict is the cell's error.
-            if event.get("type") == Event.GONE and task is not None and not state.aborting:
+            if event.get("type") == Event.GONE and task is not None and state.aborted_at is None:
                 raise LaunchError(f"Spark task {task} lost its connection to the kernel before its rank started "
                                   f"({lost_contact(event)}).")
             return
